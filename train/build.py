@@ -1,0 +1,146 @@
+"""Assemble a run from its config: launcher -> DeepSpeed JSON -> Accelerator -> data ->
+model -> optimizer -> prepared objects -> Trainer."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from train.config import RunConfig
+from train.errors import ConfigError
+
+
+def _init_context(ds):
+    """Build the model already partitioned under ZeRO-3 (a model larger than one device's
+    memory never exists whole); an ordinary construction otherwise."""
+    if ds.is_deepspeed and ds.stage == 3:
+        import deepspeed
+        return lambda: deepspeed.zero.Init(config_dict_or_path=ds.resolved)
+    return contextlib.nullcontext
+
+
+def _check_run_dir(run_dir: Path):
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"train.run_dir {run_dir} is not writable ({e.strerror}); choose another directory "
+                          f"with --train.run_dir") from None
+
+
+def resolved_config(cfg: RunConfig, ds, batch, topo, max_steps: int, data, workload) -> dict:
+    import accelerate
+    import deepspeed
+    import transformers
+    d = cfg.to_dict()
+    d["train"]["grad_accum_steps"] = batch.accum
+    d["train"]["global_batch_size"] = batch.global_size
+    d["train"]["max_steps"] = max_steps
+    d["data"]["seq_len"] = data.seq_len
+    d["model"]["resolved"] = workload.model_config
+    d["distributed"]["ds_config"] = ds.path
+    d["resolved"] = {
+        "deepspeed_config": ds.resolved, "backend": ds.backend, "zero_stage": ds.stage, "precision": ds.precision,
+        "world_size": topo.world_size, "num_nodes": topo.num_nodes, "launcher": topo.launcher,
+        "device": topo.device, "comm_backend": topo.backend,
+        "tokens_per_step": batch.global_size * data.items_per_sample,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "deepspeed": deepspeed.__version__, "accelerate": accelerate.__version__,
+                     "transformers": transformers.__version__},
+        "git_commit": _git_commit(),
+    }
+    return d
+
+
+def _git_commit():
+    import subprocess
+    try:
+        root = Path(__file__).resolve().parent.parent
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def build(cfg: RunConfig, ds_config_cli: str | None = None):
+    """Returns a ready Trainer. Raises UserError for anything the user can fix."""
+    from torch.utils.data import DataLoader
+
+    from models import build_workload, lm_context
+    from train import distributed as dist_
+    from train.data import build_data
+    from train.data.sampler import EvalBatchSampler, GlobalBatchSampler
+    from train.dsconfig import resolve
+    from train.metrics import JsonlLogger, Loggers
+    from train.optim import build_optimizer
+    from train.trainer import Trainer
+
+    launcher = dist_.normalize_env()
+    world = int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
+    run_dir = Path(cfg.train.run_dir)
+    _check_run_dir(run_dir)
+    batch = cfg.train.batch(world)
+
+    # Data first: the model's vocabulary / classes / features come from it.
+    ctx, _vocab = lm_context(cfg.model)
+    seq_len = cfg.data.seq_len or ctx
+    if ctx is not None and seq_len > ctx:
+        raise ConfigError(f"data.seq_len {seq_len} exceeds the model's context length {ctx} (model.seq_len)")
+    data = build_data(cfg.data, seq_len, cfg.train.seed)
+    sampler = GlobalBatchSampler(len(data.train), batch.micro, world, batch.accum, cfg.train.seed)
+    max_steps = cfg.train.epochs * sampler.steps_per_epoch if cfg.train.epochs else cfg.train.max_steps
+
+    ds_path = dist_.resolve_ds_config_path(ds_config_cli or cfg.distributed.ds_config, launcher)
+    from models import hidden_size_of
+    ds = resolve(ds_path, cfg, batch, max_steps, cuda=cuda, hidden_size=hidden_size_of(cfg.model))
+    dist_.check_accelerate_precision(ds)
+
+    acc = dist_.build_accelerator(ds, batch, cfg.distributed.timeout_s)
+    topo = dist_.topology(launcher, "nccl" if cuda else "gloo")
+    dist_.check_world(acc, topo)
+
+    from accelerate.utils import set_seed
+    set_seed(cfg.train.seed)  # identical initial weights on every rank
+    workload = build_workload(cfg.model, data, _init_context(ds))
+    raw_optimizer = build_optimizer(workload.model, cfg.optim, ds)
+    set_seed(cfg.train.seed + topo.rank)  # dropout etc. differ per rank, deterministically
+
+    pin = cuda
+    train_loader = DataLoader(data.train, batch_sampler=sampler, num_workers=cfg.data.num_workers, pin_memory=pin,
+                              generator=torch.Generator().manual_seed(cfg.train.seed),
+                              persistent_workers=False)
+    val_loader = None
+    if data.val is not None and len(data.val) > 0:
+        val = data.val
+        if cfg.train.eval_batches is not None:
+            # A real subset (not just fewer batches) so that Accelerate's end-of-set padding
+            # arithmetic in gather_for_metrics sees the true number of samples.
+            n = min(len(val), cfg.train.eval_batches * batch.micro * world)
+            val = torch.utils.data.Subset(val, range(n))
+        val_loader = DataLoader(val, batch_sampler=EvalBatchSampler(len(val), batch.micro, world),
+                                num_workers=cfg.data.num_workers, pin_memory=pin)
+    if val_loader is not None:
+        model, optimizer, train_loader, val_loader = acc.prepare(workload.model, raw_optimizer, train_loader,
+                                                                 val_loader)
+    else:
+        model, optimizer, train_loader = acc.prepare(workload.model, raw_optimizer, train_loader)
+
+    resolved = resolved_config(cfg, ds, batch, topo, max_steps, data, workload)
+    sinks = []
+    if acc.is_main_process:
+        (run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
+        sinks.append(JsonlLogger(run_dir / "metrics.jsonl"))
+    loggers = Loggers(sinks)
+    trainer = Trainer(cfg=cfg, acc=acc, topo=topo, ds=ds, batch=batch, workload=workload, data=data, model=model,
+                      optimizer=optimizer, raw_optimizer=raw_optimizer, train_loader=train_loader, sampler=sampler,
+                      val_loader=val_loader, max_steps=max_steps, run_dir=run_dir, loggers=loggers)
+    trainer.resolved_config = resolved
+    return trainer

@@ -1,0 +1,482 @@
+"""The run configuration: a typed dataclass tree loaded strictly from JSON/YAML.
+
+Order of precedence: dataclass defaults < run file (``--config run.yaml``) < dotted
+CLI overrides (``--optim.lr 3e-4``). Unknown keys, wrong types and impossible values
+fail with a ConfigError naming the key. DeepSpeed/ZeRO/precision settings are *not*
+here: they live in the DeepSpeed JSON (``distributed.ds_config``), see dsconfig.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from train.errors import ConfigError, did_you_mean
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt-small-cpu"
+    """GPT preset (gpt-tiny, gpt-small-cpu, gpt2-124m, gpt-350m, ... gpt-7b), a torchvision
+    classifier (resnet18, resnet50, vit_b_16, ...), "linear", or "hf:<local model dir>"."""
+    n_layer: Optional[int] = None
+    """GPT overrides of the preset; None keeps the preset's value."""
+    n_head: Optional[int] = None
+    n_kv_head: Optional[int] = None
+    d_model: Optional[int] = None
+    seq_len: Optional[int] = None
+    """Model context length (GPT). data.seq_len defaults to it."""
+    vocab_size: Optional[int] = None
+    dropout: float = 0.0
+    tie_embeddings: Optional[bool] = None
+    activation_checkpointing: bool = False
+    """Recompute block activations in backward: less memory, ~30% more compute."""
+    num_classes: Optional[int] = None
+    """Vision: classifier outputs; None = number of classes found in the dataset."""
+    pretrained: Optional[str] = None
+    """Vision: local weights file (.safetensors, or a torchvision .pth read with weights_only=True)."""
+    freeze_backbone: bool = False
+    """Vision: train only the new classifier head."""
+    init_from: Optional[str] = None
+    """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json."""
+
+    def __post_init__(self):
+        for k in ("n_layer", "n_head", "n_kv_head", "d_model", "seq_len", "vocab_size", "num_classes"):
+            v = getattr(self, k)
+            if v is not None and v <= 0:
+                raise ConfigError(f"model.{k} must be a positive integer (got {v})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1) (got {self.dropout})")
+        if not self.name:
+            raise ConfigError("model.name must not be empty")
+
+
+@dataclass
+class DataConfig:
+    kind: str = "text"
+    """text (byte-level, default corpus: this Python's standard library sources), tokens
+    (flat uint16/uint32 token file), imagefolder (root/train/<class>/*, root/val/<class>/*),
+    regression (synthetic linear data)."""
+    path: Optional[str] = None
+    """text: file or directory of text (None = the embedded default corpus); tokens: the
+    .bin file (a sibling .val.bin is the validation split if present); imagefolder: root."""
+    seq_len: Optional[int] = None
+    """LM sequence length; None = the model's context length."""
+    val_fraction: float = 0.05
+    """text/tokens/regression without a separate validation file: fraction held out."""
+    max_bytes: int = 4_000_000
+    """text: cap on corpus size read (the default corpus is larger than needed)."""
+    token_dtype: Optional[str] = None
+    """tokens: uint16 or uint32; None = read from the .json sidecar written by `zerotrain prepare`."""
+    image_size: int = 224
+    """imagefolder: train crop / eval centre-crop size (eval resizes to image_size*256/224 first)."""
+    on_bad_sample: str = "fail"
+    """imagefolder: an unreadable image "fail"s the run (naming the file) or is "skip"ped (logged)."""
+    num_samples: int = 4096
+    """regression: dataset size."""
+    num_features: int = 10
+    noise: float = 0.01
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+
+    def __post_init__(self):
+        kinds = ("text", "tokens", "imagefolder", "regression")
+        if self.kind not in kinds:
+            raise ConfigError(f'data.kind "{self.kind}" is not one of {", ".join(kinds)}{did_you_mean(self.kind, kinds)}')
+        if self.seq_len is not None and self.seq_len < 2:
+            raise ConfigError(f"data.seq_len must be >= 2 (got {self.seq_len})")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be in [0, 1) (got {self.val_fraction})")
+        if self.token_dtype not in (None, "uint16", "uint32"):
+            raise ConfigError(f'data.token_dtype must be "uint16" or "uint32" (got "{self.token_dtype}")')
+        if self.on_bad_sample not in ("fail", "skip"):
+            raise ConfigError(f'data.on_bad_sample must be "fail" or "skip" (got "{self.on_bad_sample}")')
+        for k in ("max_bytes", "image_size", "num_samples", "num_features"):
+            if getattr(self, k) <= 0:
+                raise ConfigError(f"data.{k} must be positive (got {getattr(self, k)})")
+        if self.num_workers < 0:
+            raise ConfigError(f"data.num_workers must be >= 0 (got {self.num_workers})")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    """Peak learning rate (after warmup)."""
+    min_lr: float = 3e-5
+    """Floor of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warmup, in optimizer steps (global, independent of world size and accumulation)."""
+    schedule: str = "cosine"
+    """cosine | linear | constant (after warmup)."""
+    weight_decay: float = 0.1
+    """Decoupled (AdamW); not applied to norms, biases or embeddings."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr must be > 0 (got {self.lr})")
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"optim.min_lr must be in [0, optim.lr={self.lr}] (got {self.min_lr})")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps must be >= 0 (got {self.warmup_steps})")
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ConfigError(f'optim.schedule must be cosine, linear or constant (got "{self.schedule}")')
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay must be >= 0 (got {self.weight_decay})")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas must both be in [0, 1) (got {list(self.betas)})")
+        if self.eps <= 0:
+            raise ConfigError(f"optim.eps must be > 0 (got {self.eps})")
+
+    def lr_at(self, step: int, max_steps: int) -> float:
+        """LR for optimizer step `step` (0-based). A pure function of the global step, so it is
+        the same for any number of processes or accumulation steps and needs no state on resume."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / (self.warmup_steps + 1)
+        if self.schedule == "constant":
+            return self.lr
+        decay = max(1, max_steps - self.warmup_steps)
+        frac = min(1.0, (step - self.warmup_steps) / decay)
+        if self.schedule == "linear":
+            return self.lr - (self.lr - self.min_lr) * frac
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * frac))
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1234
+    micro_batch_size: int = 8
+    """Samples per process per forward/backward."""
+    grad_accum_steps: Optional[int] = None
+    """Micro-batches accumulated per optimizer step. None = derived from global_batch_size, else 1."""
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step over all processes = micro_batch_size x grad_accum_steps x world size."""
+    max_steps: int = 300
+    """Optimizer steps to train (ignored when epochs is set)."""
+    epochs: Optional[int] = None
+    """Train for this many passes over the training set instead of max_steps."""
+    eval_every: int = 100
+    """Evaluate every N optimizer steps (0 = only at the end)."""
+    eval_batches: Optional[int] = 20
+    """Validation micro-batches per process per evaluation (None = the whole validation set)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping). The logged norm is pre-clip."""
+    run_dir: str = "runs/default"
+    """Where config, metrics.jsonl, checkpoints and exported weights go."""
+    sample_tokens: int = 200
+    """LM: bytes/tokens generated as a sample at the end (0 = none)."""
+    progress: bool = True
+    """Show the tqdm progress bar (main process only)."""
+    nan_policy: str = "skip"
+    """On a NaN/Inf loss: "skip" the step (counted) or "stop" (checkpoint the last good state)."""
+    max_bad_steps: int = 5
+    """Stop after this many consecutive non-finite steps, whatever nan_policy says."""
+
+    def __post_init__(self):
+        for k in ("micro_batch_size", "max_steps"):
+            if getattr(self, k) <= 0:
+                raise ConfigError(f"train.{k} must be a positive integer (got {getattr(self, k)})")
+        for k in ("grad_accum_steps", "global_batch_size", "epochs", "eval_batches"):
+            v = getattr(self, k)
+            if v is not None and v <= 0:
+                raise ConfigError(f"train.{k} must be a positive integer or null (got {v})")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every must be >= 0 (got {self.eval_every})")
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip must be >= 0 (got {self.grad_clip})")
+        if self.sample_tokens < 0:
+            raise ConfigError(f"train.sample_tokens must be >= 0 (got {self.sample_tokens})")
+        if self.nan_policy not in ("skip", "stop"):
+            raise ConfigError(f'train.nan_policy must be "skip" or "stop" (got "{self.nan_policy}")')
+        if self.max_bad_steps <= 0:
+            raise ConfigError(f"train.max_bad_steps must be positive (got {self.max_bad_steps})")
+
+    def batch(self, world_size: int) -> "Batch":
+        """Resolve micro x accumulation x world = global, checking divisibility."""
+        micro = self.micro_batch_size
+        if self.global_batch_size is not None:
+            per_step = micro * world_size
+            if self.global_batch_size % per_step:
+                raise ConfigError(
+                    f"train.global_batch_size={self.global_batch_size} is not divisible by "
+                    f"train.micro_batch_size x world size = {micro} x {world_size} = {per_step}; "
+                    f"use a multiple of {per_step} or change the micro-batch")
+            accum = self.global_batch_size // per_step
+            if self.grad_accum_steps is not None and self.grad_accum_steps != accum:
+                raise ConfigError(
+                    f"train.grad_accum_steps={self.grad_accum_steps} contradicts train.global_batch_size="
+                    f"{self.global_batch_size} (= {micro} x {accum} x {world_size} processes); set only one")
+        else:
+            accum = self.grad_accum_steps or 1
+        return Batch(micro=micro, accum=accum, world=world_size)
+
+
+@dataclass(frozen=True)
+class Batch:
+    micro: int
+    accum: int
+    world: int
+
+    @property
+    def global_size(self) -> int:
+        return self.micro * self.accum * self.world
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save resumable state every N optimizer steps (0 = only at the end / on SIGTERM)."""
+    keep_last: int = 2
+    """Keep this many newest complete checkpoints; older ones are pruned after a save completes."""
+    save_at_end: bool = True
+    export: bool = True
+    """Export consolidated weights (sharded safetensors, HF layout) at the end of training."""
+    export_dtype: str = "bf16"
+    """bf16 | fp32 for exported weights."""
+    max_shard_size: str = "2GB"
+    """Largest exported safetensors shard (e.g. "500MB", "5GB")."""
+    resume: str = "none"
+    """none | auto (newest complete checkpoint in run_dir, if any) | <checkpoint path>."""
+
+    def __post_init__(self):
+        if self.every_steps < 0:
+            raise ConfigError(f"checkpoint.every_steps must be >= 0 (got {self.every_steps})")
+        if self.keep_last <= 0:
+            raise ConfigError(f"checkpoint.keep_last must be >= 1 (got {self.keep_last})")
+        if self.export_dtype not in ("bf16", "fp32"):
+            raise ConfigError(f'checkpoint.export_dtype must be "bf16" or "fp32" (got "{self.export_dtype}")')
+        if not self.resume:
+            raise ConfigError('checkpoint.resume must be "none", "auto" or a checkpoint path')
+
+
+@dataclass
+class WandbConfig:
+    mode: Optional[str] = None
+    """online | offline | disabled; None = $WANDB_MODE, else disabled."""
+    project: str = "zerotrain"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+    group: Optional[str] = None
+
+    def __post_init__(self):
+        if self.mode not in (None, "online", "offline", "disabled"):
+            raise ConfigError(f'logging.wandb.mode must be online, offline or disabled (got "{self.mode}")')
+
+
+@dataclass
+class LoggingConfig:
+    every_steps: int = 10
+    """Log metrics (console, metrics.jsonl, W&B) every N optimizer steps."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    peak_flops: Optional[float] = None
+    """Per-device peak FLOP/s for MFU; None = looked up from the detected GPU."""
+
+    def __post_init__(self):
+        if self.every_steps <= 0:
+            raise ConfigError(f"logging.every_steps must be positive (got {self.every_steps})")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise ConfigError(f"logging.peak_flops must be positive (got {self.peak_flops})")
+
+
+@dataclass
+class DistributedConfig:
+    ds_config: Optional[str] = None
+    """DeepSpeed JSON: ZeRO stage, offload and precision (ds_configs/ddp.json = plain DDP).
+    None = the accelerate YAML's deepspeed_config_file under `accelerate launch`, else
+    ds_configs/zero2.json. --ds-config on the command line sets it too."""
+    timeout_s: int = 1800
+    """Collective timeout: a rank waiting longer on a dead peer exits with an error."""
+
+    def __post_init__(self):
+        if self.timeout_s <= 0:
+            raise ConfigError(f"distributed.timeout_s must be positive (got {self.timeout_s})")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------- loading
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unwrap_optional(tp):
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _type_name(tp) -> str:
+    tp, opt = _unwrap_optional(tp)
+    name = getattr(tp, "__name__", str(tp))
+    if typing.get_origin(tp) is tuple:
+        name = "list of 2 numbers"
+    elif typing.get_origin(tp) is list:
+        name = "list of strings"
+    return f"{name} or null" if opt else name
+
+
+def _coerce(value, tp, key: str, from_cli: bool):
+    """Check (file) or convert (CLI string) `value` to type `tp`; ConfigError names `key`."""
+    base, optional = _unwrap_optional(tp)
+    if value is None or (from_cli and isinstance(value, str) and value.lower() in ("null", "none")):
+        if optional:
+            return None
+        raise ConfigError(f"{key} must be a {_type_name(tp)}, not null")
+    bad = ConfigError(f"{key} must be a {_type_name(tp)} (got {value!r})")
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise bad
+    if base is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer() and not from_cli:
+            return int(value)
+        if from_cli and isinstance(value, str):
+            try:
+                f = float(value)
+            except ValueError:
+                raise bad from None
+            if f.is_integer():
+                return int(f)
+        raise bad
+    if base is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string; accept it as a number
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if base is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    origin = typing.get_origin(base)
+    if origin in (tuple, list):
+        if from_cli and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        args = typing.get_args(base)
+        if origin is tuple:
+            if len(value) != len(args):
+                raise bad
+            return tuple(_coerce(v, a, key, from_cli) for v, a in zip(value, args))
+        return [_coerce(v, args[0], key, from_cli) for v in value]
+    raise bad  # pragma: no cover - every field type is handled above
+
+
+def _build(cls, data: dict, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'the run file'} must be a mapping (got {type(data).__name__})")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        if k not in names:
+            raise ConfigError(f'unknown key "{prefix}{k}"{did_you_mean(k, names)}; '
+                              f'valid keys here: {", ".join(names)}')
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            kwargs[k] = _build(tp, v, f"{prefix}{k}.")
+        else:
+            kwargs[k] = _coerce(v, tp, prefix + k, from_cli=False)
+    return cls(**kwargs)
+
+
+def _set_dotted(raw: dict, dotted: str, text: str):
+    """Apply one CLI override to the raw dict, checking the key against the schema."""
+    parts = dotted.split(".")
+    cls, node = RunConfig, raw
+    for i, part in enumerate(parts):
+        names = [f.name for f in dataclasses.fields(cls)]
+        here = ".".join(parts[:i])
+        if part not in names:
+            raise ConfigError(f'unknown option "--{dotted}"{did_you_mean(part, names)}; '
+                              f'valid keys under {here or "the top level"}: {", ".join(names)}')
+        tp = _hints(cls)[part]
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(tp):
+                raise ConfigError(f'"--{dotted}" is a section; set one of its keys, e.g. --{dotted}.'
+                                  f"{dataclasses.fields(tp)[0].name}")
+            node[part] = _coerce(text, tp, dotted, from_cli=True)
+            return
+        if not dataclasses.is_dataclass(tp):
+            raise ConfigError(f'"--{dotted}": {".".join(parts[:i + 1])} is not a section')
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{'.'.join(parts[:i + 1])} in the run file must be a mapping")
+        cls = tp
+
+
+def read_mapping(path: str | Path) -> dict:
+    """Parse a JSON or YAML file into a dict; syntax errors name the file, line and column."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found")
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    else:
+        import yaml
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+            raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, optim, ...)")
+    return data
+
+
+def load_config(path: str | None = None, overrides: list[tuple[str, str]] = ()) -> RunConfig:
+    """Run file (optional) + dotted overrides -> validated RunConfig."""
+    raw = read_mapping(path) if path else {}
+    for key, value in overrides:
+        _set_dotted(raw, key, value)
+    try:
+        return _build(RunConfig, raw, "")
+    except ConfigError as e:
+        if path:
+            raise ConfigError(f"{path}: {e}") from None
+        raise

@@ -1,0 +1,53 @@
+"""Datasets by `data.kind`, all returning dict samples, plus what the model needs to know."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from torch.utils.data import Dataset
+
+from train.config import DataConfig
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    val: Optional[Dataset]
+    task: str                               # "lm" | "classify" | "regress"
+    describe: str
+    items_per_sample: int = 1               # tokens per sample for LMs (throughput), else 1
+    vocab_size: Optional[int] = None
+    seq_len: Optional[int] = None
+    num_classes: Optional[int] = None
+    class_names: Optional[list[str]] = None
+    num_features: Optional[int] = None
+    decode: Optional[Callable] = None       # token ids -> text, for samples
+    extra: dict = field(default_factory=dict)
+
+
+def build_data(cfg: DataConfig, seq_len: Optional[int], seed: int) -> DataBundle:
+    """`seq_len`: the LM sequence length (data.seq_len or the model's context)."""
+    if cfg.kind == "text":
+        from train.data.text import VOCAB, TokenSequences, decode, read_bytes
+        tokens, what = read_bytes(cfg.path, cfg.max_bytes)
+        n_val = int(len(tokens) * cfg.val_fraction)
+        train_tok, val_tok = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
+        val = TokenSequences(val_tok, seq_len) if n_val > seq_len + 1 else None
+        return DataBundle(train=TokenSequences(train_tok, seq_len), val=val, task="lm",
+                          describe=f"bytes of {what} ({len(tokens) / 1e6:.1f} MB)", items_per_sample=seq_len,
+                          vocab_size=VOCAB, seq_len=seq_len, decode=decode)
+    if cfg.kind == "regression":
+        from train.data.regression import Regression
+        n_val = max(1, int(cfg.num_samples * cfg.val_fraction)) if cfg.val_fraction > 0 else 0
+        return DataBundle(train=Regression(cfg.num_samples, cfg.num_features, cfg.noise, seed, "train"),
+                          val=Regression(n_val, cfg.num_features, cfg.noise, seed, "val") if n_val else None,
+                          task="regress", describe=f"synthetic regression ({cfg.num_features} features)",
+                          num_features=cfg.num_features)
+    if cfg.kind == "tokens":
+        from train.data.tokens import build_tokens
+        return build_tokens(cfg, seq_len)
+    if cfg.kind == "imagefolder":
+        from train.data.imagefolder import build_imagefolder
+        return build_imagefolder(cfg)
+    raise AssertionError(cfg.kind)  # DataConfig.__post_init__ rejects other kinds

@@ -1,0 +1,68 @@
+"""A deterministic, resumable batch sampler whose order does not depend on world size.
+
+It yields *global* micro-batches (world x micro indices); Accelerate (split_batches=True)
+gives each rank its own contiguous slice. Global optimizer step s therefore always sees
+samples perm[s*G : (s+1)*G] of the epoch's permutation (G = global batch), whatever the
+number of processes or the accumulation split, which is what lets a checkpoint taken on
+N processes resume on M with the same data order. Position = (epoch, samples consumed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from train.errors import DataError
+
+
+class GlobalBatchSampler:
+    def __init__(self, num_samples: int, micro: int, world: int, accum: int, seed: int, shuffle: bool = True,
+                 what: str = "training set"):
+        self.num_samples = num_samples
+        self.batch_size = micro * world          # read by Accelerate's BatchSamplerShard
+        self.drop_last = True
+        self.global_batch = micro * world * accum
+        self.seed, self.shuffle = seed, shuffle
+        self.steps_per_epoch = num_samples // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise DataError(f"the {what} has {num_samples} samples, fewer than one global batch of "
+                            f"{self.global_batch} (micro {micro} x accum {accum} x world {world}); "
+                            f"use more data or a smaller batch")
+        self.epoch, self.offset = 0, 0
+
+    # No `set_epoch`: Accelerate calls it with its own iteration counter on every iter().
+    def set_position(self, epoch: int, offset: int):
+        if offset % self.global_batch or offset >= self.steps_per_epoch * self.global_batch:
+            raise ValueError(f"data offset {offset} is not a step boundary of this epoch")
+        self.epoch, self.offset = epoch, offset
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The epoch's sample order (all of it, including the tail dropped to whole steps)."""
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=g)
+
+    def __iter__(self):
+        used = self.order(self.epoch)[: self.steps_per_epoch * self.global_batch]
+        for start in range(self.offset, len(used), self.batch_size):
+            yield used[start:start + self.batch_size].tolist()
+
+    def __len__(self) -> int:
+        return (self.steps_per_epoch * self.global_batch - self.offset) // self.batch_size
+
+
+class EvalBatchSampler:
+    """Sequential global batches over the validation set; the last may be short (Accelerate
+    pads it evenly and `gather_for_metrics` drops the padding, so no sample counts twice)."""
+
+    def __init__(self, num_samples: int, micro: int, world: int):
+        self.batch_size = micro * world
+        self.drop_last = False
+        self.num_samples = num_samples
+
+    def __iter__(self):
+        for start in range(0, self.num_samples, self.batch_size):
+            yield list(range(start, min(start + self.batch_size, self.num_samples)))
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // self.batch_size)

@@ -1,0 +1,72 @@
+"""Byte-level language-model data: the embedded default corpus and plain text files.
+
+The default corpus is this Python's own standard-library source, which every machine has
+without a download. Bytes are tokens (vocab 256), so no tokenizer is needed either.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from train.errors import DataError
+
+VOCAB = 256
+
+
+def default_corpus_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    # Sorted so that every process and every run sees the same corpus.
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+
+
+def read_bytes(path: str | None, max_bytes: int) -> tuple[np.ndarray, str]:
+    """Concatenate text files (a file, a directory of *.txt/*.md/*.py, or the default corpus)."""
+    if path is None:
+        files, what = default_corpus_files(), f"Python {sysconfig.get_python_version()} standard library sources"
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise DataError(f"data.path {p} does not exist (data.kind = text expects a text file or a directory)")
+        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in (".txt", ".md", ".py", ".rst"))
+        what = str(p)
+    chunks, total = [], 0
+    for f in files:
+        try:
+            b = f.read_bytes()
+        except OSError:
+            continue
+        chunks.append(b)
+        total += len(b)
+        if total >= max_bytes:
+            break
+    data = b"\n".join(chunks)[:max_bytes]
+    if len(data) < 1024:
+        raise DataError(f"data.path {what}: only {len(data)} bytes of text found (need at least 1 KiB)")
+    return np.frombuffer(data, dtype=np.uint8), what
+
+
+def decode(tokens) -> str:
+    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+class TokenSequences(Dataset):
+    """Non-overlapping windows of seq_len+1 tokens from a flat (possibly memory-mapped) array:
+    input = window[:-1], labels = window[1:]. Only the window is read, never the whole file."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.n = (len(tokens) - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        w = torch.from_numpy(np.asarray(self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1], dtype=np.int64))
+        return {"input_ids": w[:-1], "labels": w[1:]}

@@ -1,0 +1,243 @@
+"""The DeepSpeed JSON: the single source of ZeRO stage, offload and precision.
+
+A file with a ``"ddp"`` block means plain PyTorch DDP (its keys are DDP options); a file
+with ``"zero_optimization"`` means DeepSpeed. Values the trainer owns (micro-batch,
+accumulation, clipping, optimizer and scheduler hyper-parameters) are ``"auto"`` and are
+filled from the run config here; a concrete value that disagrees with the run config is
+an error rather than being silently overridden.
+
+zerotrain builds the optimizer (torch AdamW, or DeepSpeedCPUAdam when the optimizer is
+offloaded) and computes the LR itself every step, so both behave identically under DDP
+and every ZeRO stage. The JSON's ``optimizer``/``scheduler`` blocks therefore select and
+pin, and are removed from what DeepSpeed itself receives.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from train.config import Batch, RunConfig
+from train.errors import ConfigError, did_you_mean
+
+DDP_KEYS = ("find_unused_parameters", "bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "broadcast_buffers")
+# DeepSpeed keys that mean nothing to plain DDP; in a ddp file they are a mistake.
+DEEPSPEED_ONLY = ("zero_optimization", "offload_optimizer", "offload_param", "activation_checkpointing",
+                  "zero_allow_untested_optimizer", "pipeline", "tensor_parallel")
+STAGE3_ONLY = ("offload_param", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+               "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+               "stage3_module_granularity_threshold", "zero_hpz_partition_size", "zero_quantized_weights",
+               "zero_quantized_nontrainable_weights", "mics_shard_size", "module_granularity_threshold",
+               "sub_group_size_stage3")
+SCHEDULES = {"WarmupCosineLR": "cosine", "WarmupDecayLR": "linear", "WarmupLR": "constant"}
+OPTIMIZERS = ("adamw", "adam")
+
+
+@dataclass
+class DSSetup:
+    """What the JSON asks for, resolved against the run config."""
+
+    path: str
+    backend: str                      # "ddp" | "deepspeed"
+    stage: int | None                 # ZeRO stage; None under DDP
+    precision: str                    # "bf16" | "fp16" | "fp32"
+    offload_optimizer: str | None     # "cpu" | "nvme" | None
+    offload_param: str | None
+    ddp_kwargs: dict = field(default_factory=dict)
+    resolved: dict = field(default_factory=dict)   # what DeepSpeed receives, no "auto" left
+
+    @property
+    def is_deepspeed(self) -> bool:
+        return self.backend == "deepspeed"
+
+    def describe(self) -> str:
+        if not self.is_deepspeed:
+            return f"DDP ({self.precision})"
+        parts = [f"ZeRO-{self.stage}"]
+        if self.offload_optimizer:
+            parts.append(f"optimizer offload ({self.offload_optimizer})")
+        if self.offload_param:
+            parts.append(f"param offload ({self.offload_param})")
+        return " + ".join(parts) + f" ({self.precision})"
+
+    @property
+    def accelerate_mixed_precision(self) -> str:
+        return {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[self.precision]
+
+
+def read_ds_json(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        shipped = sorted(p.name for p in Path(__file__).resolve().parent.parent.joinpath("ds_configs").glob("*.json"))
+        raise ConfigError(f"DeepSpeed config {path} not found (--ds-config / distributed.ds_config); "
+                          f"shipped configs: {', '.join('ds_configs/' + s for s in shipped)}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a JSON object")
+    return data
+
+
+def _is_auto(v) -> bool:
+    return isinstance(v, str) and v.lower() == "auto"
+
+
+def _precision(path, ds: dict) -> str:
+    enabled = {}
+    for name in ("bf16", "fp16"):
+        block = ds.get(name, {})
+        if not isinstance(block, dict):
+            raise ConfigError(f'{path}: "{name}" must be an object like {{"enabled": true}}')
+        value = block.get("enabled", False)
+        if not isinstance(value, bool):
+            raise ConfigError(f'{path}: "{name}.enabled" must be true or false (got {value!r}); '
+                              f"precision is chosen in the DeepSpeed JSON, not filled automatically")
+        enabled[name] = value
+    if "amp" in ds and ds["amp"].get("enabled"):
+        raise ConfigError(f'{path}: "amp" (apex) is not supported; use "bf16" or "fp16"')
+    if enabled["bf16"] and enabled["fp16"]:
+        raise ConfigError(f'{path}: both "bf16.enabled" and "fp16.enabled" are true; enable one (bf16 recommended)')
+    return "bf16" if enabled["bf16"] else "fp16" if enabled["fp16"] else "fp32"
+
+
+def _match(path, ds: dict, key: str, want, what: str):
+    """Fill ds[key] if "auto"/absent; else it must equal `want` (the run config's value)."""
+    have = ds.get(key, "auto")
+    if _is_auto(have):
+        ds[key] = want
+        return
+    same = (abs(float(have) - float(want)) <= 1e-12 * max(1.0, abs(float(want)))
+            if isinstance(have, (int, float)) and not isinstance(have, bool) else have == want)
+    if not same:
+        raise ConfigError(f'{path}: "{key}": {have!r} contradicts the run config {what} = {want!r}; '
+                          f'set it to "auto" (or to {want!r}) in the JSON, or change the run config')
+
+
+def _check_block(path, block: dict, name: str, checks: dict):
+    if not isinstance(block, dict):
+        raise ConfigError(f'{path}: "{name}" must be an object')
+    params = block.get("params", {})
+    if not isinstance(params, dict):
+        raise ConfigError(f'{path}: "{name}.params" must be an object')
+    for k, v in params.items():
+        if k not in checks:
+            raise ConfigError(f'{path}: "{name}.params.{k}" is not supported by zerotrain{did_you_mean(k, checks)}; '
+                              f"supported: {', '.join(checks)}")
+        want, what = checks[k]
+        if _is_auto(v):
+            continue
+        ok = (list(v) == list(want)) if isinstance(want, (list, tuple)) else (
+            isinstance(v, (int, float)) and abs(float(v) - float(want)) <= 1e-12 * max(1.0, abs(float(want))))
+        if not ok:
+            raise ConfigError(f'{path}: "{name}.params.{k}": {v!r} contradicts the run config {what} = {want!r}; '
+                              f'use "auto" or change the run config')
+
+
+def resolve(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda: bool,
+            hidden_size: int | None = None) -> DSSetup:
+    """Validate the JSON at `path` against the run config and fill every "auto"."""
+    ds = copy.deepcopy(read_ds_json(path))
+    precision = _precision(path, ds)
+    if precision == "fp16" and not cuda:
+        raise ConfigError(
+            f'{path}: fp16 needs a CUDA GPU (DeepSpeed refuses it on CPU: "Type fp16 is not supported on your '
+            f'device"); on this machine use bf16: set "bf16": {{"enabled": true}} and "fp16": {{"enabled": false}} '
+            f"(as in ds_configs/zero2.json)")
+
+    t = cfg.train
+    _match(path, ds, "train_micro_batch_size_per_gpu", batch.micro, "train.micro_batch_size")
+    _match(path, ds, "gradient_accumulation_steps", batch.accum, "train.grad_accum_steps")
+    _match(path, ds, "train_batch_size", batch.global_size,
+           f"global batch (micro {batch.micro} x accum {batch.accum} x world {batch.world})")
+    _match(path, ds, "gradient_clipping", float(t.grad_clip), "train.grad_clip")
+
+    o = cfg.optim
+    if "optimizer" in ds:
+        opt = ds.pop("optimizer")
+        kind = str(opt.get("type", "AdamW")) if isinstance(opt, dict) else ""
+        if kind.lower() not in OPTIMIZERS:
+            raise ConfigError(f'{path}: "optimizer.type" {kind!r} is not supported; zerotrain builds AdamW itself '
+                              f'(DeepSpeedCPUAdam under optimizer offload): use "AdamW" or remove the block')
+        _check_block(path, opt, "optimizer", {"lr": (o.lr, "optim.lr"), "betas": (list(o.betas), "optim.betas"),
+                                              "eps": (o.eps, "optim.eps"),
+                                              "weight_decay": (o.weight_decay, "optim.weight_decay")})
+    if "scheduler" in ds:
+        sched = ds.pop("scheduler")
+        kind = sched.get("type") if isinstance(sched, dict) else None
+        if kind not in SCHEDULES:
+            raise ConfigError(f'{path}: "scheduler.type" {kind!r} is not supported; use one of '
+                              f'{", ".join(SCHEDULES)} (zerotrain computes the LR itself) or remove the block')
+        if SCHEDULES[kind] != o.schedule:
+            raise ConfigError(f'{path}: "scheduler.type" {kind} means schedule "{SCHEDULES[kind]}" but the run '
+                              f'config has optim.schedule = "{o.schedule}"; make them agree')
+        _check_block(path, sched, "scheduler", {"warmup_num_steps": (o.warmup_steps, "optim.warmup_steps"),
+                                                "total_num_steps": (max_steps, "train.max_steps"),
+                                                "warmup_max_lr": (o.lr, "optim.lr"),
+                                                "warmup_min_lr": (0.0, "warmup start (0)")})
+
+    has_ddp, has_zero = "ddp" in ds, "zero_optimization" in ds
+    if has_ddp:
+        stray = [k for k in DEEPSPEED_ONLY if k in ds]
+        if stray:
+            raise ConfigError(f'{path}: a "ddp" file (plain DDP) cannot also set {", ".join(stray)}; '
+                              f"use a ds_configs/zero*.json file for DeepSpeed")
+        ddp = ds["ddp"]
+        if not isinstance(ddp, dict):
+            raise ConfigError(f'{path}: "ddp" must be an object of DDP options')
+        for k in ddp:
+            if k not in DDP_KEYS:
+                raise ConfigError(f'{path}: "ddp.{k}" is not a DDP option{did_you_mean(k, DDP_KEYS)}; '
+                                  f"valid: {', '.join(DDP_KEYS)}")
+        return DSSetup(path=str(path), backend="ddp", stage=None, precision=precision, offload_optimizer=None,
+                       offload_param=None, ddp_kwargs=dict(ddp), resolved=ds)
+
+    zero = ds.setdefault("zero_optimization", {"stage": 0})
+    if not isinstance(zero, dict):
+        raise ConfigError(f'{path}: "zero_optimization" must be an object like {{"stage": 2}}')
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f'{path}: "zero_optimization.stage" must be 0, 1, 2 or 3 (got {stage!r})')
+    if stage < 3:
+        bad = [k for k in STAGE3_ONLY if k in zero]
+        if bad:
+            raise ConfigError(f'{path}: {", ".join("zero_optimization." + k for k in bad)} only apply to ZeRO-3 '
+                              f"but the file sets stage {stage}; remove them or set \"stage\": 3")
+    off_opt = (zero.get("offload_optimizer") or {}).get("device")
+    off_par = (zero.get("offload_param") or {}).get("device")
+    off_opt = None if off_opt in (None, "none") else off_opt
+    off_par = None if off_par in (None, "none") else off_par
+    if off_opt and stage == 0:
+        raise ConfigError(f'{path}: "offload_optimizer" needs ZeRO stage 1, 2 or 3 (the file sets stage 0)')
+    if off_opt not in (None, "cpu", "nvme") or off_par not in (None, "cpu", "nvme"):
+        raise ConfigError(f'{path}: offload "device" must be "cpu", "nvme" or "none"')
+    for k in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+        if _is_auto(zero.get(k)):
+            if hidden_size is None:
+                raise ConfigError(f'{path}: "zero_optimization.{k}" is "auto" but this model has no hidden size '
+                                  f"to derive it from; set a number")
+            zero[k] = {"reduce_bucket_size": hidden_size * hidden_size,
+                       "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+                       "stage3_param_persistence_threshold": 10 * hidden_size}[k]
+    if off_opt:
+        # The optimizer is ours (DeepSpeedCPUAdam); DeepSpeed must not second-guess it.
+        ds["zero_force_ds_cpu_optimizer"] = False
+    ds["zero_allow_untested_optimizer"] = True
+    left = _find_auto(ds)
+    if left:
+        raise ConfigError(f'{path}: zerotrain cannot fill "auto" for {", ".join(left)}; set concrete values')
+    return DSSetup(path=str(path), backend="deepspeed", stage=stage, precision=precision, offload_optimizer=off_opt,
+                   offload_param=off_par, resolved=ds)
+
+
+def _find_auto(d, prefix="") -> list[str]:
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += _find_auto(v, f"{prefix}{k}.")
+        elif _is_auto(v):
+            out.append(prefix + k)
+    return out

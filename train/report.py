@@ -1,0 +1,80 @@
+"""What the main process prints: the start-up banner and the end-of-run summary."""
+
+from __future__ import annotations
+
+import json
+
+
+def human(n: float, unit: str = "") -> str:
+    for div, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{suffix}{unit}"
+    return f"{n:.0f}{unit}"
+
+
+def human_bytes(n: float) -> str:
+    for div, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {suffix}"
+    return f"{n:.0f} B"
+
+
+def count_params(model) -> tuple[int, int]:
+    """(total, trainable) unique parameters, also under ZeRO-3 partitioning (ds_numel)."""
+    seen, total, trainable = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = getattr(p, "ds_numel", p.numel())
+        total += n
+        trainable += n if p.requires_grad else 0
+    return total, trainable
+
+
+def banner(t) -> str:
+    topo, ds, b, data = t.topo, t.ds, t.batch, t.data
+    total, trainable = count_params(t.model)
+    lines = [
+        "zerotrain " + "-" * 60,
+        f"  world        {topo.world_size} process(es) on {topo.num_nodes} node(s), launcher {topo.launcher}, "
+        f"{topo.device} / {topo.backend}",
+        f"  strategy     {ds.describe()}   [{ds.path}]",
+        f"  model        {t.cfg.model.name}: {human(total)} params ({human(trainable)} trainable)",
+        f"  data         {data.describe}: {len(data.train)} train samples"
+        + (f", {len(data.val)} val" if data.val is not None else ""),
+        f"  batch        micro {b.micro} x accum {b.accum} x world {b.world} = global {b.global_size} samples"
+        + (f" = {b.global_size * data.items_per_sample} tokens/step" if data.items_per_sample > 1 else ""),
+        f"  schedule     {t.max_steps} steps ({t.sampler.steps_per_epoch} per epoch), lr {t.cfg.optim.lr:g} "
+        f"{t.cfg.optim.schedule}, warmup {t.cfg.optim.warmup_steps}",
+    ]
+    est = getattr(t, "memory_estimate", None)
+    if est:
+        lines.append(f"  model states {est}")
+    lines.append(f"  run dir      {t.run_dir}")
+    return "\n".join(lines)
+
+
+def summary(t, result: dict, elapsed: float, sample: str | None, exported: str | None, ckpt: str | None) -> str:
+    st = t.state
+    lines = ["zerotrain done " + "-" * 55,
+             f"  {st.step} steps in {elapsed:.1f} s, {human(st.samples_seen)} samples"
+             + (f", {human(st.tokens_seen)} tokens" if t.data.items_per_sample > 1 else "")
+             + (f" (stopped by signal)" if t.stop_reason == "signal" else "")]
+    if "loss" in result:
+        lines.append(f"  final train loss {result['loss']:.4f}")
+    val = {k: v for k, v in result.items() if k.startswith("val/") and k != "val/samples"}
+    if val:
+        lines.append("  validation   " + ", ".join(f"{k[4:]} {v:.4f}" for k, v in val.items()))
+    if ckpt:
+        lines.append(f"  checkpoint   {ckpt}")
+    if exported:
+        lines.append(f"  weights      {exported}")
+    lines.append(f"  metrics      {t.run_dir / 'metrics.jsonl'}")
+    if sample is not None:
+        lines.append("  sample:\n" + "\n".join("    | " + s for s in sample.splitlines()[:12]))
+    return "\n".join(lines)
+
+
+def config_text(resolved: dict) -> str:
+    return "resolved config:\n" + json.dumps(resolved, indent=1, default=str)
