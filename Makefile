@@ -12,7 +12,6 @@ TORCH_SPEC  ?= torch==2.14.1 torchvision==0.29.1
 # rank, every launcher and every venv on this checkout share one build.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 STAMP       := $(VENV)/.zerotrain-installed
-SHM_OP      := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
 # All GPUs on a GPU machine, else 2 CPU processes.
 NPROC       ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU' | sed 's/^0$$/2/' || echo 2)
 RUN         ?= examples/default.yaml
@@ -35,17 +34,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# No-op on GPU machines (NCCL needs no build); ~1.5-3 min once on a 2-core CPU box.
-$(SHM_OP): | $(STAMP)
-	@if $(PY) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-	  echo "CUDA present: DeepSpeed's CPU comm op not needed"; \
-	else \
-	  echo "Building DeepSpeed's CPU shm comm op into $(TORCH_EXTENSIONS_DIR) (once)..."; \
-	  $(PY) -c "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('ShareMemCommBuilder').load()" >/dev/null 2>&1 \
-	    || { echo "building DeepSpeed's shm comm op failed; rerun: $(PY) -c \"from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('ShareMemCommBuilder').load()\""; exit 1; }; \
-	fi
-
-ops: $(STAMP) $(SHM_OP)
+# DeepSpeed's JIT ops (CPU comm op on CPU machines, CPU Adam for offload), built once.
+ops: $(STAMP)
+	@$(PY) -m train.prebuild
 
 train: ops
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) train/main.py --config $(RUN) --ds-config $(DS_CONFIG)

@@ -1,0 +1,188 @@
+"""Run-config loading, overrides, validation, and DeepSpeed-JSON resolution (no processes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO
+from train.cli import parse_train_args
+from train.config import RunConfig, load_config
+from train.dsconfig import resolve
+from train.errors import ConfigError
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_defaults_and_yaml_and_overrides(tmp_path):
+    path = write(tmp_path, "run.yaml", "optim:\n  lr: 1.0e-3\n  betas: [0.8, 0.9]\ntrain:\n  micro_batch_size: 4\n")
+    cfg = load_config(path, [("optim.lr", "3e-4"), ("train.max_steps", "7"), ("model.tie_embeddings", "false"),
+                             ("logging.wandb.tags", "a,b"), ("model.n_layer", "null")])
+    assert cfg.optim.lr == 3e-4                     # CLI beats the file
+    assert cfg.optim.betas == (0.8, 0.9)            # file beats the default, list -> tuple
+    assert cfg.train.micro_batch_size == 4 and cfg.train.max_steps == 7
+    assert cfg.model.tie_embeddings is False and cfg.model.n_layer is None
+    assert cfg.logging.wandb.tags == ["a", "b"]
+    assert cfg.data.kind == "text"                  # untouched default
+    # YAML 1.1 reads 3e-4 (no dot) as a string: still accepted for a float field.
+    assert load_config(write(tmp_path, "r2.yaml", "optim:\n  lr: 3e-4\n")).optim.lr == 3e-4
+
+
+def test_json_run_file_round_trip(tmp_path):
+    d = RunConfig().to_dict()
+    d["optim"]["lr"] = 0.01
+    cfg = load_config(write(tmp_path, "run.json", json.dumps(d)))
+    assert cfg.to_dict() == d
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("optim:\n  lrr: 1\n", 'unknown key "optim.lrr" (did you mean "lr"?)'),
+    ("optimizer:\n  lr: 1\n", 'unknown key "optimizer" (did you mean "optim"?)'),
+    ("train:\n  micro_batch_size: four\n", "train.micro_batch_size must be an integer"),
+    ("train:\n  micro_batch_size: 2.5\n", "train.micro_batch_size must be an integer"),
+    ("train:\n  progress: 1\n", "train.progress must be a boolean"),
+    ("train:\n  micro_batch_size: 0\n", "train.micro_batch_size must be a positive integer"),
+    ("optim:\n  lr: -1\n", "optim.lr must be > 0"),
+    ("optim:\n  betas: [0.9]\n", "optim.betas must be a list of 2 numbers"),
+    ("model:\n  dropout: 1.5\n", "model.dropout must be in [0, 1)"),
+    ("data:\n  kind: txt\n", 'data.kind "txt" is not one of'),
+    ("checkpoint:\n  keep_last: 0\n", "checkpoint.keep_last must be >= 1"),
+    ("optim: 3\n", "optim must be a mapping"),
+    ("train:\n  max_steps: 10\n    eval: 3\n", ":3:"),               # YAML syntax error: line number
+])
+def test_bad_run_file_names_the_key(tmp_path, text, needle):
+    path = write(tmp_path, "run.yaml", text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert needle in str(e.value) and "run.yaml" in str(e.value)
+
+
+def test_bad_json_reports_line_and_column(tmp_path):
+    with pytest.raises(ConfigError, match=r"run\.json:2:\d+: invalid JSON"):
+        load_config(write(tmp_path, "run.json", '{"optim":\n {"lr": 1,}}'))
+
+
+@pytest.mark.parametrize("override,needle", [
+    (("optim.lrr", "1"), 'unknown option "--optim.lrr" (did you mean "lr"?)'),
+    (("optim", "1"), "is a section"),
+    (("optim.lr.x", "1"), "is not a section"),
+    (("train.max_steps", "ten"), "train.max_steps must be an integer"),
+])
+def test_bad_override(override, needle):
+    with pytest.raises(ConfigError, match=None) as e:
+        load_config(None, [override])
+    assert needle in str(e.value)
+
+
+def test_cli_parsing_accepts_local_rank_and_dotted_forms():
+    a = parse_train_args(["--config", "x.yaml", "--local_rank=1", "--optim.lr=1e-3", "--train.max_steps", "5",
+                          "--resume", "auto", "--ds-config", "d.json", "--local_rank", "0", "--optim.min_lr", "-0"])
+    assert a.config == "x.yaml" and a.ds_config == "d.json"
+    assert ("optim.lr", "1e-3") in a.overrides and ("train.max_steps", "5") in a.overrides
+    assert ("checkpoint.resume", "auto") in a.overrides and ("optim.min_lr", "-0") in a.overrides
+    with pytest.raises(ConfigError, match="unknown argument"):
+        parse_train_args(["--bogus"])
+    with pytest.raises(ConfigError, match="needs a value"):
+        parse_train_args(["--optim.lr"])
+
+
+def test_batch_arithmetic():
+    t = RunConfig().train
+    t.micro_batch_size, t.global_batch_size = 4, 32
+    b = t.batch(world_size=2)
+    assert (b.micro, b.accum, b.world, b.global_size) == (4, 4, 2, 32)
+    t.global_batch_size = 36
+    with pytest.raises(ConfigError, match="not divisible by train.micro_batch_size x world size = 4 x 2 = 8"):
+        t.batch(2)
+    t.global_batch_size, t.grad_accum_steps = 32, 2
+    with pytest.raises(ConfigError, match="contradicts"):
+        t.batch(2)
+
+
+def test_lr_schedule_is_a_function_of_the_global_step():
+    o = RunConfig().optim
+    o.lr, o.min_lr, o.warmup_steps = 1.0, 0.1, 4
+    lrs = [o.lr_at(s, 20) for s in range(20)]
+    assert lrs[:4] == pytest.approx([0.2, 0.4, 0.6, 0.8])       # linear warmup
+    assert lrs[4] == pytest.approx(1.0)                          # peak
+    assert lrs[12] == pytest.approx(0.1 + 0.45 * (1 + __import__("math").cos(__import__("math").pi * 0.5)))
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))         # monotone decay
+    assert o.lr_at(100, 20) == pytest.approx(0.1)                 # floor after the end
+
+
+# ------------------------------------------------------------------ DeepSpeed JSON
+
+def _resolve(tmp_path, ds: dict, cuda=False, **run):
+    cfg = load_config(None, list(run.items()))
+    path = write(tmp_path, "ds.json", json.dumps(ds))
+    return resolve(path, cfg, cfg.train.batch(2), 100, cuda=cuda)
+
+
+def test_shipped_configs_resolve(tmp_path):
+    cfg = load_config(None)
+    stages = {}
+    for name in ("ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"):
+        ds = resolve(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100, cuda=False)
+        stages[name] = (ds.backend, ds.stage, ds.precision, ds.offload_optimizer, ds.offload_param)
+        if ds.is_deepspeed:
+            r = ds.resolved
+            assert r["train_micro_batch_size_per_gpu"] == 8 and r["gradient_accumulation_steps"] == 1
+            assert r["train_batch_size"] == 16 and r["gradient_clipping"] == 1.0
+            assert "optimizer" not in r and "scheduler" not in r   # zerotrain builds both
+            assert "auto" not in json.dumps(r)
+    assert stages == {
+        "ddp": ("ddp", None, "bf16", None, None), "zero0": ("deepspeed", 0, "bf16", None, None),
+        "zero1": ("deepspeed", 1, "bf16", None, None), "zero2": ("deepspeed", 2, "bf16", None, None),
+        "zero3": ("deepspeed", 3, "bf16", None, None), "zero2_offload": ("deepspeed", 2, "bf16", "cpu", None),
+        "zero3_offload": ("deepspeed", 3, "bf16", "cpu", "cpu")}
+
+
+@pytest.mark.parametrize("ds,needle", [
+    ({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}},
+     '"train_micro_batch_size_per_gpu": 4 contradicts the run config train.micro_batch_size = 8'),
+    ({"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}, "train.grad_accum_steps = 1"),
+    ({"gradient_clipping": 0.5, "zero_optimization": {"stage": 2}}, "train.grad_clip = 1.0"),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "both"),
+    ({"bf16": {"enabled": "auto"}}, '"bf16.enabled" must be true or false'),
+    ({"zero_optimization": {"stage": 4}}, "must be 0, 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": 1}}, "only apply to ZeRO-3"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "only apply to ZeRO-3"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "needs ZeRO stage 1, 2 or 3"),
+    ({"ddp": {"bucket_cap": 25}}, '"ddp.bucket_cap" is not a DDP option (did you mean "bucket_cap_mb"?)'),
+    ({"ddp": {}, "zero_optimization": {"stage": 2}}, "cannot also set zero_optimization"),
+    ({"optimizer": {"type": "Lamb"}}, "not supported"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, '"optimizer.params.lr": 0.1 contradicts'),
+    ({"scheduler": {"type": "WarmupLR"}}, 'means schedule "constant"'),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}, "no hidden size"),
+    ({"zero_optimization": {"stage": 2, "foo": "auto"}}, 'cannot fill "auto" for zero_optimization.foo'),
+])
+def test_ds_json_contradictions_are_errors(tmp_path, ds, needle):
+    with pytest.raises(ConfigError) as e:
+        _resolve(tmp_path, ds)
+    assert needle in str(e.value) and "ds.json" in str(e.value)
+
+
+def test_fp16_on_cpu_is_refused_with_advice(tmp_path):
+    with pytest.raises(ConfigError, match="fp16 needs a CUDA GPU.*use bf16"):
+        _resolve(tmp_path, {"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}})
+    # The same file is fine where CUDA exists (the check is about the device, not the file).
+    ds = _resolve(tmp_path, {"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}, cuda=True)
+    assert ds.precision == "fp16"
+
+
+def test_matching_concrete_values_are_accepted(tmp_path):
+    ds = _resolve(tmp_path, {"train_micro_batch_size_per_gpu": 8, "train_batch_size": 16, "gradient_clipping": 1,
+                             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95]}},
+                             "zero_optimization": {"stage": 1}})
+    assert ds.stage == 1 and ds.resolved["gradient_clipping"] == 1
+
+
+def test_missing_ds_config_lists_shipped_files(tmp_path):
+    cfg = load_config(None)
+    with pytest.raises(ConfigError, match="not found.*ds_configs/zero2.json"):
+        resolve(str(tmp_path / "nope.json"), cfg, cfg.train.batch(1), 10, cuda=False)

@@ -1,0 +1,48 @@
+"""Build DeepSpeed's JIT ops once, before any multi-process launch: `python -m train.prebuild`.
+
+Ranks that find an op missing all try to compile it at once (minutes on a small CPU box,
+and a rank killed mid-build leaves a lock file that makes every later build wait forever).
+Built here, into TORCH_EXTENSIONS_DIR (the project's .cache/torch_extensions by default),
+every rank, launcher and node sharing the checkout just loads the .so.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _clear_stale_locks(ext_dir: Path):
+    for lock in ext_dir.glob("*/lock"):
+        if not any(lock.parent.glob("*.so")):
+            print(f"removing stale build lock {lock} (no built library beside it)")
+            lock.unlink()
+
+
+def main() -> int:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    ext_dir = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    ext_dir.mkdir(parents=True, exist_ok=True)
+    _clear_stale_locks(ext_dir)
+    import torch
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    ops = [("cpu_adam", CPUAdamBuilder)]  # optimizer offload, on CPU and GPU machines alike
+    if not torch.cuda.is_available():
+        from deepspeed.accelerator import get_accelerator
+        ops.insert(0, ("deepspeed_shm_comm", lambda: get_accelerator().create_op_builder("ShareMemCommBuilder")))
+    for name, builder in ops:
+        if any((ext_dir / name).glob("*.so")):
+            continue
+        print(f"building DeepSpeed op {name} into {ext_dir} (once; ~1-3 min on 2 cores)...", flush=True)
+        t0 = time.time()
+        builder().load()
+        print(f"  built {name} in {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
