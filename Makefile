@@ -15,13 +15,17 @@ STAMP       := $(VENV)/.zerotrain-installed
 # All GPUs on a GPU machine, else 2 CPU processes.
 NPROC       ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU' | sed 's/^0$$/2/' || echo 2)
 RUN         ?= examples/default.yaml
-DS_CONFIG   ?= ds_configs/zero2.json
+# bf16 on GPUs. A CPU has no bf16 matmul units here: emulated bf16 trains the default ~7x
+# slower than fp32 (measured, BENCHMARKS.md), so CPU-only machines train it in fp32.
+# Force either with DS_CONFIG=ds_configs/<file>.json.
+HAS_GPU     := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
+DS_CONFIG   ?= $(if $(HAS_GPU),ds_configs/zero2.json,ds_configs/zero2_fp32.json)
 PYTEST_ARGS ?=
 
 .PHONY: install ops train test test-fast bench clean help
 
 help:
-	@echo "make train   # create .venv, install, train the default byte-level GPT (ZeRO-2, $(NPROC) procs)"
+	@echo "make train   # create .venv, install, train the default byte-level GPT ($(DS_CONFIG), $(NPROC) procs)"
 	@echo "make test    # create .venv, install, run the whole test suite"
 	@echo "make bench   # stage benchmark (writes bench/results/*.json, see BENCHMARKS.md)"
 

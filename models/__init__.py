@@ -63,6 +63,39 @@ class Workload:
                     "top5": (top == labels[:, None]).any(-1).float()}
         return {"loss": ((out - batch["y"].float()) ** 2).mean(-1)}
 
+    @staticmethod
+    def _norm_stats(model) -> list[tuple[nn.Module, str]]:
+        return [(m, name) for m in model.modules()
+                if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+                for name in ("running_mean", "running_var") if getattr(m, name) is not None]
+
+    @torch.no_grad()
+    def match_norm_stats_dtype(self, model, dtype: torch.dtype):
+        """DeepSpeed bf16/fp16 casts parameters but keeps buffers in fp32, and batch_norm refuses a
+        bf16 weight with fp32 running statistics: keep them in the parameters' dtype."""
+        for m, name in self._norm_stats(model):
+            if getattr(m, name).dtype != dtype:
+                setattr(m, name, getattr(m, name).to(dtype))
+
+    @torch.no_grad()
+    def sync_norm_stats(self, model):
+        """Average BatchNorm running statistics over ranks before evaluating or exporting.
+        DDP copies rank 0's buffers at each training forward, DeepSpeed never syncs them: without
+        this each rank evaluates with its own statistics and rank 0 exports only its own."""
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        bufs = [getattr(m, name) for m, name in self._norm_stats(model)]
+        if not bufs:
+            return
+        flat = torch.cat([b.float().reshape(-1) for b in bufs])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        offset = 0
+        for b in bufs:
+            b.copy_(flat[offset:offset + b.numel()].view_as(b))
+            offset += b.numel()
+
 
 def lm_context(cfg: ModelConfig) -> tuple[Optional[int], Optional[int]]:
     """(context length, vocab size) of an LM before it is built; (None, None) otherwise."""
@@ -73,7 +106,22 @@ def lm_context(cfg: ModelConfig) -> tuple[Optional[int], Optional[int]]:
     if cfg.name in gpt.PRESETS:
         c = _gpt_config(cfg, vocab_size=None)
         return c.seq_len, c.vocab_size
+    check_model_name(cfg.name)
     return None, None
+
+
+def check_model_name(name: str):
+    """Fail before any data is read if `model.name` names nothing zerotrain can build."""
+    from models import gpt
+    if name in gpt.PRESETS or name == "linear" or name.startswith("hf:"):
+        return
+    from models.vision import is_vision
+    if is_vision(name):
+        return
+    from train.errors import did_you_mean
+    raise ConfigError(f'model.name "{name}" is unknown{did_you_mean(name, list(gpt.PRESETS) + ["linear"])}: use a '
+                      f'GPT preset ({", ".join(gpt.PRESETS)}), "linear", a torchvision classifier (e.g. resnet50) '
+                      f'or "hf:<local model dir>"')
 
 
 def hidden_size_of(cfg: ModelConfig) -> Optional[int]:
@@ -85,6 +133,20 @@ def hidden_size_of(cfg: ModelConfig) -> Optional[int]:
     if cfg.name in gpt.PRESETS:
         return _gpt_config(cfg, vocab_size=None).d_model
     return None
+
+
+def partition_summary(model: nn.Module, world_size: int) -> str:
+    """How the model was built under ZeRO-3, from the parameters themselves: partitioned at
+    construction (every parameter a DeepSpeed ZeRO-3 parameter holding only its shard) or whole."""
+    params = list(model.parameters())
+    zero = [p for p in params if hasattr(p, "ds_id")]
+    total = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
+    if len(zero) != len(params):
+        return (f"WARNING: {len(params) - len(zero)} of {len(params)} parameters were built whole, outside "
+                f"deepspeed.zero.Init ({total / 1e6:.2f}M parameters)")
+    local = sum(p.ds_tensor.numel() for p in zero)
+    return (f"model built partitioned by deepspeed.zero.Init: {total / 1e6:.2f}M parameters, "
+            f"{local / 1e6:.2f}M held by this rank ({world_size} ranks)")
 
 
 def _gpt_config(cfg: ModelConfig, vocab_size):
@@ -132,8 +194,5 @@ def build_workload(cfg: ModelConfig, data, init_context=contextlib.nullcontext) 
     from models.vision import build_vision, is_vision
     if is_vision(name):
         return build_vision(cfg, data, init_context)
-    from models.gpt import PRESETS
-    from train.errors import did_you_mean
-    raise ConfigError(f'model.name "{name}" is unknown{did_you_mean(name, list(PRESETS) + ["linear"])}: use a GPT '
-                      f'preset ({", ".join(PRESETS)}), "linear", a torchvision classifier (e.g. resnet50) '
-                      f'or "hf:<local model dir>"')
+    check_model_name(name)
+    raise AssertionError(name)  # check_model_name accepts only names handled above

@@ -41,6 +41,8 @@ def test_env(extra: dict | None = None) -> dict:
                TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
         env.pop(k, None)
+    # The venv's tools first (its ninja builds DeepSpeed's JIT ops; Debian's would rebuild them).
+    env["PATH"] = os.pathsep.join([str(BIN), *[p for p in env.get("PATH", "").split(os.pathsep) if p != str(BIN)]])
     env.update(extra or {})
     return env
 
@@ -100,3 +102,71 @@ def fp32(tmp_path: Path, base: str) -> str:
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+def accelerate_yaml(tmp_path: Path, ds_json: str | None, nproc: int = 2) -> str:
+    """An accelerate config like ds_configs/accelerate/*.yaml, pointing at `ds_json` (None = DDP)."""
+    import yaml
+    base = "zero2" if ds_json else "ddp"
+    cfg = yaml.safe_load((REPO / "ds_configs" / "accelerate" / f"{base}.yaml").read_text())
+    cfg["num_processes"] = nproc
+    if ds_json:
+        cfg["deepspeed_config"]["deepspeed_config_file"] = ds_json
+    out = tmp_path / f"accelerate_{Path(ds_json).stem if ds_json else 'ddp'}.yaml"
+    out.write_text(yaml.safe_dump(cfg))
+    return str(out)
+
+
+def rank_infos(run_dir: Path) -> list[dict]:
+    files = sorted((Path(run_dir) / "ranks").glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    return [json.loads(p.read_text()) for p in files]
+
+
+def data_trace(run_dir: Path, rank: int) -> list[dict]:
+    path = Path(run_dir) / "ranks" / f"rank{rank}.data.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+_RUNS: dict = {}
+
+
+def cached_run(tmp_path_factory, launcher: str, nproc: int, args: list[str], **kw) -> Path:
+    """Run once per session for identical (launcher, nproc, args); returns the run dir (the
+    launcher's stdout is kept in <run_dir>/launcher.out). Lets several test modules assert on
+    the same real launch instead of relaunching: a launch costs ~15-20 s on 2 cores."""
+    key = (launcher, nproc, tuple(args), tuple(sorted((k, str(v)) for k, v in kw.items())))
+    if key not in _RUNS:
+        run_dir = tmp_path_factory.mktemp(f"{launcher}{nproc}")
+        proc = run_train(launcher, nproc, [*args, "--train.run_dir", str(run_dir)], **kw)
+        (run_dir / "launcher.out").write_text(proc.stdout)
+        _RUNS[key] = run_dir
+    return _RUNS[key]
+
+
+def small_run_args(ds_json: str, steps: int = 4) -> list[str]:
+    """The tiny GPT for a few steps with every rank's data recorded: the launcher, multi-node
+    and bf16 tests share these launches (same args = one launch per session)."""
+    return [*TINY, "--ds-config", ds_json, "--train.max_steps", str(steps), "--train.eval_every", "0",
+            "--train.trace_data", "true"]
+
+
+# d_model 256: the big matrices exceed ZeRO-3's 1e5 persistence threshold (with gpt-tiny's 64
+# every tensor would stay whole on every rank); accumulation 2 shows ZeRO-1's full gradients.
+STAGE_STEPS = 6
+STAGE_ARGS = [*TINY, "--model.d_model", "256", "--model.n_layer", "2", "--train.grad_accum_steps", "2",
+              "--train.max_steps", str(STAGE_STEPS), "--train.eval_every", "0", "--train.eval_batches", "1"]
+
+
+@pytest.fixture(scope="session")
+def fp32_stage_runs(tmp_path_factory, fp32_configs) -> dict[str, Path]:
+    """DDP and ZeRO-1/2/3 in fp32, 2 torchrun processes, same seed and data: the stage
+    equivalence tests and the measured-memory tests read the same four launches."""
+    return {name: cached_run(tmp_path_factory, "torchrun", 2, ["--ds-config", fp32_configs[name], *STAGE_ARGS])
+            for name in ("ddp", "zero1", "zero2", "zero3")}
+
+
+@pytest.fixture(scope="session")
+def fp32_configs(tmp_path_factory) -> dict[str, str]:
+    """fp32 copies of every shipped DeepSpeed JSON, at stable paths for the whole session."""
+    d = tmp_path_factory.mktemp("ds_fp32")
+    return {p.stem: fp32(d, p.stem) for p in (REPO / "ds_configs").glob("*.json")}

@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from conftest import TINY, accelerate_yaml, cached_run, data_trace, rank_infos, train_losses
+from conftest import accelerate_yaml, cached_run, data_trace, rank_infos, small_run_args, train_losses
 from train.config import DataConfig
 from train.data import build_data
 from train.data.sampler import GlobalBatchSampler
@@ -17,8 +17,7 @@ STEPS, MICRO, SEED = 4, 4, 1234
 
 
 def args_for(ds_json):
-    return [*TINY, "--ds-config", ds_json, "--train.max_steps", str(STEPS), "--train.eval_every", "0",
-            "--train.trace_data", "true"]
+    return small_run_args(ds_json, STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,18 @@ def resolved_config(cfg: RunConfig, ds, batch, topo, max_steps: int, data, workl
     return d
 
 
+def _write_rank_info(run_dir: Path, acc, topo, ds):
+    """Each rank records who it is: what launchers and tests check sharding/topology against."""
+    import socket
+    d = run_dir / "ranks"
+    d.mkdir(parents=True, exist_ok=True)
+    info = {**topo.__dict__, "hostname": socket.gethostname(), "pid": os.getpid(),
+            "accelerate_process_index": acc.process_index, "accelerate_num_processes": acc.num_processes,
+            "distributed_type": str(acc.distributed_type), "strategy": ds.describe(),
+            "process_group_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1}
+    (d / f"rank{topo.rank}.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
 def _git_commit():
     import subprocess
     try:
@@ -92,6 +104,9 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     # Data first: the model's vocabulary / classes / features come from it.
     ctx, _vocab = lm_context(cfg.model)
     seq_len = cfg.data.seq_len or ctx
+    if cfg.data.kind in ("text", "tokens") and seq_len is None:
+        raise ConfigError(f'data.kind "{cfg.data.kind}" is language-model data but model.name "{cfg.model.name}" '
+                          f"is not a language model; use a GPT preset or hf:<dir>, or another data.kind")
     if ctx is not None and seq_len > ctx:
         raise ConfigError(f"data.seq_len {seq_len} exceeds the model's context length {ctx} (model.seq_len)")
     data = build_data(cfg.data, seq_len, cfg.train.seed)
@@ -103,13 +118,19 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     ds = resolve(ds_path, cfg, batch, max_steps, cuda=cuda, hidden_size=hidden_size_of(cfg.model))
     dist_.check_accelerate_precision(ds)
 
-    acc = dist_.build_accelerator(ds, batch, cfg.distributed.timeout_s)
+    from train import wandb_logger
+    acc = dist_.build_accelerator(ds, batch, cfg.distributed.timeout_s, log_with=wandb_logger.log_with(cfg))
     topo = dist_.topology(launcher, "nccl" if cuda else "gloo")
     dist_.check_world(acc, topo)
+    wandb_logger.preflight(acc, cfg)  # W&B online without credentials: every rank stops here
+    _write_rank_info(run_dir, acc, topo, ds)
 
     from accelerate.utils import set_seed
     set_seed(cfg.train.seed)  # identical initial weights on every rank
     workload = build_workload(cfg.model, data, _init_context(ds))
+    if ds.is_deepspeed and ds.stage == 3 and acc.is_main_process:
+        from models import partition_summary
+        print(f"zerotrain: {partition_summary(workload.model, topo.world_size)}", flush=True)
     raw_optimizer = build_optimizer(workload.model, cfg.optim, ds)
     set_seed(cfg.train.seed + topo.rank)  # dropout etc. differ per rank, deterministically
 
@@ -132,15 +153,32 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
                                                                  val_loader)
     else:
         model, optimizer, train_loader = acc.prepare(workload.model, raw_optimizer, train_loader)
+    if ds.is_deepspeed:
+        workload.match_norm_stats_dtype(model, next(model.parameters()).dtype)
 
     resolved = resolved_config(cfg, ds, batch, topo, max_steps, data, workload)
     sinks = []
     if acc.is_main_process:
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
+        if data.class_names:  # index -> class name, to read predictions of the trained classifier
+            (run_dir / "classes.json").write_text(json.dumps(data.class_names, indent=1) + "\n")
         sinks.append(JsonlLogger(run_dir / "metrics.jsonl"))
     loggers = Loggers(sinks)
     trainer = Trainer(cfg=cfg, acc=acc, topo=topo, ds=ds, batch=batch, workload=workload, data=data, model=model,
                       optimizer=optimizer, raw_optimizer=raw_optimizer, train_loader=train_loader, sampler=sampler,
                       val_loader=val_loader, max_steps=max_steps, run_dir=run_dir, loggers=loggers)
     trainer.resolved_config = resolved
+    from train.plan import attach_estimate
+    attach_estimate(trainer)  # the banner's "model states" line; compared with mem/* at step 2
+    _restore(trainer, cfg)
     return trainer
+
+
+def _restore(trainer, cfg: RunConfig):
+    """Checkpoint resume (checkpoint.resume) or initial weights (model.init_from), before
+    start(): W&B and the banner see the restored step and run id."""
+    from train.checkpoint import Checkpointer
+    trainer.checkpointer = ckpt = Checkpointer(trainer)
+    resumed = ckpt.resume(cfg.checkpoint.resume, load_optimizer=cfg.checkpoint.load_optimizer)
+    if cfg.model.init_from and resumed is None:
+        ckpt.init_from(cfg.model.init_from)

@@ -126,10 +126,25 @@ def user_errors(debug: bool = False):
         prefix = f"[rank {rank}] " if rank not in (None, "0") and os.environ.get("WORLD_SIZE", "1") != "1" else ""
         print(f"{prefix}zerotrain: error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
+    except Exception as e:
+        # A collective failing because another node died: say which node (exit 1, not a usage error).
+        lost = sys.modules["train.distributed"].explain_peer_failure(e) if "train.distributed" in sys.modules else None
+        if lost is None or debug:
+            raise
+        print(f"[rank {os.environ.get('RANK', '?')}] zerotrain: error: {lost}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 COMMANDS = {
     "train": ("train.main", "main", "train a model (same as python train/main.py)"),
+    "check": ("train.check", "main", "validate run file, DeepSpeed JSON, hostfile and accelerate YAML together"),
+    "deepspeed-env": ("train.launch_env", "main", "write .deepspeed_env: the environment remote ranks need"),
+    "plot": ("train.plot", "main", "loss / lr / throughput curves of run dirs (metrics.jsonl) to PNG"),
+    "prepare": ("train.prepare", "main", "tokenize text files into a token file for data.kind = tokens"),
+    "make-shapes": ("train.data.make_shapes", "main", "generate a small labelled shapes/colours ImageFolder set"),
+    "export": ("train.export", "main", "checkpoint -> Hugging Face safetensors weights (offline, CPU, any world size)"),
+    "plan": ("train.plan", "main", "per-device memory of DDP / ZeRO-1/2/3 / offload for a model and cluster; "
+                                   "recommends the fastest that fits"),
 }
 
 
@@ -144,6 +159,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nzerotrain: error: unknown command {argv[0]!r}", file=sys.stderr)
             return 2
         return 0
+    if argv[0] == "train":
+        from train.main import run_as_script
+        run_as_script(argv[1:])  # exits the process (see its docstring)
     import importlib
     module, func, _ = COMMANDS[argv[0]]
     return getattr(importlib.import_module(module), func)(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -178,6 +179,9 @@ class TrainConfig:
     """On a NaN/Inf loss: "skip" the step (counted) or "stop" (checkpoint the last good state)."""
     max_bad_steps: int = 5
     """Stop after this many consecutive non-finite steps, whatever nan_policy says."""
+    trace_data: bool = False
+    """Debug: every rank appends a fingerprint (crc32) of each sample it trains on to
+    <run_dir>/ranks/rank<R>.data.jsonl, to verify sharding and resume order."""
 
     def __post_init__(self):
         for k in ("micro_batch_size", "max_steps"):
@@ -236,14 +240,19 @@ class CheckpointConfig:
     keep_last: int = 2
     """Keep this many newest complete checkpoints; older ones are pruned after a save completes."""
     save_at_end: bool = True
+    """Save resumable state when training ends (SIGTERM/SIGINT always saves)."""
     export: bool = True
-    """Export consolidated weights (sharded safetensors, HF layout) at the end of training."""
+    """Export consolidated weights (sharded safetensors, HF layout) to <run_dir>/export at the end of training."""
     export_dtype: str = "bf16"
     """bf16 | fp32 for exported weights."""
     max_shard_size: str = "2GB"
-    """Largest exported safetensors shard (e.g. "500MB", "5GB")."""
+    """Largest safetensors file (e.g. "500MB", "5GB"): export shards, and each rank's checkpoint
+    files (one such file is the extra host memory a save needs)."""
     resume: str = "none"
     """none | auto (newest complete checkpoint in run_dir, if any) | <checkpoint path>."""
+    load_optimizer: bool = True
+    """On resume, restore the AdamW moments too. false: weights, step and data position only,
+    fresh moments (e.g. after changing optim.betas)."""
 
     def __post_init__(self):
         if self.every_steps < 0:
@@ -254,21 +263,38 @@ class CheckpointConfig:
             raise ConfigError(f'checkpoint.export_dtype must be "bf16" or "fp32" (got "{self.export_dtype}")')
         if not self.resume:
             raise ConfigError('checkpoint.resume must be "none", "auto" or a checkpoint path')
+        # The units huggingface_hub's shard splitter accepts.
+        if not re.fullmatch(r"\s*0*[1-9]\d*(\.\d+)?\s*[KMGT]B\s*", self.max_shard_size, re.IGNORECASE):
+            raise ConfigError(f'checkpoint.max_shard_size must be a size like "500MB" or "5GB" '
+                              f'(got "{self.max_shard_size}")')
 
 
 @dataclass
 class WandbConfig:
     mode: Optional[str] = None
-    """online | offline | disabled; None = $WANDB_MODE, else disabled."""
+    """online | offline | disabled; None = $WANDB_MODE, else disabled. Set here, it wins over
+    $WANDB_MODE. offline writes <run_dir>/wandb/ (or $WANDB_DIR) for a later `wandb sync`."""
     project: str = "zerotrain"
+    """W&B project the run is logged to."""
     entity: Optional[str] = None
+    """W&B team or user; None = the API key's default entity."""
     name: Optional[str] = None
+    """Run display name; None = the run directory's name."""
     tags: list[str] = field(default_factory=list)
+    """Run tags, e.g. --logging.wandb.tags zero3,ablation."""
     group: Optional[str] = None
+    """Groups related runs in the W&B UI (e.g. one sweep or one comparison)."""
 
     def __post_init__(self):
         if self.mode not in (None, "online", "offline", "disabled"):
             raise ConfigError(f'logging.wandb.mode must be online, offline or disabled (got "{self.mode}")')
+        bad = [c for c in "/\\#?%:" if c in self.project]
+        if not self.project or bad:
+            raise ConfigError(f'logging.wandb.project "{self.project}" must be non-empty and free of '
+                              f'/ \\ # ? % : characters')
+        for tag in self.tags:
+            if not 1 <= len(tag) <= 64:
+                raise ConfigError(f'logging.wandb.tags: "{tag}" must be 1 to 64 characters long (W&B\'s limit)')
 
 
 @dataclass
@@ -277,7 +303,8 @@ class LoggingConfig:
     """Log metrics (console, metrics.jsonl, W&B) every N optimizer steps."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     peak_flops: Optional[float] = None
-    """Per-device peak FLOP/s for MFU; None = looked up from the detected GPU."""
+    """Per-device peak FLOP/s for MFU (--peak-flops 989e12); None = the detected GPU's dense
+    bf16 peak from train/perf.py (no MFU on CPU or an unknown device)."""
 
     def __post_init__(self):
         if self.every_steps <= 0:
@@ -329,12 +356,14 @@ def _unwrap_optional(tp):
 
 
 def _type_name(tp) -> str:
+    """'an integer', 'a number or null', ... for error messages."""
     tp, opt = _unwrap_optional(tp)
-    name = getattr(tp, "__name__", str(tp))
+    names = {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "a string"}
+    name = names.get(tp, getattr(tp, "__name__", str(tp)))
     if typing.get_origin(tp) is tuple:
-        name = "list of 2 numbers"
+        name = f"a list of {len(typing.get_args(tp))} numbers"
     elif typing.get_origin(tp) is list:
-        name = "list of strings"
+        name = "a list of strings"
     return f"{name} or null" if opt else name
 
 
@@ -344,8 +373,8 @@ def _coerce(value, tp, key: str, from_cli: bool):
     if value is None or (from_cli and isinstance(value, str) and value.lower() in ("null", "none")):
         if optional:
             return None
-        raise ConfigError(f"{key} must be a {_type_name(tp)}, not null")
-    bad = ConfigError(f"{key} must be a {_type_name(tp)} (got {value!r})")
+        raise ConfigError(f"{key} must be {_type_name(tp)}, not null")
+    bad = ConfigError(f"{key} must be {_type_name(tp)} (got {value!r})")
     if base is bool:
         if isinstance(value, bool):
             return value

@@ -12,10 +12,14 @@ machines Accelerate needs help (see DEVELOPERS.md):
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import re
 import socket
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +76,21 @@ def normalize_env() -> str:
                           f"pass --master_addr/--master_port to the launcher")
     # DeepSpeed JIT-builds a comm op on CPU; every rank (and node) must look in one place.
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "torch_extensions"))
+    _venv_tools_first(env)
     return launcher
+
+
+def _venv_tools_first(env):
+    """Put this interpreter's bin dir first on PATH when it has its own `ninja`.
+
+    JIT ops are built by whichever ninja is first on PATH, and ninja 1.11 (Debian's) and
+    1.13 (pip's) write incompatible .ninja_log versions: each rebuilds the other's build
+    (~3 min on CPU). Ranks started with and without the venv on PATH (a remote node's
+    login shell, `make`, an activated shell) would keep rebuilding the shared op."""
+    bin_dir = str(Path(sys.executable).parent)
+    if (Path(bin_dir) / "ninja").exists():
+        rest = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != bin_dir]
+        env["PATH"] = os.pathsep.join([bin_dir, *rest])
 
 
 @dataclass(frozen=True)
@@ -92,18 +110,26 @@ class Topology:
         return self.rank == 0
 
 
+def node_layout(env, rank: int, world: int) -> tuple[int, int, int]:
+    """(node_rank, num_nodes, ranks per node) as the launcher that started us defines them."""
+    if "GROUP_RANK" in env:  # torchrun, also under `accelerate launch` (static or c10d rendezvous)
+        local = int(env.get("LOCAL_WORLD_SIZE", world))
+        return int(env["GROUP_RANK"]), int(env.get("GROUP_WORLD_SIZE", max(1, world // local))), local
+    if "CROSS_RANK" in env:  # deepspeed's launch.py: one per node, via pdsh, --no_ssh or locally
+        nodes = int(env.get("CROSS_SIZE", 1))
+        return int(env["CROSS_RANK"]), nodes, int(env.get("LOCAL_SIZE", max(1, world // nodes)))
+    local = int(env.get("LOCAL_WORLD_SIZE", env.get("OMPI_COMM_WORLD_LOCAL_SIZE", world)) or world)
+    if "NODE_RANK" in env:
+        return int(env["NODE_RANK"]), max(1, world // local), local
+    return rank // max(1, local), max(1, world // max(1, local)), local  # mpirun fills nodes in rank order
+
+
 def topology(launcher: str, backend: str) -> Topology:
     env = os.environ
-    world = int(env["WORLD_SIZE"])
-    local_world = int(env.get("LOCAL_WORLD_SIZE", env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 0)) or 0)
-    node_rank = int(env.get("GROUP_RANK", env.get("CROSS_RANK", env.get("NODE_RANK", -1))))
-    rank = int(env["RANK"])
-    if not local_world:
-        local_world = world if node_rank <= 0 and "CROSS_SIZE" not in env else world // int(env.get("CROSS_SIZE", 1))
-    if node_rank < 0:
-        node_rank = rank // max(1, local_world)
+    world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+    node_rank, num_nodes, local_world = node_layout(env, rank, world)
     return Topology(rank=rank, world_size=world, local_rank=int(env["LOCAL_RANK"]), local_world_size=local_world,
-                    node_rank=node_rank, num_nodes=max(1, world // max(1, local_world)), launcher=launcher,
+                    node_rank=node_rank, num_nodes=num_nodes, launcher=launcher,
                     device="cuda" if torch.cuda.is_available() else "cpu",
                     backend="nccl" if torch.cuda.is_available() else "gloo")
 
@@ -135,7 +161,7 @@ def check_accelerate_precision(ds: DSSetup):
                           f"from the accelerate YAML or make them agree")
 
 
-def build_accelerator(ds: DSSetup, batch: Batch, timeout_s: int):
+def build_accelerator(ds: DSSetup, batch: Batch, timeout_s: int, log_with: str | None = None):
     from accelerate import Accelerator
     from accelerate.utils import (DataLoaderConfiguration, DeepSpeedPlugin, DistributedDataParallelKwargs,
                                   GradientAccumulationPlugin, InitProcessGroupKwargs)
@@ -149,12 +175,15 @@ def build_accelerator(ds: DSSetup, batch: Batch, timeout_s: int):
         dataloader_config=DataLoaderConfiguration(split_batches=True, even_batches=True),
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=batch.accum, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,
+        log_with=log_with,  # "wandb" or None; trackers start later, on the main process (wandb_logger.py)
     )
-    if ds.is_deepspeed:
-        plugin = DeepSpeedPlugin(hf_ds_config=ds.resolved, zero3_init_flag=ds.stage == 3)
-        return Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[pg], **common)
-    ddp = DistributedDataParallelKwargs(**ds.ddp_kwargs)
-    return Accelerator(cpu=not cuda, kwargs_handlers=[pg, ddp], **common)
+    _PEERS["timeout_s"] = timeout_s
+    with rendezvous_errors(timeout_s):  # the process group (and its TCP store) is created here
+        if ds.is_deepspeed:
+            plugin = DeepSpeedPlugin(hf_ds_config=ds.resolved, zero3_init_flag=ds.stage == 3)
+            return Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[pg], **common)
+        ddp = DistributedDataParallelKwargs(**ds.ddp_kwargs)
+        return Accelerator(cpu=not cuda, kwargs_handlers=[pg, ddp], **common)
 
 
 def check_world(acc, topo: Topology):
@@ -164,3 +193,183 @@ def check_world(acc, topo: Topology):
                            f"rank {topo.rank}/{topo.world_size}; this would train on duplicated data")
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() != topo.world_size:
         raise RuntimeError("process group size disagrees with WORLD_SIZE")
+    if torch.distributed.is_initialized():
+        gather_roster(topo)
+
+
+# ---------------------------------------------------------------------- failures between nodes
+# Who runs where, gathered once at start-up, so that a rank whose peer vanished can say
+# which node is missing instead of printing a gloo/NCCL stack trace (or hanging).
+_PEERS: dict = {"roster": [], "me": None, "timeout_s": None}
+_IP = re.compile(r"\[?((?:\d{1,3}\.){3}\d{1,3})\]?:\d+")
+_PEER_LOST = re.compile(r"connection (closed|reset|refused)|broken pipe|timed out|timeout|socket closed|"
+                        r"ECONNRESET|EPIPE|peer|recv|NCCL (error|communicator was aborted)|unhandled system error",
+                        re.I)
+
+
+def _node_addr() -> str:
+    """This node's address as its peers see it: the interface gloo/NCCL were told to use,
+    else the source address of the route to the master (no packet is sent)."""
+    import fcntl
+    import struct
+    iface = (os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("NCCL_SOCKET_IFNAME") or "").split(",")[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        if iface and not iface.startswith(("^", "=")):
+            try:
+                req = struct.pack("256s", iface[:15].encode())
+                return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])  # SIOCGIFADDR
+            except OSError:
+                pass
+        try:
+            s.connect((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+            return s.getsockname()[0]
+        except (OSError, KeyError, ValueError):
+            return "?"
+
+
+def gather_roster(topo: Topology) -> list[dict]:
+    me = {"rank": topo.rank, "node_rank": topo.node_rank, "host": socket.gethostname(), "addr": _node_addr()}
+    roster: list = [None] * topo.world_size
+    torch.distributed.all_gather_object(roster, me)
+    _PEERS.update(roster=roster, me=me)
+    if topo.is_main and topo.num_nodes > 1:
+        print(f"zerotrain: {topo.num_nodes} nodes joined: "
+              + "; ".join(describe_node(n, roster) for n in sorted({r["node_rank"] for r in roster})), flush=True)
+    if topo.num_nodes > 1 and topo.local_rank == 0 and _PEERS["timeout_s"]:
+        PeerWatchdog.start_for(topo, _PEERS["timeout_s"])
+    return roster
+
+
+class PeerWatchdog(threading.Thread):
+    """Notices a node that stops answering *without* closing its connections (network
+    partition, frozen or powered-off machine): gloo collectives then wait forever - measured
+    here: still blocked after 10 min with distributed.timeout_s=20. One per node (local
+    rank 0): a poller bumps this node's heartbeat counter in the rendezvous TCP store and
+    reads the other nodes'; this thread, which never touches the network (a store call to
+    a partitioned host blocks forever too), ends the process with a message naming the node
+    when a node has been silent, or the store unreachable, for timeout_s. The node's
+    launcher then stops its other ranks."""
+
+    def __init__(self, store, node_rank: int, num_nodes: int, timeout_s: float, on_lost):
+        super().__init__(name="zerotrain-peer-watchdog", daemon=True)
+        self.store, self.node_rank, self.timeout_s, self.on_lost = store, node_rank, timeout_s, on_lost
+        self.interval_s = min(30.0, max(0.2, timeout_s / 6))
+        self.stopped = threading.Event()
+        self.lock = threading.Lock()
+        now = time.monotonic()
+        self.store_ok = now                       # last successful round trip to the store
+        self.heard = {n: (None, now) for n in range(num_nodes) if n != node_rank}  # node -> (counter, when it moved)
+
+    @classmethod
+    def start_for(cls, topo: Topology, timeout_s: float):
+        client_timeout = datetime.timedelta(seconds=max(2.0, min(30.0, timeout_s / 6)))
+        store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                           is_master=False, timeout=client_timeout)
+        dog = cls(store, topo.node_rank, topo.num_nodes, timeout_s, _abort_peer_lost)
+        dog.start()
+        return dog
+
+    def _poll(self):
+        key = "zerotrain/heartbeat/node{}".format
+        while not self.stopped.wait(self.interval_s):
+            try:
+                self.store.add(key(self.node_rank), 1)
+                counts = {n: self.store.add(key(n), 0) for n in self.heard}  # add(0) reads without waiting
+            except Exception:  # store host gone or unreachable: the monitor judges how long
+                continue
+            now = time.monotonic()
+            with self.lock:
+                self.store_ok = now
+                self.heard = {n: (c, now) if c != self.heard[n][0] else self.heard[n] for n, c in counts.items()}
+
+    def run(self):
+        threading.Thread(target=self._poll, name="zerotrain-heartbeat", daemon=True).start()
+        while not self.stopped.wait(self.interval_s):
+            now = time.monotonic()
+            with self.lock:
+                store_ok, heard = self.store_ok, dict(self.heard)
+            if now - store_ok > self.timeout_s:
+                return self.on_lost(None, now - store_ok)
+            silent = sorted(n for n, (_, t) in heard.items() if now - t > self.timeout_s)
+            if silent:
+                return self.on_lost(silent, max(now - heard[n][1] for n in silent))
+
+
+def _abort_peer_lost(nodes: list[int] | None, silent_s: float):
+    roster, me = _PEERS["roster"], _PEERS["me"] or {}
+    if nodes is None:
+        what = (f"cannot reach the rendezvous store on the master {os.environ.get('MASTER_ADDR')}:"
+                f"{os.environ.get('MASTER_PORT')} for {silent_s:.0f} s")
+    else:
+        what = f"lost contact with {' and '.join(describe_node(n, roster) for n in nodes)}: silent for {silent_s:.0f} s"
+    print(f"[rank {me.get('rank', '?')}] zerotrain: error: {what} (distributed.timeout_s={_PEERS['timeout_s']}). "
+          f"That node is down or frozen, or the network between the nodes failed; collectives would wait forever, "
+          f"so this node stops. Restart with --resume auto to continue from the last checkpoint.",
+          file=sys.stderr, flush=True)
+    os._exit(1)  # the main thread is blocked inside a collective: no clean way out
+
+
+def describe_node(node_rank: int, roster: list[dict]) -> str:
+    ranks = [r for r in roster if r["node_rank"] == node_rank]
+    addrs = sorted({r["addr"] for r in ranks})
+    return (f"node {node_rank} ({ranks[0]['host']}, {', '.join(addrs)}; "
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r['rank']) for r in ranks)})")
+
+
+def explain_peer_failure(exc: BaseException) -> str | None:
+    """A one-paragraph explanation if `exc` is a collective failing because a peer is gone."""
+    roster, me = _PEERS["roster"], _PEERS["me"]
+    if not roster or me is None:
+        return None
+    texts, e = [], exc
+    while e is not None and len(texts) < 8:  # the error may be chained under a later one (close())
+        texts.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__
+    text = "\n".join(texts)
+    dist_error = any(n in text for n in ("DistBackendError", "DistNetworkError", "DistError", "gloo", "Gloo",
+                                          "NCCL", "c10d"))
+    if not (dist_error and _PEER_LOST.search(text)):
+        return None
+    others = sorted({r["node_rank"] for r in roster} - {me["node_rank"]})
+    named = sorted({r["node_rank"] for r in roster if r["addr"] in set(_IP.findall(text))} - {me["node_rank"]})
+    if named:
+        who = " and ".join(describe_node(n, roster) for n in named)
+        what = f"lost contact with {who}"
+    elif others:
+        who = " or ".join(describe_node(n, roster) for n in others)
+        what = f"a collective failed or timed out; the missing peer is on {who}"
+    else:
+        who = "another rank on this node"
+        what = "a collective failed or timed out; a local rank is gone"
+    return (f"{what}. Its process died or its network failed: look in that node's log for the first error. "
+            f"This rank (rank {me['rank']}, node {me['node_rank']}) stops instead of waiting "
+            f"(distributed.timeout_s={_PEERS['timeout_s']}); rerun with --resume auto to continue from the last "
+            f"checkpoint.")
+
+
+@contextlib.contextmanager
+def rendezvous_errors(timeout_s: int):
+    """Port already taken on the master, master unreachable, ranks missing at start-up:
+    one message naming the address and what to check, instead of a c10d stack trace."""
+    try:
+        yield
+    except Exception as e:  # torch raises DistNetworkError / DistStoreError / RuntimeError here
+        addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+        rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+        text = str(e)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise ConfigError(f"the master port {port} is already in use on {addr} (another job, or ranks left over "
+                              f"from an earlier run: `ss -ltnp 'sport = :{port}'`); pass a free port to the launcher "
+                              f"(deepspeed/torchrun --master_port, accelerate --main_process_port)") from None
+        if "trying to connect to" in text or "failed to connect" in text.lower():
+            raise ConfigError(f"rank {rank} could not reach the master {addr}:{port} within distributed.timeout_s="
+                              f"{timeout_s} s. Check that node 0 was started with the same port, that {addr} is node "
+                              f"0's address as seen from this node, and that the port is open (`nc -zv {addr} "
+                              f"{port}` from here); if node 0 starts later, raise --distributed.timeout_s") from None
+        m = re.search(r"waiting for clients\. (\d+)/(\d+) clients joined", text)
+        if m:
+            raise ConfigError(f"only {m.group(1)} of {m.group(2)} ranks reached the master {addr}:{port} within "
+                              f"distributed.timeout_s={timeout_s} s: the other nodes did not start, or cannot reach "
+                              f"{addr}:{port} (wrong master address, firewall, or GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME "
+                              f"naming the wrong interface); world size {world}") from None
+        raise

@@ -179,7 +179,7 @@ def resolve(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda: bool,
                                                 "warmup_max_lr": (o.lr, "optim.lr"),
                                                 "warmup_min_lr": (0.0, "warmup start (0)")})
 
-    has_ddp, has_zero = "ddp" in ds, "zero_optimization" in ds
+    has_ddp = "ddp" in ds
     if has_ddp:
         stray = [k for k in DEEPSPEED_ONLY if k in ds]
         if stray:

@@ -23,6 +23,12 @@ class CheckpointError(UserError):
     """A checkpoint is missing, incomplete, corrupted or from another model."""
 
 
+class TrainingDiverged(UserError):
+    """NaN/Inf beyond the configured tolerance; the last good state was checkpointed."""
+
+    exit_code = 3
+
+
 def did_you_mean(name: str, choices) -> str:
     """' (did you mean "x"?)' for the closest valid name, or ''."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)

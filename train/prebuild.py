@@ -1,9 +1,9 @@
 """Build DeepSpeed's JIT ops once, before any multi-process launch: `python -m train.prebuild`.
 
-Ranks that find an op missing all try to compile it at once (minutes on a small CPU box,
-and a rank killed mid-build leaves a lock file that makes every later build wait forever).
+Ranks that find an op missing all try to compile it at once (minutes on a small CPU box).
 Built here, into TORCH_EXTENSIONS_DIR (the project's .cache/torch_extensions by default),
-every rank, launcher and node sharing the checkout just loads the .so.
+every rank, launcher and node sharing the checkout just loads the .so. (torch >= 2.14
+locks builds with flock, so a killed build no longer leaves a lock that blocks later ones.)
 """
 
 from __future__ import annotations
@@ -16,18 +16,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _clear_stale_locks(ext_dir: Path):
-    for lock in ext_dir.glob("*/lock"):
-        if not any(lock.parent.glob("*.so")):
-            print(f"removing stale build lock {lock} (no built library beside it)")
-            lock.unlink()
-
-
 def main() -> int:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     ext_dir = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     ext_dir.mkdir(parents=True, exist_ok=True)
-    _clear_stale_locks(ext_dir)
+    from train.distributed import _venv_tools_first
+    _venv_tools_first(os.environ)  # the same ninja as the ranks use, or each rebuilds the other's op
     import torch
     from deepspeed.ops.op_builder import CPUAdamBuilder
     ops = [("cpu_adam", CPUAdamBuilder)]  # optimizer offload, on CPU and GPU machines alike

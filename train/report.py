@@ -48,19 +48,54 @@ def banner(t) -> str:
         f"  schedule     {t.max_steps} steps ({t.sampler.steps_per_epoch} per epoch), lr {t.cfg.optim.lr:g} "
         f"{t.cfg.optim.schedule}, warmup {t.cfg.optim.warmup_steps}",
     ]
-    est = getattr(t, "memory_estimate", None)
+    est = getattr(t, "memory_estimate", None)  # set by the memory planner (train/plan.py)
     if est:
-        lines.append(f"  model states {est}")
+        lines.append(f"  model states {_estimate_text(est)} per rank (estimated)")
+    if t.state.step:
+        lines.append(f"  resumed      at step {t.state.step} ({human(t.state.tokens_seen)} tokens seen)")
+    if getattr(t, "wandb", None):
+        lines.append(f"  wandb        {t.wandb.mode}, project {t.cfg.logging.wandb.project}, run {t.state.wandb_run_id}")
     lines.append(f"  run dir      {t.run_dir}")
     return "\n".join(lines)
 
 
+def _estimate_text(est) -> str:
+    if isinstance(est, (int, float)):
+        return human_bytes(est)
+    if hasattr(est, "describe"):
+        return est.describe()
+    return str(est)
+
+
+def duration(seconds: float) -> str:
+    s = int(round(seconds))
+    h, m = divmod(s // 60, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s % 60:02d}s" if m else f"{seconds:.1f}s")
+
+
+def progress_line(m: dict, step: int, max_steps: int) -> str:
+    """The plain-text progress line printed per logging interval when there is no tqdm bar."""
+    parts = [f"step {step}/{max_steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.3g}"]
+    if "tokens_per_s" in m:
+        parts.append(f"{human(m['tokens_per_s'])} tok/s")
+    else:
+        parts.append(f"{m['samples_per_s']:.1f} samples/s")
+    if "mfu" in m:
+        parts.append(f"mfu {100 * m['mfu']:.1f}%")
+    parts.append(f"eta {duration(m['step_time_s'] * (max_steps - step))}")
+    return "  ".join(parts)
+
+
 def summary(t, result: dict, elapsed: float, sample: str | None, exported: str | None, ckpt: str | None) -> str:
     st = t.state
+    step0, samples0, tokens0 = getattr(t, "_start_counts", (0, 0, 0))
+    lm = t.data.items_per_sample > 1
+    done = st.tokens_seen - tokens0 if lm else st.samples_seen - samples0
     lines = ["zerotrain done " + "-" * 55,
-             f"  {st.step} steps in {elapsed:.1f} s, {human(st.samples_seen)} samples"
-             + (f", {human(st.tokens_seen)} tokens" if t.data.items_per_sample > 1 else "")
-             + (f" (stopped by signal)" if t.stop_reason == "signal" else "")]
+             f"  {st.step - step0} steps in {duration(elapsed)}, {human(done)} {'tokens' if lm else 'samples'}"
+             f" ({human(done / max(elapsed, 1e-9))}/s on average, evaluation included)"
+             + (f"; resumed at step {step0}, now {st.step}" if step0 else "")
+             + (" (stopped by signal: resume with --resume auto)" if t.stop_reason == "signal" else "")]
     if "loss" in result:
         lines.append(f"  final train loss {result['loss']:.4f}")
     val = {k: v for k, v in result.items() if k.startswith("val/") and k != "val/samples"}
@@ -70,7 +105,9 @@ def summary(t, result: dict, elapsed: float, sample: str | None, exported: str |
         lines.append(f"  checkpoint   {ckpt}")
     if exported:
         lines.append(f"  weights      {exported}")
-    lines.append(f"  metrics      {t.run_dir / 'metrics.jsonl'}")
+    lines.append(f"  metrics      {t.run_dir / 'metrics.jsonl'}  (plot: zerotrain plot {t.run_dir})")
+    if getattr(t, "wandb", None):
+        lines.append(f"  wandb        {t.wandb.location}")
     if sample is not None:
         lines.append("  sample:\n" + "\n".join("    | " + s for s in sample.splitlines()[:12]))
     return "\n".join(lines)

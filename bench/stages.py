@@ -1,0 +1,296 @@
+"""Stage benchmark: train one GPT for a fixed number of steps under each ds_configs/*.json on
+N processes, twice — with zerotrain (train/main.py) and with bench/minimal_loop.py (a bare
+deepspeed.initialize loop on the same model, data and JSON) — and report per stage:
+
+* tokens/s: the median over timed windows after the warm-up steps (trainer and minimal loop),
+  and the trainer overhead = 1 - trainer / minimal;
+* peak memory per rank (CUDA max allocated on GPU, max RSS on CPU; bench/rank_peak.py);
+* model-state bytes per rank measured in the running engine (train/memory.py, mem/*) and the
+  planner's estimate for the same rank (train/plan.py, plan/*).
+
+Writes <out>/stages-<timestamp>.json and .md (and prints the table).
+
+    python bench/stages.py                      # every ds_configs/*.json, 2 processes
+    python bench/stages.py --configs zero2,zero3 --d-model 512 --n-layer 8
+    python bench/stages.py --quick              # a smoke run (tests/test_bench.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+ORDER = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description="zerotrain stage benchmark (see BENCHMARKS.md)")
+    p.add_argument("--model", default="gpt-small-cpu", help="GPT preset")
+    p.add_argument("--d-model", type=int, default=384)
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--steps", type=int, default=25, help="optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=5, help="steps excluded from the timing")
+    p.add_argument("--window", type=int, default=5, help="steps per timed window")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--configs", default=",".join(ORDER), help="comma-separated ds_configs/*.json names")
+    p.add_argument("--precision", default="auto", choices=("auto", "json", "fp32", "bf16"),
+                   help="auto: fp32 on CPU (bf16 matmuls are ~80x slower there), the JSON's own on GPU")
+    p.add_argument("--repeats", type=int, default=1, help="trainer/minimal pairs per config (interleaved)")
+    p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes (data.max_bytes)")
+    p.add_argument("--timeout", type=int, default=1200, help="seconds per launch")
+    p.add_argument("--out", default=str(REPO / "bench" / "results"))
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps, zero2 only (smoke test)")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.model, a.d_model, a.n_layer, a.seq_len, a.micro_batch = "gpt-tiny", 64, 2, 32, 4
+        a.steps, a.warmup, a.window, a.max_bytes = 6, 2, 2, 200_000
+        if a.configs == ",".join(ORDER):
+            a.configs = "zero2"
+    if a.steps < a.warmup + a.window or a.warmup < 2:
+        p.error("need --warmup >= 2 (the memory probe runs on step 2) and --steps >= --warmup + --window")
+    return a
+
+
+def machine() -> dict:
+    import torch
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    mem = next((int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal")), None) if Path("/proc/meminfo").exists() else None
+    info = {"cpu": cpu, "cpu_cores": os.cpu_count(), "ram_bytes": mem, "python": platform.python_version(),
+            "torch": torch.__version__, "platform": platform.platform()}
+    try:
+        import deepspeed
+        info["deepspeed"] = deepspeed.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def config_for(name: str, precision: str, cuda: bool, tmp: Path) -> Path:
+    """ds_configs/<name>.json, with bf16/fp16 switched off for an fp32 run."""
+    data = json.loads((REPO / "ds_configs" / f"{name}.json").read_text())
+    if precision == "fp32" or (precision == "auto" and not cuda):
+        data["bf16"], data["fp16"] = {"enabled": False}, {"enabled": False}
+    elif precision == "bf16":
+        data["bf16"], data["fp16"] = {"enabled": True}, {"enabled": False}
+    out = tmp / f"{name}.json"
+    out.write_text(json.dumps(data, indent=1))
+    return out
+
+
+def trainer_args(a) -> list[str]:
+    return ["--model.name", a.model, "--model.d_model", str(a.d_model), "--model.n_layer", str(a.n_layer),
+            "--data.seq_len", str(a.seq_len), "--data.max_bytes", str(a.max_bytes),
+            "--train.micro_batch_size", str(a.micro_batch), "--train.grad_accum_steps", str(a.grad_accum),
+            "--train.max_steps", str(a.steps), "--logging.every_steps", str(a.window),
+            "--train.eval_every", "0", "--train.eval_batches", "1", "--train.sample_tokens", "0",
+            "--train.progress", "false", "--checkpoint.save_at_end", "false", "--checkpoint.export", "false",
+            "--optim.warmup_steps", "2"]
+
+
+def launch(a, script: str, args: list[str], peak_dir: Path, log: Path) -> float:
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    # The venv's ninja first: a different ninja version elsewhere on PATH discards the other's
+    # .ninja_log, and DeepSpeed's JIT ops (shm comm, CPUAdam) then rebuild from scratch.
+    env["PATH"] = str(BIN) + os.pathsep + env.get("PATH", "")
+    env.update(ZT_PEAK_DIR=str(peak_dir), PYTHONUNBUFFERED="1", WANDB_MODE="disabled", PYTHONWARNINGS="ignore",
+               OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // a.nproc))))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    # `python -m torch.distributed.run` = torchrun, also where pip put no torchrun next to python
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc),
+           "--master_port", str(_free_port()),
+           str(REPO / "bench" / "rank_peak.py"), script, *args]
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        f.write("$ " + shlex.join(cmd) + "\n")
+        f.flush()
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
+    if rc != 0:
+        tail = "\n".join(log.read_text().splitlines()[-25:])
+        raise RuntimeError(f"{script} failed (exit {rc}); log {log}:\n{tail}")
+    return time.perf_counter() - t0
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peaks(peak_dir: Path) -> list[int]:
+    files = sorted(peak_dir.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    return [json.loads(p.read_text())["peak_bytes"] for p in files]
+
+
+def tokens_per_cpu_s(peak_dir: Path, windows: list[tuple[float, float, float]]) -> list[float]:
+    """Tokens per CPU second of rank 0 for each (wall start, wall end, tokens) window, from
+    the (wall, CPU) trace bench/rank_peak.py sampled every 50 ms."""
+    trace = json.loads((peak_dir / "rank0.json").read_text())["cpu_trace"]
+
+    def cpu_at(t):
+        for (w0, c0), (w1, c1) in zip(trace, trace[1:]):
+            if w0 <= t <= w1:
+                return c0 + (c1 - c0) * (t - w0) / max(w1 - w0, 1e-9)
+        raise ValueError(f"time {t} is outside the CPU trace")
+    return [tokens / (cpu_at(end) - cpu_at(start)) for start, end, tokens in windows]
+
+
+def run_config(a, name: str, tmp: Path, cuda: bool) -> dict:
+    ds = config_for(name, a.precision, cuda, tmp)
+    res = {"config": name, "ds_config": f"ds_configs/{name}.json", "trainer": [], "minimal": []}
+    for rep in range(a.repeats):
+        run = tmp / f"{name}-{rep}"
+        run.mkdir(parents=True, exist_ok=True)
+        load0 = os.getloadavg()[0]
+        launch(a, str(REPO / "train" / "main.py"), ["--ds-config", str(ds), *trainer_args(a), "--train.run_dir",
+               str(run / "trainer")], run / "peak-trainer", run / "trainer.log")
+        res["trainer"].append(trainer_result(run / "trainer", run / "peak-trainer", a))
+        out = run / "minimal.json"
+        launch(a, str(REPO / "bench" / "minimal_loop.py"), ["--ds-config", str(ds), "--steps", str(a.steps),
+               "--window", str(a.window), "--out", str(out), "--", *trainer_args(a)], run / "peak-minimal",
+               run / "minimal.log")
+        m = json.loads(out.read_text())
+        first = a.warmup // a.window   # windows that end after the warm-up
+        b = m["window_bounds"]
+        cpu_windows = [(b[i], b[i + 1], m["window_steps"] * m["tokens_per_step"]) for i in range(first, len(b) - 1)]
+        res["minimal"].append({"window_tokens_per_s": m["window_tokens_per_s"][first:],
+                               "window_tokens_per_cpu_s": tokens_per_cpu_s(run / "peak-minimal", cpu_windows),
+                               "peak_bytes_per_rank": peaks(run / "peak-minimal")})
+        res.setdefault("load_avg_1min", []).append([load0, os.getloadavg()[0]])
+    return summarize(res)
+
+
+def trainer_result(run_dir: Path, peak_dir: Path, a) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in rows if "tokens_per_s" in r and "final/loss" not in r]
+    windows = [r["tokens_per_s"] for r in train if r["step"] > a.warmup]
+    # CPU windows run between consecutive log rows (their wall-clock "time"), logging included.
+    cpu_windows = [(p["time"], r["time"], r["tokens_seen"] - p["tokens_seen"]) for p, r in zip(train, train[1:])
+                   if r["step"] > a.warmup]
+    mem = next((r for r in rows if "mem/model_states_bytes_per_rank" in r), {})
+    losses = [r["loss"] for r in rows if "loss" in r]
+    out = {"window_tokens_per_s": windows, "window_tokens_per_cpu_s": tokens_per_cpu_s(peak_dir, cpu_windows),
+           "peak_bytes_per_rank": peaks(peak_dir),
+           "measured_model_states_per_rank": mem.get("mem/model_states_bytes_per_rank"),
+           "planned_model_states_per_rank": mem.get("plan/model_states_bytes_per_rank"),
+           "measured_host_per_rank": mem.get("mem/host_bytes_per_rank"),
+           "planned_host_per_rank": mem.get("plan/host_bytes_per_rank"),
+           "measured": {k[4:]: v for k, v in mem.items() if k.startswith("mem/") and not k.endswith("per_rank")},
+           "planned": {k[5:]: v for k, v in mem.items() if k.startswith("plan/") and not k.endswith("per_rank")},
+           "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+    planned = out["planned"]
+    if planned:  # the planner's whole per-device figure: states + activations + buffers (rank 0)
+        out["planned_peak_bytes"] = sum(planned.get(f"{k}_bytes") or 0 for k in
+                                        ("params", "grads", "optimizer", "activations", "buffers"))
+    mfu = [r["mfu"] for r in rows if "mfu" in r and r["step"] > a.warmup]
+    if mfu:
+        out["mfu"] = statistics.median(mfu)
+    return out
+
+
+def summarize(res: dict) -> dict:
+    t = [w for r in res["trainer"] for w in r["window_tokens_per_s"]]
+    m = [w for r in res["minimal"] for w in r["window_tokens_per_s"]]
+    res["trainer_tokens_per_s"] = statistics.median(t) if t else None
+    res["minimal_tokens_per_s"] = statistics.median(m) if m else None
+    if t and m:
+        res["throughput_ratio"] = res["trainer_tokens_per_s"] / res["minimal_tokens_per_s"]
+        res["trainer_overhead"] = 1 - res["throughput_ratio"]
+    tc = [w for r in res["trainer"] for w in r["window_tokens_per_cpu_s"]]
+    mc = [w for r in res["minimal"] for w in r["window_tokens_per_cpu_s"]]
+    if tc and mc:
+        res["trainer_tokens_per_cpu_s"], res["minimal_tokens_per_cpu_s"] = statistics.median(tc), statistics.median(mc)
+        res["cpu_throughput_ratio"] = res["trainer_tokens_per_cpu_s"] / res["minimal_tokens_per_cpu_s"]
+    last = res["trainer"][-1]
+    meas, plan = last["measured_model_states_per_rank"], last["planned_model_states_per_rank"]
+    if meas and plan and all(p > 0 for p in plan):
+        res["planner_error_per_rank"] = [(p - mm) / mm for mm, p in zip(meas, plan)]
+    res["peak_bytes_per_rank"] = last["peak_bytes_per_rank"]
+    return res
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    lines = [f"Command: `{meta['command']}`  ", f"Machine: {meta['machine'].get('cpu')} "
+             f"({meta['machine'].get('cpu_cores')} cores), {meta['machine'].get('gpus', 'no GPU')}, torch "
+             f"{meta['machine'].get('torch')}, deepspeed {meta['machine'].get('deepspeed')}  ",
+             f"Model: {meta['model']}, {meta['nproc']} processes, precision {meta['precision']}; "
+             f"tokens/s = median of {meta['window']}-step windows after {meta['warmup']} warm-up steps", "",
+             "| config | trainer tok/s | minimal tok/s | trainer/minimal | same, per CPU-second (rank 0) | "
+             "peak MiB per rank | planner peak MiB (rank 0) | model states MiB per rank (measured) | "
+             "planner MiB per rank | planner error | load avg |",
+             "|---|---:|---:|---:|---:|---|---:|---|---|---|---|"]
+    for r in results:
+        t = r["trainer"][-1]
+        ratio = f"{r['throughput_ratio']:.3f}" if r.get("throughput_ratio") else "-"
+        cpu_ratio = f"{r['cpu_throughput_ratio']:.3f}" if r.get("cpu_throughput_ratio") else "-"
+        err = ", ".join(f"{e:+.1%}" for e in r.get("planner_error_per_rank", [])) or "-"
+        loads = ", ".join(f"{x:.1f}" for pair in r.get("load_avg_1min", []) for x in pair)
+        lines.append(f"| {r['config']} | {r['trainer_tokens_per_s'] or 0:,.0f} | {r['minimal_tokens_per_s'] or 0:,.0f} "
+                     f"| {ratio} | {cpu_ratio} | {' / '.join(map(_mib, r['peak_bytes_per_rank']))} "
+                     f"| {_mib(t.get('planned_peak_bytes'))} "
+                     f"| {' / '.join(map(_mib, t['measured_model_states_per_rank'] or []))} "
+                     f"| {' / '.join(map(_mib, t['planned_model_states_per_rank'] or []))} | {err} | {loads} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    a = parse(sys.argv[1:] if argv is None else argv)
+    names = [n.strip() for n in a.configs.split(",") if n.strip()]
+    unknown = [n for n in names if not (REPO / "ds_configs" / f"{n}.json").is_file()]
+    if unknown:
+        sys.exit(f"stages.py: unknown config(s) {', '.join(unknown)}; choose from "
+                 f"{', '.join(p.stem for p in sorted((REPO / 'ds_configs').glob('*.json')))}")
+    import torch
+    cuda = torch.cuda.is_available()
+    out_dir = Path(a.out)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    tmp = out_dir / f"tmp-{stamp}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    meta = {"command": shlex.join([Path(sys.executable).name, "bench/stages.py", *(sys.argv[1:] if argv is None
+                                                                                     else argv)]),
+            "machine": machine(), "model": f"{a.model} d_model={a.d_model} n_layer={a.n_layer} seq={a.seq_len} "
+            f"micro={a.micro_batch} accum={a.grad_accum}", "nproc": a.nproc, "steps": a.steps,
+            "warmup": a.warmup, "window": a.window,
+            "precision": a.precision if a.precision != "auto" else ("json" if cuda else "fp32"),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    results = []
+    for name in names:
+        print(f"[stages] {name} ...", flush=True)
+        results.append(run_config(a, name, tmp, cuda))
+        r = results[-1]
+        print(f"[stages] {name}: trainer {r['trainer_tokens_per_s'] or 0:,.0f} tok/s, minimal "
+              f"{r['minimal_tokens_per_s'] or 0:,.0f} tok/s", flush=True)
+    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    (out_dir / f"stages-{stamp}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    md = markdown(results, meta)
+    (out_dir / f"stages-{stamp}.md").write_text(md)
+    print(md)
+    print(f"[stages] wrote {out_dir / f'stages-{stamp}.json'} and .md (run logs in {tmp})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""Local Hugging Face causal LMs: `model.name = "hf:<dir>"`, no network.
+
+The directory is what `save_pretrained` writes: config.json plus model.safetensors (or
+sharded safetensors + index). With config.json only, the architecture is trained from
+random initialisation. Under ZeRO-3, Accelerate's DeepSpeed plugin (zero3_init_flag) keeps
+an HfDeepSpeedConfig alive, so `from_pretrained` builds the model inside
+deepspeed.zero.Init and loads the weights one partition at a time: the model never
+exists whole on one device.
+
+Exports: train/checkpoint.py writes the weights (same names as `save_pretrained`) and
+calls `save_hf_config` here for config.json, generation config and tokenizer files, so
+`AutoModelForCausalLM.from_pretrained(<run_dir>/export)` just works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from train.errors import CheckpointError, ConfigError
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+# Copied next to exported weights so the export is a complete model directory.
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_sequence_length")
+_WIDTH_KEYS = ("hidden_size", "n_embd", "d_model")
+
+
+def model_dir(path: str) -> Path:
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise ConfigError(f"model.name hf:{path}: {d} is not a directory; give a local Hugging Face model "
+                          f"directory (config.json + model.safetensors), e.g. one written by save_pretrained")
+    if not (d / "config.json").is_file():
+        raise ConfigError(f"model.name hf:{path}: {d} has no config.json; it must be a Hugging Face model "
+                          f"directory (save_pretrained / huggingface-cli download output)")
+    return d
+
+
+def load_config(path: str):
+    from transformers import AutoConfig
+    d = model_dir(path)
+    try:
+        return AutoConfig.from_pretrained(str(d), local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        raise ConfigError(f"model.name hf:{path}: transformers cannot read {d / 'config.json'} "
+                          f"({str(e).splitlines()[0][:200]})") from None
+
+
+def _first(config, keys) -> Optional[int]:
+    for k in keys:
+        v = getattr(config, k, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def hf_context(path: str) -> tuple[Optional[int], Optional[int]]:
+    """(context length, vocab size) from config.json, before anything is built."""
+    config = load_config(path)
+    return _first(config, _CONTEXT_KEYS), getattr(config, "vocab_size", None)
+
+
+def hf_hidden_size(path: str) -> Optional[int]:
+    return _first(load_config(path), _WIDTH_KEYS)
+
+
+def weight_files(d: Path) -> list[str]:
+    return [f for f in WEIGHT_FILES if (d / f).is_file()]
+
+
+def _module_name(model, module) -> Optional[str]:
+    for name, m in model.named_modules():
+        if m is module:
+            return name
+    return None
+
+
+def tied_names(model) -> list[tuple[str, str]]:
+    """[(lm_head weight, input embedding weight)] when the config ties them."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return []
+    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if out_emb is None or in_emb is None or out_emb.weight is not in_emb.weight:
+        return []
+    return [(f"{_module_name(model, out_emb)}.weight", f"{_module_name(model, in_emb)}.weight")]
+
+
+def _numel(p) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))  # ZeRO-3: the full size, not the local shard
+
+
+def _check_zero3(init_context):
+    """Under ZeRO-3 transformers must see the DeepSpeed config, or from_pretrained would load
+    whole weights into already-partitioned (empty) parameters."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+    want = init_context is not contextlib.nullcontext
+    if want != is_deepspeed_zero3_enabled():
+        raise RuntimeError(f"ZeRO-3 construction expected={want} but transformers reports "
+                           f"is_deepspeed_zero3_enabled()={is_deepspeed_zero3_enabled()}: the Accelerator's "
+                           f"DeepSpeedPlugin must be created (zero3_init_flag) before the model")
+
+
+def build_hf(cfg, data, init_context):
+    from transformers import AutoModelForCausalLM
+
+    from models import Workload
+    from train.data.tokens import check_vocab
+    path = cfg.name[3:]
+    if data.task != "lm":
+        raise ConfigError(f"model.name {cfg.name} is a causal language model; use data.kind tokens or text "
+                          f"(got a {data.task} task)")
+    d = model_dir(path)
+    config = load_config(path)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab and "max_token" in data.extra:
+        check_vocab(data, vocab, f"{d}")  # the ids actually present decide (a tokenizer may list unused extras)
+    elif vocab and data.vocab_size and data.vocab_size > vocab:
+        raise ConfigError(f"the data's vocabulary ({data.vocab_size}) is larger than {d}'s vocab_size {vocab}; "
+                          f"prepare the data with this model's tokenizer (zerotrain prepare --tokenizer {d})")
+    _check_zero3(init_context)
+    config.use_cache = False  # training: no KV cache
+    files = weight_files(d)
+    # fp32 master weights; DeepSpeed bf16 / Accelerate autocast decide the compute dtype.
+    if files:
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(str(d), config=config, dtype=torch.float32,
+                                                               local_files_only=True, output_loading_info=True,
+                                                               use_safetensors=None if "pytorch_model" in files[0]
+                                                               else True)
+        except ValueError as e:
+            raise ConfigError(f"model.name {cfg.name}: {str(e).splitlines()[0][:300]}") from None
+        missing = list(info.get("missing_keys") or [])
+        mismatched = list(info.get("mismatched_keys") or [])
+        if missing or mismatched:
+            raise CheckpointError(f"{d}: the weights do not fit config.json (missing: {missing[:4]}, shape "
+                                  f"mismatch: {mismatched[:4]}); the directory is incomplete or mixed up")
+    else:
+        print(f"zerotrain: {d} has no weights ({', '.join(WEIGHT_FILES[:2])}): training {config.model_type} from "
+              f"random initialisation", flush=True)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    n_params = sum(_numel(p) for p in model.parameters())
+    emb = model.get_input_embeddings()
+    n_emb = _numel(emb.weight) if emb is not None else 0
+    width = _first(config, _WIDTH_KEYS)
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    flops = 6.0 * (n_params - n_emb)  # per token: forward+backward of the matmuls (Kaplan et al.)
+    if width and layers and data.seq_len:
+        flops += 12.0 * layers * width * data.seq_len  # attention scores and weighted sum
+    return Workload(model=model, task="lm", family="hf",
+                    model_config={"family": "hf", "source": str(d.resolve()), "model_type": config.model_type,
+                                  "config": config.to_dict(), "num_params": n_params},
+                    hidden_size=width, flops_per_item=flops, tied=tied_names(model))
+
+
+def save_hf_config(model_config: dict, out_dir: str | os.PathLike, dtype: Optional[str] = None) -> list[str]:
+    """Write config.json (+ generation/tokenizer files of the source directory) into an export
+    directory, so that transformers loads it. `dtype`: "bfloat16"/"float32" of the exported
+    weights. Returns the files written."""
+    from transformers import AutoConfig
+    if model_config.get("family") != "hf":
+        raise ValueError(f"save_hf_config needs an hf model_config, got family {model_config.get('family')!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    d = dict(model_config["config"])
+    model_type = d.pop("model_type")
+    config = AutoConfig.for_model(model_type, **d)
+    config.use_cache = True  # the exported model is for inference too
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(str(out))
+    written = ["config.json"]
+    src = Path(model_config.get("source", ""))
+    for name in SIDE_FILES:
+        if (src / name).is_file() and not (out / name).exists():
+            shutil.copy2(src / name, out / name)
+            written.append(name)
+    return written
+

@@ -1,0 +1,360 @@
+"""Checkpoints: exact resume, resume on another cluster with the optimizer moments, exported
+weights, crash safety, damaged files, no unpickling. See docs/checkpoints.md.
+
+Launches are shared through module-scoped fixtures (each costs ~20-45 s on 2 busy cores):
+
+  ref_z3     2 procs ZeRO-3 fp32, dropout 0.1, 10 steps (3 per epoch), checkpoint every 2, fp32 export
+    z3_exact   2 procs ZeRO-3 --resume step 2                          -> bit-identical losses
+    ddp_crash  2 procs DDP --resume auto in a copy holding ZeRO-3 steps 2-4, SIGKILLed inside
+               the step-10 save; then --resume auto again              -> matches ref / bit-identical
+  ref_z2     2 procs ZeRO-2 bf16, 10 steps, checkpoint every 2, bf16 export
+    z2_exact   2 procs ZeRO-2 bf16 --resume step 2                     -> bit-identical losses
+    z2_to_z3   1 proc ZeRO-3 bf16 --resume step 4, unpickling forbidden -> matches ref closely
+    z2_fresh   the same with checkpoint.load_optimizer false           -> clearly off
+  + init_from (1 proc).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, ds_variant, metrics, run_train
+
+STEPS = 10
+BASE = [*TINY, "--data.max_bytes", "2000", "--train.max_steps", str(STEPS), "--optim.schedule", "constant",
+        "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "10"]
+DROPOUT = ["--model.dropout", "0.1"]
+ONE_PROC_SAME_BATCH = ["--train.global_batch_size", "8"]  # 4 x 2 procs = 4 x 2 accumulation steps
+
+
+def export_args(dtype: str) -> list[str]:
+    return ["--checkpoint.save_at_end", "true", "--checkpoint.export", "true", "--checkpoint.export_dtype", dtype,
+            "--checkpoint.max_shard_size", "100KB"]
+
+
+def ds_json(d: Path, base: str, bf16: bool) -> str:
+    # Constant LR (no scheduler block): a fresh optimizer after resume shows clearly.
+    changes = {} if bf16 else {"bf16": {"enabled": False}, "fp16": {"enabled": False}}
+    return ds_variant(d, base, f"{base}_{'bf16' if bf16 else 'fp32'}_const", scheduler=None, **changes)
+
+
+def launch(nproc: int, ds: str, run_dir: Path, *extra, check=True, env=None):
+    return run_train("python" if nproc == 1 else "torchrun", nproc,
+                     [*BASE, "--ds-config", ds, "--train.run_dir", str(run_dir), *extra], check=check, env=env)
+
+
+def loss_runs(run_dir: Path) -> list[dict[int, float]]:
+    """metrics.jsonl loss rows split into one {step: loss} per process launch (a resumed run
+    in the same directory appends, restarting at an earlier step)."""
+    runs, last = [{}], 0
+    for r in metrics(run_dir):
+        if "loss" not in r:
+            continue
+        if r["step"] <= last:
+            runs.append({})
+        runs[-1][r["step"]] = r["loss"]
+        last = r["step"]
+    return runs
+
+
+def ckpt(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def max_diff(a: dict, b: dict, steps) -> float:
+    return max(abs(a[s] - b[s]) for s in steps)
+
+
+# ---------------------------------------------------------------------------- shared runs
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def ref_z3(work):
+    d = work / "ref_z3"
+    p = launch(2, ds_json(work, "zero3", bf16=False), d, *DROPOUT, *export_args("fp32"), "--resume", "auto")
+    return SimpleNamespace(dir=d, proc=p, losses=loss_runs(d)[0])
+
+
+@pytest.fixture(scope="module")
+def ref_z2(work):
+    d = work / "ref_z2"
+    p = launch(2, ds_json(work, "zero2", bf16=True), d, *export_args("bf16"))
+    return SimpleNamespace(dir=d, proc=p, losses=loss_runs(d)[0])
+
+
+@pytest.fixture(scope="module")
+def ddp_crash(work, ref_z3):
+    """DDP continues a ZeRO-3 run (--resume auto in a copy of its run dir cut back to step 4),
+    is SIGKILLed inside its step-10 save, and is restarted with --resume auto."""
+    from train.checkpoint import KILL_ENV
+    d = work / "ddp"
+    shutil.copytree(ref_z3.dir / "checkpoints", d / "checkpoints")
+    for s in (6, 8, 10):
+        shutil.rmtree(ckpt(d, s))  # `latest` still names step 10: auto falls back to the newest complete
+    ds = ds_json(work, "ddp", bf16=False)
+    args = [*DROPOUT, "--resume", "auto", "--checkpoint.save_at_end", "true"]
+    crashed = launch(2, ds, d, *args, check=False, env={KILL_ENV: "10"})
+    root = d / "checkpoints"
+    after_crash = SimpleNamespace(entries=sorted(p.name for p in root.iterdir()),
+                                  latest=(root / "latest").read_text().strip(), losses=loss_runs(d)[0])
+    resumed = launch(2, ds, d, *args)
+    return SimpleNamespace(dir=d, crashed=crashed, after_crash=after_crash, resumed=resumed,
+                           resumed_losses=loss_runs(d)[1])
+
+
+# ---------------------------------------------------------------------------- exact resume
+
+@pytest.mark.multiproc
+def test_zero3_resume_is_bit_identical_with_dropout_across_epochs(work, ref_z3):
+    assert "--resume auto: no checkpoint" in ref_z3.proc.stdout  # a first run starts from scratch
+    meta = json.loads((ckpt(ref_z3.dir, 2) / "meta.json").read_text())
+    assert meta["data"]["steps_per_epoch"] == 3 and meta["train_state"]["offset"] == 16  # mid-epoch
+    d = work / "z3_exact"
+    p = launch(2, ds_json(work, "zero3", bf16=False), d, *DROPOUT, "--resume", str(ckpt(ref_z3.dir, 2)))
+    assert "resumed from" in p.stdout
+    resumed = loss_runs(d)[0]
+    assert sorted(resumed) == list(range(3, STEPS + 1))
+    # "epoch" is logged after the step: steps 3..10 finish epochs 0, 1 and 2.
+    assert {r["epoch"] for r in metrics(d) if "loss" in r} == {1, 2, 3}
+    assert resumed == {s: ref_z3.losses[s] for s in resumed}  # bit-identical, dropout included
+
+
+@pytest.mark.multiproc
+def test_zero2_bf16_resume_is_bit_identical(work, ref_z2):
+    d = work / "z2_exact"
+    launch(2, ds_json(work, "zero2", bf16=True), d, "--resume", str(ckpt(ref_z2.dir, 2)))
+    resumed = loss_runs(d)[0]
+    assert sorted(resumed) == list(range(3, STEPS + 1))
+    assert resumed == {s: ref_z2.losses[s] for s in resumed}
+
+
+# ---------------------------------------------------------------------------- crash + cross-stage
+
+@pytest.mark.multiproc
+def test_sigkill_during_save_keeps_previous_checkpoint_and_auto_resume_continues(ddp_crash):
+    c = ddp_crash
+    assert c.crashed.returncode != 0
+    # The killed save left only its temporary directory; `latest` still names the last complete one.
+    assert c.after_crash.entries == [".tmp-step_00000010", "latest", "step_00000002", "step_00000004",
+                                     "step_00000006", "step_00000008"]
+    assert c.after_crash.latest == "step_00000008"
+    assert not (c.dir / "checkpoints" / ".tmp-step_00000010" / "manifest.json").exists()
+    assert f"resumed from {ckpt(c.dir, 8)}" in c.resumed.stdout
+    assert (ckpt(c.dir, 10) / "manifest.json").is_file()
+    assert not any(p.name.startswith(".tmp") for p in (c.dir / "checkpoints").iterdir())
+    # DDP -> DDP across the step-9 epoch boundary: bit-identical to the killed run's steps 9-10.
+    assert c.resumed_losses == {s: c.after_crash.losses[s] for s in (9, 10)}
+
+
+@pytest.mark.multiproc
+def test_zero3_checkpoint_continues_under_ddp_with_moments(ddp_crash, ref_z3):
+    # Same world size, so the restored RNG streams give the same dropout masks: only the
+    # summation order differs between ZeRO-3 and DDP.
+    first = ddp_crash.after_crash.losses
+    assert sorted(first) == list(range(5, STEPS + 1))
+    assert "[zero3]" in ddp_crash.crashed.stdout  # it really loaded the ZeRO-3 checkpoint
+    assert max_diff(first, ref_z3.losses, first) < 1e-4
+
+
+@pytest.mark.multiproc
+def test_zero2_two_procs_to_zero3_one_proc_keeps_moments_and_never_unpickles(work, ref_z2):
+    ds = ds_json(work, "zero3", bf16=True)
+    log = work / "unpickle.log"
+    guard = {"PYTHONPATH": str(REPO / "tests" / "nopickle"), "ZEROTRAIN_NOPICKLE_LOG": str(log)}
+    moved = work / "z2_to_z3"
+    p = launch(1, ds, moved, *ONE_PROC_SAME_BATCH, "--resume", str(ckpt(ref_z2.dir, 4)), env=guard)
+    assert "[fragments]" in p.stdout and not log.exists(), log.read_text() if log.exists() else ""
+    fresh = work / "z2_fresh"
+    launch(1, ds, fresh, *ONE_PROC_SAME_BATCH, "--resume", str(ckpt(ref_z2.dir, 4)),
+           "--checkpoint.load_optimizer", "false")
+    steps = range(5, STEPS + 1)
+    kept, restarted = loss_runs(moved)[0], loss_runs(fresh)[0]
+    assert sorted(kept) == list(steps)
+    err_kept, err_fresh = max_diff(kept, ref_z2.losses, steps), max_diff(restarted, ref_z2.losses, steps)
+    # bf16 sums in another order on 1 process; fresh AdamW moments move the weights far more.
+    assert err_kept < 2e-3, (kept, ref_z2.losses)
+    assert err_fresh > 1e-2 and err_fresh > 10 * err_kept, (err_kept, err_fresh)
+
+
+# ---------------------------------------------------------------------------- exported weights
+
+def _gpt_from_export(d: Path):
+    from models.gpt import GPT, GPTConfig
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg.pop("family") == "gpt"
+    return GPT(GPTConfig.from_dict(cfg))
+
+
+def _check_hf_layout(d: Path, dtype: torch.dtype):
+    from safetensors.torch import load_file
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in d.glob("model-*.safetensors"))
+    n = len(shards)
+    assert n > 1 and shards == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    assert sorted(set(index["weight_map"].values())) == shards
+    seen = {}
+    for s in shards:  # safetensors alone reads every shard; every tensor is stored exactly once
+        for k, v in load_file(d / s).items():
+            assert k not in seen and v.dtype == dtype
+            seen[k] = v
+    assert set(seen) == set(index["weight_map"])
+    assert "lm_head.weight" not in seen and index["metadata"]["lm_head.weight"] == "tok_emb.weight"
+    model = _gpt_from_export(d)
+    assert index["metadata"]["total_size"] == model.num_params() * dtype.itemsize  # the tie counted once
+    return seen
+
+
+def _offline_export(src: Path, out: Path, *args):
+    from train.cli import main
+    assert main(["export", str(src), str(out), *args]) == 0
+
+
+@pytest.mark.multiproc
+def test_zero3_export_equals_checkpoint_and_reproduces_the_runs_val_loss(work, ref_z3):
+    from train.config import DataConfig
+    from train.data import build_data
+    from train.export import load_weights
+    live = ref_z3.dir / "export"
+    tensors = _check_hf_layout(live, torch.float32)
+    # DeepSpeed's own ZeRO-3 gather (live export) == the pieces every rank wrote (offline export).
+    offline = work / "z3_offline"
+    _offline_export(ckpt(ref_z3.dir, STEPS), offline, "--dtype", "fp32", "--max-shard-size", "100KB")
+    assert all(torch.equal(v, _check_hf_layout(offline, torch.float32)[k]) for k, v in tensors.items())
+    model = load_weights(_gpt_from_export(live), live).eval()
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert torch.equal(model.lm_head.weight, tensors["tok_emb.weight"])
+    # The exported weights are the ones the run evaluated at the end.
+    val = build_data(DataConfig(max_bytes=2000), 64, 1234).val
+    with torch.no_grad():
+        losses = [torch.nn.functional.cross_entropy(model(b["input_ids"][None])[0], b["labels"]).item() for b in val]
+    final_val = [r["val/loss"] for r in metrics(ref_z3.dir) if "val/loss" in r][-1]
+    assert abs(sum(losses) / len(losses) - final_val) < 1e-4
+
+
+@pytest.mark.multiproc
+def test_zero2_bf16_export_ties_once_and_matches_offline_export(work, ref_z2):
+    from models.gpt import GPT
+    from train.export import load_weights
+    live = ref_z2.dir / "export"
+    tensors = _check_hf_layout(live, torch.bfloat16)
+    offline = work / "z2_offline"
+    _offline_export(ref_z2.dir, offline)  # a run dir: its newest checkpoint, the run's dtype and shard size
+    assert all(torch.equal(v, _check_hf_layout(offline, torch.bfloat16)[k]) for k, v in tensors.items())
+    model = load_weights(_gpt_from_export(live), live)
+    assert model.lm_head.weight is model.tok_emb.weight
+    # Weights saved untied by someone else's model still load: the alias is re-tied.
+    untied = _gpt_from_export(live)
+    untied.lm_head.weight = torch.nn.Parameter(torch.zeros_like(untied.lm_head.weight))
+    assert isinstance(load_weights(untied, live), GPT) and untied.lm_head.weight is untied.tok_emb.weight
+
+
+@pytest.mark.multiproc
+def test_init_from_exported_weights_trains_on_from_there(work, ref_z3):
+    d = work / "init_from"
+    launch(1, ds_json(work, "zero2", bf16=False), d, *ONE_PROC_SAME_BATCH, "--train.max_steps", "2",
+           "--model.init_from", str(ref_z3.dir / "export"))
+    losses = loss_runs(d)[0]
+    # From scratch the first loss is ~ln(256) = 5.5; the exported weights had reached ~3.9. The
+    # second step shows the fp32 master weights were loaded too (not only the module's copy).
+    assert ref_z3.losses[1] > 5.3 and losses[1] < 4.3 and losses[2] < 4.3, losses
+
+
+# ---------------------------------------------------------------------------- damaged checkpoints
+
+def _damaged_copies(src: Path, dst: Path):
+    """A copy with one rank-1 file truncated, and one with a byte of a rank-0 file flipped."""
+    truncated, altered = dst / "truncated" / src.name, dst / "altered" / src.name
+    for c in (truncated, altered):
+        shutil.copytree(src, c)
+    cut = sorted(truncated.glob("rank00001*.safetensors"))[0]
+    cut.write_bytes(cut.read_bytes()[:-100])
+    flip = sorted(altered.glob("rank00000*.safetensors"))[-1]
+    data = bytearray(flip.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    flip.write_bytes(bytes(data))
+    return (truncated, cut, "truncated"), (altered, flip, "checksum")
+
+
+@pytest.mark.multiproc
+def test_damaged_checkpoint_is_refused_naming_the_file(work, ref_z2, capsys):
+    # `zerotrain export` runs the same verify() as a resume (there each rank hashes a share of the files).
+    from train.cli import main
+    for c, damaged, why in _damaged_copies(ckpt(ref_z2.dir, 2), work / "damaged"):
+        with pytest.raises(SystemExit) as e:
+            main(["export", str(c), str(work / "never")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"is damaged: {damaged}" in err and why in err, err
+    assert not (work / "never").exists()
+
+
+# ---------------------------------------------------------------------------- units (no launch)
+
+def test_piece_reader_reassembles_any_range_and_names_holes(tmp_path):
+    from train import ckpt_io as io
+    from train.errors import CheckpointError
+    full = torch.arange(12, dtype=torch.float32)
+    io.save_tensors({io.piece_key("param", "w", 0): full[:5].clone()}, tmp_path / "a.safetensors")
+    io.save_tensors({io.piece_key("param", "w", 5): full[5:].clone()}, tmp_path / "b.safetensors")
+    r = io.PieceReader([tmp_path / "a.safetensors", tmp_path / "b.safetensors"])
+    assert torch.equal(r.read("param", "w", 3, 9), full[3:9]) and torch.equal(r.read("param", "w", 0, 12), full)
+    r.close()
+    r = io.PieceReader([tmp_path / "b.safetensors"])
+    with pytest.raises(CheckpointError, match=r"no data for elements \[0, 5\) of param w"):
+        r.read("param", "w", 0, 12)
+    r.close()
+
+
+def test_rng_state_round_trips_through_json():
+    import random
+
+    import numpy as np
+    from train import ckpt_io as io
+    s = json.loads(json.dumps(io.rng_state()))
+    a = (random.random(), np.random.rand(), torch.rand(3))
+    io.set_rng_state(s)
+    b = (random.random(), np.random.rand(), torch.rand(3))
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+def test_checkpoint_resolution_prefers_latest_and_skips_incomplete(tmp_path):
+    from train import ckpt_io as io
+    from train.errors import CheckpointError
+    root = tmp_path / "run" / "checkpoints"
+    for step, complete in ((2, True), (4, True), (6, True), (8, False)):
+        d = root / io.step_dir_name(step)
+        d.mkdir(parents=True)
+        if complete:
+            (d / io.MANIFEST).write_text("{}")
+    assert io.resolve_checkpoint(tmp_path / "run") == root / "step_00000006"
+    (root / "latest").write_text("step_00000004\n")  # a run resumed from step 4 and saved it again
+    assert io.newest_checkpoint(root) == root / "step_00000004"
+    with pytest.raises(CheckpointError, match="incomplete"):
+        io.resolve_checkpoint(root / "step_00000008")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        io.resolve_checkpoint(tmp_path / "nope")
+
+
+def test_shape_mismatch_lists_missing_extra_and_resized_names():
+    from train.checkpoint import shape_mismatch
+    assert shape_mismatch({"a": (2,)}, {"a": [2]}, "model", "weights") is None
+    msg = shape_mismatch({"a": (2,), "b": (3, 4), "c": (1,)}, {"a": (2,), "b": (3, 8), "d": (5,)}, "model", "weights")
+    assert "in model only (1):\n    c" in msg and "in weights only (1):\n    d" in msg
+    assert "b: model [3, 4] vs weights [3, 8]" in msg
+
+
+def test_max_shard_size_is_validated():
+    from train.config import CheckpointConfig
+    from train.errors import ConfigError
+    assert CheckpointConfig(max_shard_size="500MB").max_shard_size == "500MB"
+    with pytest.raises(ConfigError, match="max_shard_size"):
+        CheckpointConfig(max_shard_size="lots")

@@ -1,0 +1,192 @@
+"""Local Hugging Face causal LMs ("hf:<dir>"): loading without network, vocabulary checks,
+and fine-tuning on 2 processes under ZeRO-2 and ZeRO-3 with an export that transformers
+loads back and that reproduces the trained model's validation loss."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import accelerate_yaml, fp32, metrics, run_train
+from models import build_workload
+from test_tokens import make_tokenizer, random_text, write_texts
+from train.config import DataConfig, ModelConfig
+from train.data import DataBundle, build_data
+from train.errors import ConfigError, DataError
+from train.prepare import main as prepare
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may touch the network
+SEQ = 32
+
+
+def save_tiny(kind: str, out: Path, vocab: int, tokenizer_dir: Path | None = None, weights: bool = True) -> Path:
+    """A randomly initialised tiny GPT-2 (tied embeddings) or Llama (GQA, untied), saved locally."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(cfg)
+    else:
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+        model = LlamaForCausalLM(cfg)
+    if weights:
+        model.save_pretrained(str(out))
+    else:
+        cfg.save_pretrained(str(out))
+    if tokenizer_dir is not None:
+        for f in tokenizer_dir.iterdir():
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Text -> a local BPE tokenizer -> token files (train + sibling val) via `zerotrain prepare`."""
+    d = tmp_path_factory.mktemp("hf")
+    docs = {f"doc{i}.txt": random_text(4000, 100 + i) for i in range(4)}
+    src = write_texts(d / "src", docs)
+    val = write_texts(d / "val", {"v.txt": random_text(2500, 200)})
+    tok = make_tokenizer(d / "tok", list(docs.values()), vocab_size=320)
+    out = d / "corpus.bin"
+    assert prepare([str(src), "--val", str(val), "--out", str(out), "--tokenizer", str(d / "tok")]) == 0
+    return {"dir": d, "tok_dir": d / "tok", "vocab": len(tok), "tokens": out}
+
+
+def lm_bundle(vocab: int, max_token: int | None = None) -> DataBundle:
+    return DataBundle(train=None, val=None, task="lm", describe="", vocab_size=vocab, seq_len=SEQ,
+                      extra={} if max_token is None else {"max_token": max_token, "token_file": "x.bin"})
+
+
+# ----------------------------------------------------------------------------- loading
+
+def test_context_width_and_weights_load_exactly(tmp_path, corpus):
+    from models.hf import hf_context, hf_hidden_size
+    from transformers import AutoModelForCausalLM
+    d = save_tiny("gpt2", tmp_path / "gpt2", corpus["vocab"])
+    assert hf_context(str(d)) == (64, corpus["vocab"]) and hf_hidden_size(str(d)) == 32
+    wl = build_workload(ModelConfig(name=f"hf:{d}"), lm_bundle(corpus["vocab"]))
+    assert (wl.task, wl.family) == ("lm", "hf")
+    assert wl.tied == [("lm_head.weight", "transformer.wte.weight")]
+    assert next(wl.model.parameters()).dtype == torch.float32
+    ref = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True).eval()
+    x = torch.randint(0, corpus["vocab"], (2, SEQ))
+    assert torch.equal(wl.logits(wl.model.eval(), {"input_ids": x}), ref(input_ids=x).logits)
+    llama = build_workload(ModelConfig(name=f"hf:{save_tiny('llama', tmp_path / 'llama', corpus['vocab'])}"),
+                           lm_bundle(corpus["vocab"]))
+    assert llama.tied == [] and llama.hidden_size == 32 and llama.flops_per_item > 0
+
+
+def test_config_only_directory_trains_from_random_init(tmp_path, corpus, capsys):
+    d = save_tiny("llama", tmp_path / "scratch", corpus["vocab"], weights=False)
+    wl = build_workload(ModelConfig(name=f"hf:{d}"), lm_bundle(corpus["vocab"]))
+    assert "random initialisation" in capsys.readouterr().out
+    assert sum(p.numel() for p in wl.model.parameters()) > 0
+
+
+def test_bad_directories_and_vocabularies_are_user_errors(tmp_path, corpus):
+    with pytest.raises(ConfigError, match="is not a directory"):
+        build_workload(ModelConfig(name=f"hf:{tmp_path / 'nope'}"), lm_bundle(10))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="has no config.json"):
+        build_workload(ModelConfig(name=f"hf:{tmp_path / 'empty'}"), lm_bundle(10))
+    d = save_tiny("gpt2", tmp_path / "gpt2", corpus["vocab"])
+    with pytest.raises(ConfigError, match="larger than .* vocab_size"):
+        build_workload(ModelConfig(name=f"hf:{d}"), lm_bundle(corpus["vocab"] + 50))
+    # Token ids the embedding cannot index are refused before training, naming the file.
+    with pytest.raises(DataError, match="x.bin contains token id"):
+        build_workload(ModelConfig(name=f"hf:{d}"), lm_bundle(10, max_token=corpus["vocab"]))
+    images = DataBundle(train=None, val=None, task="classify", describe="", num_classes=3)
+    with pytest.raises(ConfigError, match="causal language model"):
+        build_workload(ModelConfig(name=f"hf:{d}"), images)
+
+
+def test_save_hf_config_makes_a_loadable_directory(tmp_path, corpus):
+    from models.hf import save_hf_config
+    from transformers import AutoConfig, AutoTokenizer
+    d = save_tiny("llama", tmp_path / "src", corpus["vocab"], tokenizer_dir=corpus["tok_dir"])
+    wl = build_workload(ModelConfig(name=f"hf:{d}"), lm_bundle(corpus["vocab"]))
+    written = save_hf_config(wl.model_config, tmp_path / "out", dtype="bfloat16")
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(written)
+    cfg = AutoConfig.from_pretrained(str(tmp_path / "out"), local_files_only=True)
+    assert cfg.model_type == "llama" and cfg.num_key_value_heads == 2 and cfg.vocab_size == corpus["vocab"]
+    assert cfg.dtype in ("bfloat16", torch.bfloat16) and cfg.use_cache
+    assert len(AutoTokenizer.from_pretrained(str(tmp_path / "out"), local_files_only=True)) == corpus["vocab"]
+    with pytest.raises(ValueError, match="hf model_config"):
+        save_hf_config({"family": "gpt"}, tmp_path / "x")
+
+
+# ----------------------------------------------------------------------------- fine-tuning on 2 processes
+
+def _val_loss(model, tokens_path: Path) -> tuple[float, int]:
+    """Mean per-sequence loss over the whole validation file, as the trainer defines it."""
+    data = build_data(DataConfig(kind="tokens", path=str(tokens_path)), SEQ, 0)
+    losses = []
+    with torch.no_grad():
+        for i in range(len(data.val)):
+            s = data.val[i]
+            logits = model(input_ids=s["input_ids"][None]).logits[0]
+            losses.append(float(F.cross_entropy(logits.float(), s["labels"])))
+    return sum(losses) / len(losses), len(losses)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("arch,stage,launcher", [("gpt2", "zero2", "torchrun"), ("llama", "zero3", "accelerate")])
+def test_finetune_and_export_loads_back_with_identical_outputs(tmp_path, corpus, arch, stage, launcher):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    src = save_tiny(arch, tmp_path / arch, corpus["vocab"], tokenizer_dir=corpus["tok_dir"])
+    ds = fp32(tmp_path, stage)
+    run_dir = tmp_path / "run"
+    args = ["--model.name", f"hf:{src}", "--data.kind", "tokens", "--data.path", str(corpus["tokens"]),
+            "--data.seq_len", str(SEQ), "--train.micro_batch_size", "4", "--train.max_steps", "20",
+            "--train.eval_every", "0", "--train.eval_batches", "null", "--optim.lr", "3e-3",
+            "--optim.warmup_steps", "2", "--train.progress", "false", "--logging.every_steps", "1",
+            "--checkpoint.save_at_end", "false", "--checkpoint.export", "true", "--checkpoint.export_dtype", "fp32",
+            "--train.run_dir", str(run_dir)]
+    if launcher == "accelerate":
+        proc = run_train(launcher, 2, args, accelerate_config=accelerate_yaml(tmp_path, ds),
+                         env={"HF_HUB_OFFLINE": "1"})
+    else:
+        proc = run_train(launcher, 2, ["--ds-config", ds, *args], env={"HF_HUB_OFFLINE": "1"})
+    if stage == "zero3":
+        # from_pretrained built the model inside deepspeed.zero.Init: every parameter a shard.
+        assert "model built partitioned by deepspeed.zero.Init" in proc.stdout
+        assert "built whole" not in proc.stdout
+    rows = metrics(run_dir)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+    val = [r for r in rows if "val/loss" in r][-1]
+
+    export = run_dir / "export"
+    model, info = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32, local_files_only=True,
+                                                       output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert AutoConfig.from_pretrained(str(export)).model_type == arch
+    assert len(AutoTokenizer.from_pretrained(str(export), local_files_only=True)) == corpus["vocab"]
+    model.eval()
+    # The exported model reproduces the 2-rank validation loss of the trained one ...
+    loss, n = _val_loss(model, corpus["tokens"])
+    assert n == val["val/samples"]
+    assert math.isclose(loss, val["val/loss"], rel_tol=1e-4), (loss, val["val/loss"])
+    # ... it was really trained (not the initial weights) ...
+    init = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32, local_files_only=True).eval()
+    assert _val_loss(init, corpus["tokens"])[0] > loss + 0.3
+    # ... and from_pretrained reads exactly the exported tensors: identical logits to a manual load.
+    manual = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(export)), dtype=torch.float32)
+    state = load_file(str(export / "model.safetensors"))
+    missing, unexpected = manual.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {a for a, _ in ([("lm_head.weight", None)] if arch == "gpt2" else [])}
+    manual.tie_weights()
+    x = torch.randint(0, corpus["vocab"], (2, SEQ))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, manual.eval()(input_ids=x).logits)
+    assert json.loads((export / "config.json").read_text())["vocab_size"] == corpus["vocab"]

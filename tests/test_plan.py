@@ -1,0 +1,172 @@
+"""zerotrain plan: model-state arithmetic against hand-computed values, the activation model
+against autograd's saved tensors, the recommendation as memory shrinks, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from train import plan
+from train.plan import Batch, Cluster, count_shape, estimate, gpt_shape, make_plan
+
+PSI, N = 1_000_000_000, 8           # 1e9 is a multiple of 2N: no flat-buffer padding
+OPTIONS = dict(plan.OPTIONS)
+
+
+def strategy(name: str, precision: str = "bf16"):
+    label = {v: k for k, v in plan.OPTIONS}[f"{name}.json"]
+    return plan.strategy_from_json(label, plan.REPO / "ds_configs" / f"{name}.json", precision)
+
+
+def states(name, precision="bf16", accum=1, psi=PSI, n=N):
+    e = estimate(count_shape(psi), strategy(name, precision), n, Batch(micro=1, seq_len=None, accum=accum))
+    return e
+
+
+def test_zero_paper_mixed_precision_model_states():
+    # ZeRO paper, mixed-precision Adam (K = 12): DDP 16Ψ, ZeRO-1 4Ψ+12Ψ/N, ZeRO-2 2Ψ+14Ψ/N, ZeRO-3 16Ψ/N.
+    assert states("ddp").model_states == 16_000_000_000
+    assert states("zero1", accum=2).model_states == 4_000_000_000 + 1_500_000_000
+    assert states("zero2").model_states == 2_000_000_000 + 1_750_000_000
+    assert states("zero3").model_states == 2_000_000_000
+    z2 = states("zero2")
+    assert (z2.params, z2.grads, z2.optimizer) == (2_000_000_000, 250_000_000, 1_500_000_000)
+
+
+def test_what_deepspeed_allocates_beyond_the_paper():
+    # ZeRO-1 reduces at the accumulation boundary only: without accumulation it holds a partition.
+    assert states("zero1", accum=1).model_states == states("zero2").model_states
+    # fp32 training: DeepSpeed still keeps a separate fp32 master partition (12 bytes/owned element).
+    assert states("zero2", "fp32").model_states == 4_000_000_000 + 500_000_000 + 1_500_000_000
+    assert states("zero3", "fp32").model_states == 500_000_000 + 500_000_000 + 1_500_000_000
+    # DDP under Accelerate autocast keeps fp32 params and grads whatever the precision.
+    assert states("ddp", "fp32").model_states == states("ddp", "bf16").model_states
+    # Reduce buckets: ds_configs/zero2.json has 5e8 elements, overlap_comm -> two bf16 buffers.
+    assert states("zero2").buffers == 2 * 500_000_000 * 2
+
+
+def test_offload_moves_optimizer_states_to_the_host():
+    z2o, z3o = states("zero2_offload"), states("zero3_offload")
+    assert z2o.model_states == 2 * PSI                          # only the bf16 params stay on the device
+    assert z2o.host == (4 + 4 + 8 + 2) * PSI // N               # master, fp32 grads, moments, bf16 staging
+    accumulating = states("zero2_offload", accum=4)                 # + bf16 per-tensor accumulators
+    assert accumulating.host == z2o.host + 2 * PSI // N
+    assert z3o.model_states == 0
+    assert z3o.host == (2 + 2 + 4 + 12) * PSI // N              # params, grads, fp32 grads, master + moments
+    assert states("zero2_offload").comm == states("zero2").comm
+
+
+def test_gpt_shapes_match_the_real_model():
+    from models.gpt import GPT, PRESETS, preset
+    from train.optim import param_groups
+    for name in ("gpt-tiny", "gpt2-124m", "gpt-1.3b", "gpt-7b"):
+        assert gpt_shape(name, PRESETS[name]).num_params == PRESETS[name].num_params()
+    for cfg in (preset("gpt-tiny"), preset("gpt-tiny", tie_embeddings=False, n_layer=3)):
+        shape = gpt_shape("x", cfg)
+        real = [[p.numel() for p in g["params"]] for g in param_groups(GPT(cfg), 0.1)]
+        assert [list(g) for g in shape.groups] == real     # same tensors, groups and order as DeepSpeed sees
+
+
+def test_zero12_partition_holds_whole_straddling_tensors():
+    # One group of tensors [10, 6], N=2: padded to 16, partitions [0,8) and [8,16).
+    assert plan._zero12_partition([(10, 6)], 2, 0) == (8, 10)
+    assert plan._zero12_partition([(10, 6)], 2, 1) == (8, 16)
+
+
+def test_zero3_keeps_small_tensors_whole():
+    from models.gpt import preset
+    cfg = preset("gpt-tiny", d_model=256)     # proj (65k) and tok_emb (65k) are under the 1e5 threshold
+    shape = gpt_shape("x", cfg)
+    e = estimate(shape, strategy("zero3", "fp32"), 2, Batch(1, 64))
+    persistent = sum(t for t in shape.tensors if t <= 100_000)
+    assert 0 < persistent < shape.num_params
+    assert e.params == 4 * sum(-(-t // 2) for t in shape.tensors) + 4 * persistent
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_estimate_matches_saved_tensors(dtype):
+    import torch.nn.functional as F
+    from models.gpt import GPT, preset
+    cfg = preset("gpt-tiny", d_model=128, n_layer=3, seq_len=32)
+    model = GPT(cfg).to(dtype).train()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    idx = torch.randint(0, 256, (4, 32))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(idx).float()
+        F.cross_entropy(out.view(-1, out.size(-1)), idx.view(-1))
+    elem = 4 if dtype == torch.float32 else 2
+    predicted = plan.activation_bytes(cfg, Batch(4, 32), elem)
+    # The estimate adds the head's backward transients (fp32 log-prob grad + logits) on top.
+    transients = 4 * 32 * (4 + elem) * cfg.vocab_size
+    assert abs(predicted - transients - sum(saved.values())) / sum(saved.values()) < 0.03
+
+
+def test_recommendation_moves_from_ddp_to_zero_to_offload_as_memory_shrinks():
+    from models.gpt import PRESETS
+    shape = gpt_shape("gpt-1.3b", PRESETS["gpt-1.3b"])
+    batch = Batch(micro=1, seq_len=2048, accum=2, checkpointing=True)
+
+    def pick(gib, devices=8):
+        p = make_plan(shape, Cluster(1, devices, int(gib * 2**30), 512 * 2**30), batch)
+        return p.recommended.strategy.label if p.recommended else None
+
+    # 8 devices: model states 16Ψ (DDP) -> 4Ψ+12Ψ/N -> 2Ψ+14Ψ/N -> 16Ψ/N -> offloaded.
+    assert [pick(g) for g in (80, 12, 9, 6.5, 4, 1)] == [
+        "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 + param/opt offload", None]
+    # One device: partitioning saves nothing, offloading the optimizer does.
+    assert [pick(g, devices=1) for g in (40, 8)] == ["DDP", "ZeRO-2 + opt offload"]
+    # The recommendation is the fastest option that fits with the headroom.
+    p = make_plan(shape, Cluster(1, 8, 9 * 2**30, None), batch)
+    fits = [r for r in p.rows if r.device_total <= 0.9 * 9 * 2**30]
+    assert p.recommended is fits[0] and all(r.fits == (r in fits) for r in p.rows)
+
+
+def test_cli_json_and_table(capsys):
+    assert plan.main(["gpt-1.3b", "--device-mem", "40GB", "--gpus-per-node", "8", "--micro-batch", "2",
+                      "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [o["option"] for o in out["options"]] == [label for label, _ in plan.OPTIONS]
+    assert out["world"] == 8 and out["cluster"]["device_mem"] == 40 * 10**9
+    assert out["recommended"] in [o["option"] for o in out["options"] if o["fits"]]
+    assert plan.main(["350M", "--device-mem", "16GiB", "--gpus-per-node", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "ZeRO-3 + param/opt offload" in text and "recommended:" in text and "activations unknown" in text
+
+
+def test_cli_reads_a_run_file(tmp_path, capsys):
+    run = tmp_path / "run.yaml"
+    run.write_text("model: {name: gpt2-124m}\ntrain: {micro_batch_size: 4, grad_accum_steps: 2}\n"
+                   "data: {seq_len: 512}\n")
+    assert plan.main([str(run), "--device-mem", "24GB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["batch"] == {"micro": 4, "seq_len": 512, "accum": 2, "checkpointing": False}
+    assert out["model"] == "gpt2-124m"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["gpt-13b"], ["gpt-1.3b", "preset"]),
+    (["gpt2-124m", "--device-mem", "80XB"], ["--device-mem", "80GB"]),
+    (["gpt2-124m", "--gpu-per-node", "8"], ["--gpus-per-node"]),
+    ([], ["needs a MODEL"]),
+    (["gpt-tiny", "--seq-len", "4096"], ["context length"]),
+])
+def test_cli_errors_say_what_to_fix(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        plan.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+def test_plan_is_a_zerotrain_command():
+    from train.cli import COMMANDS
+    assert COMMANDS["plan"][:2] == ("train.plan", "main")

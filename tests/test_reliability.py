@@ -1,0 +1,294 @@
+"""Reliability catalogue (issue 8): every bad input and injected fault, and what it produced.
+
+Bad input must give one readable line (file / key / what is wrong / how to fix), exit code 2,
+no traceback, and lose nothing already saved. Faults must not hang and must not lose work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import MAIN, REPO, TINY, test_env
+from train.check import main as check_main
+from train.main import main as train_main
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """main() normalises RANK/WORLD_SIZE/... in os.environ; keep the test process clean."""
+    saved = dict(os.environ)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def run_main(capsys, argv) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        train_main(argv)
+    err = capsys.readouterr().err
+    return e.value.code, err
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def ds(tmp_path, body: dict, name="ds.json"):
+    return write(tmp_path, name, json.dumps(body))
+
+
+BAD_CONFIGS = {
+    # name: (argv builder, substring of the message)
+    "malformed yaml": (lambda t: ["--config", write(t, "run.yaml", "train:\n  max_steps: 3\n   x: 1\n")],
+                       "run.yaml:3:"),
+    "malformed json": (lambda t: ["--config", write(t, "run.json", '{"train": {"max_steps": 3,}}')],
+                       "run.json:1:"),
+    "unknown key": (lambda t: ["--config", write(t, "run.yaml", "train:\n  max_step: 3\n")],
+                    'unknown key "train.max_step" (did you mean "max_steps"?)'),
+    "unknown flag": (lambda t: ["--optim.lrr", "1"], 'unknown option "--optim.lrr" (did you mean "lr"?)'),
+    "wrong type": (lambda t: ["--train.micro_batch_size", "big"], "train.micro_batch_size must be an integer"),
+    "zero size": (lambda t: ["--train.micro_batch_size", "0"], "train.micro_batch_size must be a positive"),
+    "negative lr": (lambda t: ["--optim.lr", "-1"], "optim.lr must be > 0"),
+    "micro-batch contradiction": (
+        lambda t: ["--ds-config", ds(t, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}),
+                   "--train.micro_batch_size", "4"],
+        '"train_micro_batch_size_per_gpu": 2 contradicts the run config train.micro_batch_size = 4'),
+    "accumulation contradiction": (
+        lambda t: ["--ds-config", ds(t, {"gradient_accumulation_steps": 8, "zero_optimization": {"stage": 1}})],
+        '"gradient_accumulation_steps": 8 contradicts'),
+    "global batch not divisible": (lambda t: ["--train.global_batch_size", "10", "--train.micro_batch_size", "4"],
+                                   "train.global_batch_size=10 is not divisible"),
+    "zero-3 key in stage-2 file": (
+        lambda t: ["--ds-config", ds(t, {"zero_optimization": {"stage": 2, "stage3_max_live_parameters": 1e9}})],
+        "zero_optimization.stage3_max_live_parameters only apply to ZeRO-3"),
+    "offload with a non-offloadable optimizer": (
+        lambda t: ["--ds-config", ds(t, {"optimizer": {"type": "SGD"},
+                                         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})],
+        '"optimizer.type" \'SGD\' is not supported'),
+    "fp16 on cpu": (lambda t: ["--ds-config", ds(t, {"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}})],
+                    "fp16 needs a CUDA GPU"),
+    "missing ds config": (lambda t: ["--ds-config", str(t / "nope.json")], "nope.json not found"),
+    "run dir not writable": (lambda t: ["--train.run_dir", "/proc/zerotrain-run"], "is not writable"),
+    "missing text data": (lambda t: ["--data.path", str(t / "no-such-dir")], "no-such-dir does not exist"),
+    "sequence longer than the context": (lambda t: ["--model.name", "gpt-tiny", "--data.seq_len", "65"],
+                                         "data.seq_len 65 exceeds the model's context length 64"),
+    "unknown model": (lambda t: ["--model.name", "gpt-tiniest"], 'model.name "gpt-tiniest" is unknown'),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_configuration_gives_one_clear_line_and_exit_2(case, tmp_path, capsys, clean_env):
+    argv_of, needle = BAD_CONFIGS[case]
+    argv = argv_of(tmp_path)
+    if "--train.run_dir" not in argv:
+        argv += ["--train.run_dir", str(tmp_path / "run")]
+    code, err = run_main(capsys, argv + ["--data.max_bytes", "20000"])
+    assert code == 2, err
+    assert needle in err, err
+    assert err.startswith("zerotrain: error: ") and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_bad_input_from_a_real_process_has_no_traceback_unless_debug(tmp_path):
+    base = [sys.executable, MAIN, "--optim.lrr", "1"]
+    p = subprocess.run(base, capture_output=True, text=True, env=test_env(), timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        'zerotrain: error: unknown option "--optim.lrr" (did you mean "lr"?); valid keys under optim: '
+        'lr, min_lr, warmup_steps, schedule, weight_decay, betas, eps']
+    p = subprocess.run(base + ["--debug"], capture_output=True, text=True, env=test_env(), timeout=120)
+    assert p.returncode != 0 and "Traceback" in p.stderr
+
+
+HOSTFILES = {
+    "syntax error": ("node0 slots=2\nnode1 slot=2\n", "hostfile:2: cannot parse \"node1 slot=2\""),
+    "zero slots": ("node0 slots=2\nnode1 slots=0\n", "host node1 has slots=0"),
+    "duplicate host": ("node0 slots=2\nnode0 slots=2\n", "host node0 is listed twice"),
+    "empty": ("# nothing\n\n", "no hosts"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTFILES))
+def test_bad_hostfile_is_caught_by_zerotrain_check(case, tmp_path, capsys):
+    text, needle = HOSTFILES[case]
+    with pytest.raises(SystemExit) as e:
+        check_main(["--hostfile", write(tmp_path, "hostfile", text)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err, err
+
+
+def test_accelerate_yaml_disagreeing_with_hostfile_is_caught(tmp_path, capsys):
+    hf = write(tmp_path, "hostfile", "node0 slots=2\nnode1 slots=2\n")
+    yaml_path = str(REPO / "ds_configs" / "accelerate" / "multinode_zero2.yaml")  # says 16 processes
+    with pytest.raises(SystemExit) as e:
+        check_main(["--hostfile", hf, "--accelerate-config", yaml_path])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "num_processes: 16 but the hostfile has 4 slots" in err
+    good = write(tmp_path, "acc.yaml", open(yaml_path).read().replace("num_processes: 16", "num_processes: 4"))
+    assert check_main(["--hostfile", hf, "--accelerate-config", good, "--config",
+                       str(REPO / "examples" / "default.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-2 (bf16) at world size 4" in out
+
+
+# ---------------------------------------------------------------------------- numerical faults
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_nan_steps_are_skipped_then_the_run_stops_with_the_last_good_state(strategy, tmp_path, fp32_configs):
+    """Rank 0's loss is NaN at step 3, then at 5 and 6: step 3 is skipped on every rank (the
+    weights stay as they were), training goes on; two in a row hit train.max_bad_steps=2, and
+    the run stops with exit 3, a message, and a checkpoint of the last good weights."""
+    from conftest import metrics, run_train
+    run = tmp_path / "run"
+    proc = run_train("torchrun", 2, [*TINY, "--ds-config", fp32_configs[strategy], "--train.max_steps", "10",
+                                     "--train.eval_every", "0", "--train.max_bad_steps", "2",
+                                     "--checkpoint.save_at_end", "true", "--train.run_dir", str(run)],
+                     env={"ZEROTRAIN_INJECT_NAN": "3,5,6"}, check=False)
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "zerotrain: error: training diverged at step 6: 2 consecutive non-finite steps" in err, err[-3000:]
+    assert "step 3: non-finite gradient norm" in proc.stdout
+    rows = {r["step"]: r for r in metrics(run) if "loss" in r}
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    assert rows[3]["skipped_steps"] == 1 and rows[6]["skipped_steps"] == 3
+    assert rows[3]["grad_norm"] in ("nan", "inf") or rows[3]["grad_norm"] != rows[3]["grad_norm"]
+    assert isinstance(rows[4]["loss"], float) and rows[4]["loss"] == rows[4]["loss"]  # finite again after a skip
+    # The stop left a complete checkpoint; it resumes (exit 0) and finishes the run.
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+    if strategy == "ddp":
+        return  # resuming is the same code for every strategy (tests/test_checkpoint.py); one launch less
+    done = run_train("torchrun", 2, [*TINY, "--ds-config", fp32_configs[strategy], "--train.max_steps", "8",
+                                     "--train.eval_every", "0", "--train.run_dir", str(run), "--resume", "auto"])
+    assert done.returncode == 0
+    resumed = {r["step"]: r["loss"] for r in metrics(run) if "loss" in r and r["step"] > 6}
+    assert sorted(resumed) == [7, 8] and all(v == v for v in resumed.values())
+
+
+# ---------------------------------------------------------------------------- process faults
+
+def _start(args, env=None):
+    from conftest import launch_cmd
+    return subprocess.Popen(launch_cmd("torchrun", 2, args), cwd=REPO, env=test_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_for_step(run, step, proc, timeout=300):
+    import time
+    from conftest import metrics
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early:\n{proc.stdout.read()[-3000:]}")
+        try:
+            if any(r.get("step", 0) >= step and "loss" in r for r in metrics(run)):
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def _rank_pids(run):
+    from conftest import rank_infos
+    return [i["pid"] for i in rank_infos(run)]
+
+
+@pytest.mark.multiproc
+def test_sigterm_finishes_the_step_checkpoints_and_exits_0(tmp_path, fp32_configs):
+    """A scheduler's preemption signal to the ranks: they agree on a step, save, exit 0, and
+    --resume auto continues from exactly that step."""
+    import signal
+    from conftest import metrics, run_train
+    run = tmp_path / "run"
+    args = [*TINY, "--ds-config", fp32_configs["zero2"], "--train.max_steps", "100000", "--train.eval_every", "0",
+            "--logging.every_steps", "1", "--train.run_dir", str(run)]
+    proc = _start(args)
+    _wait_for_step(run, 5, proc)
+    for pid in _rank_pids(run):
+        os.kill(pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-3000:]
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    stopped = int(latest.split("_")[1])
+    assert stopped >= 5 and "(stopped by signal: resume with --resume auto)" in out
+    assert max(r["step"] for r in metrics(run) if "loss" in r) == stopped   # nothing ran past the save
+    run_train("torchrun", 2, [*args[:-2], "--train.max_steps", str(stopped + 2), "--train.run_dir", str(run),
+                              "--resume", "auto"])
+    after = sorted(r["step"] for r in metrics(run) if "loss" in r and r["step"] > stopped)
+    assert after == [stopped + 1, stopped + 2]
+
+
+@pytest.mark.multiproc
+def test_disk_full_while_saving_says_so_and_keeps_the_previous_checkpoint(tmp_path, fp32_configs):
+    """The run dir on a 2.4 MiB tmpfs: the step-3 checkpoint (1.4 MiB) fits, the step-6 one cannot.
+    The error names the problem, the partial save is cleaned up, and the first checkpoint
+    still loads (copied to a roomy disk and resumed)."""
+    import shutil
+    from conftest import run_train
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2400k", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount tmpfs here")
+    try:
+        run = mnt / "run"
+        proc = run_train("torchrun", 2, [*TINY, "--ds-config", fp32_configs["zero2"], "--train.max_steps", "6",
+                                         "--train.eval_every", "0", "--checkpoint.every_steps", "3",
+                                         "--checkpoint.keep_last", "2", "--checkpoint.save_at_end", "true",
+                                         "--train.run_dir", str(run)], check=False)
+        assert proc.returncode != 0, proc.stderr[-3000:]   # ranks exit 2; torchrun itself reports 1
+        assert "disk full" in proc.stderr and "step_00000003" in proc.stderr, proc.stderr[-3000:]
+        ckpts = run / "checkpoints"
+        assert (ckpts / "latest").read_text().strip() == "step_00000003"
+        assert not any(p.name.startswith(".tmp") for p in ckpts.iterdir())   # no half-written save left
+        roomy = tmp_path / "roomy"
+        shutil.copytree(run, roomy)
+    finally:
+        subprocess.run(["umount", str(mnt)])
+    run_train("torchrun", 2, [*TINY, "--ds-config", fp32_configs["zero2"], "--train.max_steps", "4",
+                              "--train.eval_every", "0", "--train.run_dir", str(roomy), "--resume", "auto"])
+
+
+# ---------------------------------------------------------------------------- long run
+
+@pytest.mark.soak
+@pytest.mark.multiproc
+def test_soak_kill_one_rank_then_resume_matches_an_uninterrupted_run(tmp_path, fp32_configs):
+    """240 steps over more than one epoch, evaluation and checkpoints every 60 steps. One rank
+    is SIGKILLed after step 130: the other exits within the collective timeout instead of
+    hanging, `--resume auto` continues from step 120, and every loss after that - and the
+    final validation loss - equals the uninterrupted run's exactly."""
+    import signal
+    from conftest import metrics, run_train
+    common = [*TINY, "--ds-config", fp32_configs["zero2"], "--data.max_bytes", "100000", "--train.max_steps", "240",
+              "--train.eval_every", "60", "--checkpoint.every_steps", "60", "--checkpoint.keep_last", "2",
+              "--logging.every_steps", "1", "--model.dropout", "0.1", "--distributed.timeout_s", "60"]
+    ref = tmp_path / "ref"
+    run_train("torchrun", 2, [*common, "--train.run_dir", str(ref)])
+    run = tmp_path / "run"
+    proc = _start([*common, "--train.run_dir", str(run)])
+    _wait_for_step(run, 130, proc)
+    os.kill(_rank_pids(run)[1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=240)   # bounded: a hang would time out here
+    assert proc.returncode != 0
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000120"
+    run_train("torchrun", 2, [*common, "--train.run_dir", str(run), "--resume", "auto"])
+
+    def by_step(rows, key):
+        return {r["step"]: r[key] for r in rows if key in r}
+    ref_rows, run_rows = metrics(ref), metrics(run)
+    ref_loss, run_loss = by_step(ref_rows, "loss"), by_step(run_rows, "loss")
+    # Rows logged again after the resume (121..240) replace the killed attempt's.
+    assert {s: run_loss[s] for s in range(121, 241)} == {s: ref_loss[s] for s in range(121, 241)}
+    assert by_step(run_rows, "val/loss")[240] == by_step(ref_rows, "val/loss")[240]
+    assert by_step(ref_rows, "epoch")[240] >= 1   # the run crossed an epoch boundary

@@ -1,0 +1,131 @@
+"""`zerotrain check`: validate a launch before spending cluster time on it.
+
+    zerotrain check --config run.yaml --ds-config ds_configs/zero3.json --hostfile hostfile \
+                    [--accelerate-config ds_configs/accelerate/multinode_zero2.yaml] [--cuda]
+
+Checks the run file, the DeepSpeed JSON against the run config at the world size the
+hostfile / accelerate YAML implies, the hostfile syntax, and that the accelerate YAML
+agrees with the hostfile. Exit 0 when everything is consistent, 2 with one message per
+problem otherwise. Nothing is launched and no GPU is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from train.errors import ConfigError
+
+HOST_LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.\-:\[\]]+)\s+slots\s*=\s*(?P<slots>-?\d+)\s*$")
+
+
+@dataclass
+class Host:
+    name: str
+    slots: int
+
+
+def parse_hostfile(path: str | Path) -> list[Host]:
+    """DeepSpeed hostfile: `<host> slots=<n>` per line; `#` comments and blank lines allowed."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"hostfile {path} not found")
+    hosts, seen = [], {}
+    for n, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = HOST_LINE.match(line)
+        if not m:
+            raise ConfigError(f'{path}:{n}: cannot parse "{raw.strip()}"; each line must be '
+                              f'"<hostname> slots=<processes>", e.g. "node0 slots=8"')
+        host, slots = m["host"], int(m["slots"])
+        if slots <= 0:
+            raise ConfigError(f"{path}:{n}: host {host} has slots={slots}; every host needs at least 1 slot "
+                              f"(remove the line to leave the host out)")
+        if host in seen:
+            raise ConfigError(f"{path}:{n}: host {host} is listed twice (first on line {seen[host]})")
+        seen[host] = n
+        hosts.append(Host(host, slots))
+    if not hosts:
+        raise ConfigError(f"{path}: no hosts (expected lines like \"localhost slots=2\")")
+    return hosts
+
+
+def check_accelerate_yaml(path: str | Path, hosts: list[Host] | None, ds_config: str | None) -> dict:
+    from train.config import read_mapping
+    cfg = read_mapping(path)
+    problems = []
+    nproc, nmach = cfg.get("num_processes"), cfg.get("num_machines", 1)
+    if hosts is not None:
+        total = sum(h.slots for h in hosts)
+        if nproc is not None and nproc != total:
+            problems.append(f"{path}: num_processes: {nproc} but the hostfile has {total} slots in total "
+                            f"({', '.join(f'{h.name}={h.slots}' for h in hosts)}); num_processes counts all machines")
+        if nmach != len(hosts):
+            problems.append(f"{path}: num_machines: {nmach} but the hostfile lists {len(hosts)} host(s)")
+    dsc = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if cfg.get("distributed_type") == "DEEPSPEED":
+        if not dsc:
+            problems.append(f"{path}: distributed_type DEEPSPEED needs deepspeed_config.deepspeed_config_file "
+                            f"(one of ds_configs/*.json)")
+        elif not Path(dsc).is_file():
+            problems.append(f"{path}: deepspeed_config_file {dsc} not found (paths are relative to the "
+                            f"directory you launch from)")
+        elif ds_config and Path(ds_config).resolve() != Path(dsc).resolve():
+            problems.append(f"{path}: deepspeed_config_file {dsc} differs from --ds-config {ds_config}")
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return cfg
+
+
+def run_checks(args) -> list[str]:
+    from train.config import load_config
+    from train.dsconfig import resolve
+    ok = []
+    hosts = None
+    if args.hostfile:
+        hosts = parse_hostfile(args.hostfile)
+        ok.append(f"hostfile {args.hostfile}: {len(hosts)} host(s), {sum(h.slots for h in hosts)} slots")
+    acc = None
+    if args.accelerate_config:
+        acc = check_accelerate_yaml(args.accelerate_config, hosts, args.ds_config)
+        ok.append(f"accelerate config {args.accelerate_config}: {acc.get('distributed_type')}, "
+                  f"{acc.get('num_processes')} processes on {acc.get('num_machines', 1)} machine(s)")
+    world = args.world_size or (sum(h.slots for h in hosts) if hosts else None) or \
+        (acc or {}).get("num_processes") or 1
+    cfg = load_config(args.config, [])
+    ok.append(f"run config {args.config or '(defaults)'}: valid")
+    ds_path = args.ds_config or ((acc or {}).get("deepspeed_config") or {}).get("deepspeed_config_file") \
+        or cfg.distributed.ds_config or "ds_configs/zero2.json"
+    batch = cfg.train.batch(world)
+    ds = resolve(ds_path, cfg, batch, cfg.train.max_steps, cuda=args.cuda)
+    ok.append(f"{ds_path}: {ds.describe()} at world size {world}: micro {batch.micro} x accum {batch.accum} "
+              f"x world {world} = global {batch.global_size}")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    from train.cli import user_errors
+    p = argparse.ArgumentParser(prog="zerotrain check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="run file (YAML/JSON)")
+    p.add_argument("--ds-config", help="DeepSpeed JSON")
+    p.add_argument("--hostfile", help="DeepSpeed hostfile")
+    p.add_argument("--accelerate-config", help="accelerate launch YAML")
+    p.add_argument("--world-size", type=int, help="total processes (default: from the hostfile / YAML)")
+    p.add_argument("--cuda", action="store_true", help="check for a CUDA cluster (allows fp16) from a CPU machine")
+    args = p.parse_args(argv)
+    if args.cuda is False:
+        import torch
+        args.cuda = torch.cuda.is_available()
+    with user_errors():
+        for line in run_checks(args):
+            print(f"ok  {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,464 @@
+"""Resumable checkpoints: save / load (resume) / export / prune. Layout and guarantees:
+docs/checkpoints.md.
+
+Every rank writes the part of the state it owns (no rank gathers the model or the
+optimizer), as safetensors pieces keyed by parameter name and element range, so a
+checkpoint taken with N processes under ZeRO-k loads on M processes under any stage or
+DDP. A save goes to `.tmp-step_X`, every file is fsynced, rank 0 writes the manifest
+(sizes + sha256) last, renames the directory into place, then moves `latest` and prunes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from train import ckpt_io as io
+from train.ckpt_state import MOMENTS, make_holder, persistent_buffers
+from train.errors import CheckpointError, ConfigError
+
+KILL_ENV = "ZEROTRAIN_INJECT_KILL_IN_SAVE"  # "<step>": SIGKILL each rank after its first file of that save
+
+
+# ---------------------------------------------------------------------------- collectives (no-ops alone)
+
+def _pg():
+    d = torch.distributed
+    return d if d.is_available() and d.is_initialized() else None
+
+
+def _reduce_max(t: torch.Tensor, device) -> torch.Tensor:
+    d = _pg()
+    if d is None:
+        return t
+    t = t.to(device)
+    d.all_reduce(t, op=d.ReduceOp.MAX)
+    return t.cpu()
+
+
+def _barrier():
+    d = _pg()
+    if d is not None:
+        d.barrier()
+
+
+def shape_mismatch(expected: dict, found: dict, what_expected: str, what_found: str, limit: int = 8) -> str | None:
+    """A readable diff of two {name: shape} maps, or None when they agree."""
+    missing = [n for n in expected if n not in found]
+    extra = [n for n in found if n not in expected]
+    shapes = [f"{n}: {what_expected} {list(expected[n])} vs {what_found} {list(found[n])}"
+              for n in expected if n in found and tuple(expected[n]) != tuple(found[n])]
+    if not (missing or extra or shapes):
+        return None
+
+    def lines(title, items):
+        more = f"\n    ... and {len(items) - limit} more" if len(items) > limit else ""
+        return f"  {title} ({len(items)}):\n" + "\n".join(f"    {x}" for x in items[:limit]) + more
+
+    parts = []
+    if missing:
+        parts.append(lines(f"in {what_expected} only", missing))
+    if extra:
+        parts.append(lines(f"in {what_found} only", extra))
+    if shapes:
+        parts.append(lines("different shapes", shapes))
+    return "\n".join(parts)
+
+
+def verify(ckpt: Path, manifest: dict, rank: int = 0, world: int = 1, device="cpu"):
+    """Check every file against the manifest (size, sha256) before anything is loaded. Ranks
+    split the hashing, then agree on which files are damaged; the error names them."""
+    names = sorted(manifest["files"])
+    if io.META not in names:
+        raise io.damaged_error(ckpt, [f"{io.MANIFEST} does not list {io.META}"])
+    bad, why = torch.zeros(len(names), dtype=torch.int32), {}
+    for i, n in enumerate(names):
+        if i % world == rank:
+            problem = io.check_file(ckpt, n, manifest["files"][n])
+            if problem:
+                bad[i], why[i] = 1, problem
+    bad = _reduce_max(bad, device) if world > 1 else bad
+    problems = [why.get(i, f"{ckpt / names[i]} failed verification (size or checksum)")
+                for i in range(len(names)) if bad[i]]
+    if problems:
+        raise io.damaged_error(ckpt, problems)
+
+
+class Checkpointer:
+    def __init__(self, trainer):
+        self.t = trainer
+        self.cfg = trainer.cfg.checkpoint
+        self.root = Path(trainer.run_dir) / "checkpoints"
+        self.rank, self.world = trainer.topo.rank, trainer.topo.world_size
+        self.is_main = self.rank == 0
+        self._holder = None
+        self._pending_rng = None
+        self._last_saved: Path | None = None
+
+    @property
+    def holder(self):
+        if self._holder is None:
+            t = self.t
+            self._holder = make_holder(t.model, self.raw_model, t.raw_optimizer, t.ds, self.rank, self.world)
+        return self._holder
+
+    @property
+    def raw_model(self):
+        return self.t.acc.unwrap_model(self.t.model)
+
+    def _say(self, msg: str):
+        if self.is_main:
+            print(f"zerotrain: {msg}", flush=True)
+
+    # ------------------------------------------------------------------ save
+    def save(self, state) -> Path:
+        t0 = time.perf_counter()
+        name = io.step_dir_name(state.step)
+        final, tmp = self.root / name, self.root / (io.TMP_PREFIX + name)
+
+        def prepare():
+            if self.is_main:
+                self.root.mkdir(parents=True, exist_ok=True)
+                for stale in self.root.glob(io.TMP_PREFIX + "*"):  # left by a save that was killed
+                    io.remove_tree(stale)
+                tmp.mkdir()
+
+        # Each _agree ends in a collective: the directory exists before anyone writes, every
+        # rank's files are durable before rank 0 declares the checkpoint complete, and nobody
+        # returns before it is.
+        try:
+            self._agree(prepare, f"creating {tmp}")
+            self._agree(lambda: io.write_json(tmp / f".part-rank{self.rank:05d}.json",
+                                              self._write_rank_files(tmp, state)), f"writing checkpoint {final}")
+            nbytes = self._agree(lambda: self._commit(tmp, final, state.step) if self.is_main else 0,
+                                 f"completing checkpoint {final}")
+        except CheckpointError:
+            if self.is_main and tmp.exists():  # give the space back; `latest` still names the previous save
+                io.remove_tree(tmp)
+            raise
+        self._last_saved = final
+        dt = time.perf_counter() - t0
+        if self.is_main:
+            self._say(f"checkpoint {final} saved ({nbytes / 2**20:.1f} MiB in {dt:.2f} s)")
+            self.t.loggers.log({"checkpoint/save_s": dt, "checkpoint/bytes": nbytes}, state.step)
+        return final
+
+    def _agree(self, fn, what: str):
+        """Run fn on every rank; if it fails anywhere, every rank raises (nobody hangs in a barrier)."""
+        err, out = None, None
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+            err = e
+        failed = _reduce_max(torch.tensor([int(err is not None)]), self.t.acc.device)
+        if err is not None:
+            # safetensors reports ENOSPC as SafetensorError("... No space left on device (os error 28)").
+            if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "(os error 28)" in str(err):
+                prev = self.latest_path()
+                raise CheckpointError(f"{what} failed: disk full (no space left on {self.root}); "
+                                      + (f"the previous checkpoint {prev} is intact; " if prev else "")
+                                      + "free space or point train.run_dir at a larger disk, then --resume auto") \
+                    from None
+            if isinstance(err, (OSError, CheckpointError)) or type(err).__name__ == "SafetensorError":
+                raise CheckpointError(f"{what} failed: {err}") from None
+            raise err  # a bug, not the disk: keep the traceback
+        if int(failed[0]):
+            raise CheckpointError(f"{what} failed on another rank (see its error)")
+        return out
+
+    def _write_rank_files(self, tmp: Path, state) -> dict:
+        from huggingface_hub import split_torch_state_dict_into_shards
+        sources, skeleton = {}, {}
+        for s in self.holder.slots:
+            a, b = s.save
+            if b <= a:
+                continue
+            for kind in ("param",) + (MOMENTS if s.trainable else ()):
+                key = io.piece_key(kind, s.name, a)
+                sources[key] = (s, kind)
+                skeleton[key] = torch.empty(b - a, dtype=torch.float32, device="meta")
+        if self.is_main:
+            for name, buf in persistent_buffers(self.raw_model):
+                key = io.piece_key("buffer", name, 0)
+                sources[key] = buf
+                skeleton[key] = torch.empty(buf.numel(), dtype=buf.dtype, device="meta")
+        # Files of at most max_shard_size: the host copy of one file is the save's extra memory.
+        split = split_torch_state_dict_into_shards(skeleton, filename_pattern=f"rank{self.rank:05d}{{suffix}}.safetensors",
+                                                   max_shard_size=self.cfg.max_shard_size)
+        kill_at = os.environ.get(KILL_ENV)
+        records = {}
+        for fname, keys in split.filename_to_tensors.items():
+            tensors = {k: self._piece(sources[k]) for k in keys}
+            records[fname] = io.save_tensors(tensors, tmp / fname)
+            del tensors
+            if kill_at and int(kill_at) == state.step:
+                os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the crash-safety test
+        rng_name = f"rng/rank{self.rank:05d}.json"
+        records[rng_name] = io.write_json(tmp / rng_name, io.rng_state())
+        if self.is_main:
+            records[io.META] = io.write_json(tmp / io.META, self._meta(state))
+        return records
+
+    def _piece(self, src) -> torch.Tensor:
+        if isinstance(src, tuple):
+            slot, kind = src
+            return self.holder.read(slot, kind)
+        return src.detach().reshape(-1).cpu().clone()
+
+    def _commit(self, tmp: Path, final: Path, step: int) -> int:
+        files = {}
+        for r in range(self.world):
+            part = tmp / f".part-rank{r:05d}.json"
+            if not part.is_file():
+                raise CheckpointError(f"rank {r}'s files are not visible from rank 0 in {tmp}: every node must write "
+                                      f"to the same filesystem; put train.run_dir on shared storage")
+            files.update(io.read_json(part, "checkpoint part list"))
+        io.write_json(tmp / io.MANIFEST, {"format": io.FORMAT, "version": io.VERSION, "step": step,
+                                          "world_size": self.world, "files": dict(sorted(files.items()))})
+        for r in range(self.world):
+            (tmp / f".part-rank{r:05d}.json").unlink()
+        io.fsync_path(tmp / "rng")
+        io.fsync_path(tmp)
+        old = None
+        if final.exists():  # the same step saved again (e.g. after resuming): replace it whole
+            old = final.with_name(io.TMP_PREFIX + "old-" + final.name)
+            io.remove_tree(old)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        io.fsync_path(self.root)
+        io.replace_text(self.root / io.LATEST, final.name + "\n")
+        if old is not None:
+            io.remove_tree(old)
+        self.prune(keep_step=step)
+        return sum(f["size"] for f in files.values())
+
+    def prune(self, keep_step: int | None = None):
+        """Delete all but the newest `keep_last` complete checkpoints up to `keep_step` (rank 0).
+        Later steps (left by an attempt this run was resumed before) are kept but no longer
+        `latest`, so --resume auto does not jump back to them."""
+        if not self.is_main:
+            return
+        done = [(s, d) for s, d in io.complete_checkpoints(self.root) if keep_step is None or s <= keep_step]
+        for _, d in done[:-self.cfg.keep_last]:
+            io.remove_tree(d)
+
+    def _meta(self, state) -> dict:
+        t, h = self.t, self.holder
+        return {
+            "format": io.FORMAT, "version": io.VERSION, "step": state.step, "train_state": state.to_dict(),
+            "world_size": self.world, "holder": h.name,
+            "strategy": {"backend": t.ds.backend, "zero_stage": t.ds.stage, "precision": t.ds.precision},
+            "params": {s.name: {"shape": list(s.shape), "trainable": s.trainable,
+                                **({"optimizer_step": h.step_of(s)} if s.trainable else {})} for s in h.slots},
+            "buffers": {n: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
+                        for n, b in persistent_buffers(self.raw_model)},
+            "moments": list(MOMENTS),
+            "model": {"family": t.workload.family, "config": t.workload.model_config,
+                      "tied": [list(x) for x in t.workload.tied]},
+            "data": {"global_batch": t.sampler.global_batch, "num_samples": t.sampler.num_samples,
+                     "steps_per_epoch": t.sampler.steps_per_epoch, "seed": t.sampler.seed},
+            "engine": self._engine_counters(),
+            "loss_scaler": self._scaler_state(),
+            "config": getattr(t, "resolved_config", None),
+        }
+
+    # ------------------------------------------------------------------ load
+    def resume(self, spec: str, load_optimizer: bool = True) -> Path | None:
+        """checkpoint.resume: "none", "auto" (newest complete checkpoint of this run, if any) or a path."""
+        if spec == "none":
+            return None
+        if spec == "auto":
+            ckpt = io.newest_checkpoint(self.root)
+            if ckpt is None:
+                self._say(f"--resume auto: no checkpoint in {self.root} yet, starting from scratch")
+                return None
+        else:
+            ckpt = io.resolve_checkpoint(spec)
+        return self.load(ckpt, load_optimizer)
+
+    def load(self, path, load_optimizer: bool = True) -> Path:
+        t0 = time.perf_counter()
+        ckpt = io.resolve_checkpoint(path)
+        manifest = io.read_manifest(ckpt)
+        verify(ckpt, manifest, self.rank, self.world, self.t.acc.device)
+        meta = io.read_json(ckpt / io.META, "checkpoint metadata")
+        self._check_fits(ckpt, meta)
+        reader = io.PieceReader([ckpt / f for f in manifest["files"] if f.endswith(".safetensors")])
+        try:
+            self._restore_tensors(reader, meta, load_optimizer)
+        finally:
+            reader.close()
+        self._restore_counters(meta)
+        rng = ckpt / "rng" / f"rank{self.rank:05d}.json"
+        # RNG streams only mean something for the same ranks; another world size keeps fresh seeds.
+        self._pending_rng = io.read_json(rng, "RNG state") if meta["world_size"] == self.world and rng.is_file() else None
+        _barrier()
+        st = self.t.state
+        how = "" if load_optimizer else " (weights only: fresh optimizer moments)"
+        self._say(f"resumed from {ckpt}{how}: step {st.step}, epoch {st.epoch} (+{st.offset} samples), "
+                  f"saved by {meta['world_size']} process(es) [{meta['holder']}], loaded in "
+                  f"{time.perf_counter() - t0:.2f} s")
+        return ckpt
+
+    def _check_fits(self, ckpt: Path, meta: dict):
+        want = {n: tuple(p["shape"]) for n, p in meta["params"].items()}
+        have = {s.name: tuple(s.shape) for s in self.holder.slots}
+        diff = shape_mismatch(want, have, "checkpoint", "model")
+        if diff:
+            raise CheckpointError(f"checkpoint {ckpt} does not fit model {self.t.cfg.model.name!r}:\n{diff}\n"
+                                  f"resume with the model settings it was trained with (see {ckpt / io.META})")
+        d, s = meta["data"], self.t.sampler
+        if d["num_samples"] != s.num_samples:
+            raise CheckpointError(f"checkpoint {ckpt} was trained on {d['num_samples']} training samples, this run has "
+                                  f"{s.num_samples}: its data position does not apply; use the same data settings, or "
+                                  f"start a new run from its weights with model.init_from")
+        if d["global_batch"] != s.global_batch:
+            raise CheckpointError(
+                f"checkpoint {ckpt} was trained with a global batch of {d['global_batch']} samples, this run has "
+                f"{s.global_batch} (micro {self.t.batch.micro} x accum {self.t.batch.accum} x world "
+                f"{self.t.batch.world}); set --train.global_batch_size {d['global_batch']} (any number of processes "
+                f"then reads the same data order)")
+        if d["seed"] != s.seed:
+            self._say(f"warning: the checkpoint used train.seed {d['seed']}, this run {s.seed}: "
+                      f"the rest of the epoch sees a different data order")
+
+    def _restore_tensors(self, reader, meta: dict, load_optimizer: bool):
+        h = self.holder
+        moments = load_optimizer
+        h.begin_load()
+        if moments:
+            h.prepare_moments()
+        with torch.no_grad():
+            for s in h.slots:
+                a, b = s.need
+                if b > a:
+                    h.write(s, "param", reader.read("param", s.name, a, b))
+                src = meta["params"][s.name]
+                if not (moments and s.trainable and src.get("trainable")):
+                    continue  # a parameter frozen in the checkpoint keeps fresh moments here
+                if b > a:
+                    for kind in MOMENTS:
+                        h.write(s, kind, reader.read(kind, s.name, a, b))
+                h.set_step(s, src["optimizer_step"])
+            for name, buf in persistent_buffers(self.raw_model):
+                if reader.has("buffer", name):
+                    buf.copy_(reader.read("buffer", name, 0, buf.numel(), buf.dtype).view_as(buf))
+        h.finish_load()
+
+    def _restore_counters(self, meta: dict):
+        from train.trainer import TrainState
+        t = self.t
+        known = TrainState.__dataclass_fields__
+        t.state = TrainState(**{k: v for k, v in meta["train_state"].items() if k in known})
+        t._it = None  # the next batch re-creates the iterator at (epoch, offset)
+        if t.ds.is_deepspeed:
+            eng, st = t.model, t.state
+            saved = meta.get("engine") or {}
+            eng.global_steps = saved.get("global_steps", st.step)
+            eng.global_samples = saved.get("global_samples", st.samples_seen)
+            eng.skipped_steps = saved.get("skipped_steps", st.skipped_steps)
+            eng.micro_steps = st.step * t.batch.accum
+        scaler = meta.get("loss_scaler")
+        if scaler and t.ds.precision == "fp16":
+            self._restore_scaler(scaler)
+
+    def on_fit_start(self):
+        """Restore RNG streams at the last moment before the first step (nothing in between may draw)."""
+        if self._pending_rng is not None:
+            io.set_rng_state(self._pending_rng)
+            self._pending_rng = None
+
+    # ------------------------------------------------------------------ engine / scaler bits
+    def _engine_counters(self):
+        m = self.t.model
+        if not self.t.ds.is_deepspeed:
+            return None
+        return {k: int(getattr(m, k)) for k in ("global_steps", "global_samples", "skipped_steps") if hasattr(m, k)}
+
+    def _scaler_state(self):
+        t = self.t
+        if t.ds.precision != "fp16":
+            return None
+        if t.ds.is_deepspeed:
+            ls = t.model.optimizer.loss_scaler
+            keys = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+            return {"kind": "deepspeed", **{k: float(getattr(ls, k)) for k in keys if getattr(ls, k, None) is not None}}
+        sc = getattr(t.acc, "scaler", None)
+        return {"kind": "torch", **{k: float(v) for k, v in sc.state_dict().items()}} if sc is not None else None
+
+    def _restore_scaler(self, s: dict):
+        t = self.t
+        if s["kind"] == "deepspeed" and t.ds.is_deepspeed:
+            ls = t.model.optimizer.loss_scaler
+            for k, v in s.items():
+                if k != "kind" and hasattr(ls, k):
+                    setattr(ls, k, v if k == "cur_scale" else int(v))
+        elif s["kind"] == "torch" and getattr(t.acc, "scaler", None) is not None:
+            state = {k: v for k, v in s.items() if k != "kind"}
+            state["_growth_tracker"] = int(state.get("_growth_tracker", 0))
+            state["growth_interval"] = int(state.get("growth_interval", 2000))
+            t.acc.scaler.load_state_dict(state)
+
+    # ------------------------------------------------------------------ weights
+    def init_from(self, path: str):
+        """model.init_from: exported weights (any world size / stage), optimizer untouched."""
+        from train.export import WeightsReader
+        w = WeightsReader(path, what="model.init_from")
+        tied = self.t.workload.tied
+        w.add_ties(tied)
+        h = self.holder
+        have = {s.name: tuple(s.shape) for s in h.slots}
+        have.update({n: tuple(b.shape) for n, b in persistent_buffers(self.raw_model)})
+        found = w.shapes(ignore={alias for alias, _ in tied})
+        diff = shape_mismatch(have, found, "model", "weights")
+        if diff:
+            raise ConfigError(f"model.init_from {path} does not match model {self.t.cfg.model.name!r}:\n{diff}\n"
+                              f"point model.init_from at weights exported from the same architecture")
+        h.begin_load()
+        with torch.no_grad():
+            for s in h.slots:
+                a, b = s.need
+                if b > a:
+                    h.write(s, "param", w.read(s.name, a, b))
+            for name, buf in persistent_buffers(self.raw_model):
+                buf.copy_(w.read(name, 0, buf.numel(), buf.dtype).view_as(buf))
+        h.finish_load()
+        w.close()
+        _barrier()
+        self._say(f"initialised weights from {path} ({len(h.slots)} tensors)")
+
+    def export(self, out_dir: str | Path | None = None) -> str:
+        """Consolidated weights (HF layout) from the live state: ranks gather one tensor at a
+        time (DeepSpeed's own full-parameter accessors under ZeRO), rank 0 writes one shard at a time."""
+        from train.export import EXPORT_DTYPES, write_weights
+        t0 = time.perf_counter()
+        out = Path(out_dir) if out_dir else Path(self.t.run_dir) / "export"
+        h = self.holder
+        slots = {s.name: s for s in h.slots}
+        buffers = dict(persistent_buffers(self.raw_model))
+        entries = [(s.name, s.shape, torch.float32) for s in h.slots] + \
+                  [(n, tuple(b.shape), b.dtype) for n, b in buffers.items()]
+
+        def get(name):
+            if name in slots:
+                return h.full_param(slots[name])
+            return buffers[name].detach().cpu()
+
+        wl = self.t.workload
+        write_weights(out, entries, get, dtype=EXPORT_DTYPES[self.cfg.export_dtype],
+                      max_shard_size=self.cfg.max_shard_size, tied=wl.tied, family=wl.family,
+                      model_config=wl.model_config, is_writer=self.is_main)
+        _barrier()
+        self._say(f"exported {self.cfg.export_dtype} weights to {out} in {time.perf_counter() - t0:.2f} s")
+        return str(out)
+
+    def latest_path(self) -> str | None:
+        if self._last_saved is not None:
+            return str(self._last_saved)
+        found = io.newest_checkpoint(self.root)
+        return str(found) if found else None

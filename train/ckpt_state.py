@@ -1,0 +1,414 @@
+"""Where this rank keeps each parameter's training state, for every strategy.
+
+A checkpoint stores, per parameter, the fp32 master value and the AdamW moments as flat
+element ranges. A *holder* answers, for the strategy this run uses:
+  - `slot.save`: the range of the flattened parameter this rank writes (the ranges of all
+    ranks tile [0, numel) exactly, so nothing is gathered to write a checkpoint);
+  - `slot.need`: the range it must read back on load (its own partition, or everything
+    for replicated strategies);
+  - how to read / write those elements of the master weights and the moments.
+
+  ReplicaHolder     DDP, and DeepSpeed ZeRO-0 in fp32 (the torch optimizer steps the params)
+  MasterCopyHolder  DeepSpeed ZeRO-0 in bf16/fp16 (FP16_[Unfused]Optimizer: full fp32 copies)
+  FragmentHolder    ZeRO-1/2 (and DeepSpeed's BF16_Optimizer): fp32 partitions mapped to
+                    parameters by `param._hp_mapping` (deepspeed/utils/tensor_fragment.py)
+  Zero3Holder       ZeRO-3: each parameter partitioned evenly, rank r owning [r*part, ...)
+
+Reading allocates at most one parameter's range; writing goes in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Slot:
+    name: str
+    param: torch.nn.Parameter
+    shape: tuple
+    numel: int
+    trainable: bool               # has optimizer state (fp32 master + moments)
+    save: tuple[int, int]          # [start, stop) this rank writes
+    need: tuple[int, int]          # [start, stop) this rank reads back
+
+
+def even_range(n: int, rank: int, world: int) -> tuple[int, int]:
+    return n * rank // world, n * (rank + 1) // world
+
+
+def named_unique_params(model) -> list[tuple[str, torch.nn.Parameter]]:
+    """Parameters once each (a tied alias is skipped: named_parameters dedupes shared tensors)."""
+    return list(model.named_parameters())
+
+
+def persistent_buffers(model) -> list[tuple[str, torch.Tensor]]:
+    """Buffers that belong to the model's state (BatchNorm statistics), not derived ones (RoPE tables)."""
+    out, seen = [], set()
+    for mod_name, mod in model.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is None or name in mod._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append((f"{mod_name}.{name}" if mod_name else name, buf))
+    return out
+
+
+def copy_out(t: torch.Tensor) -> torch.Tensor:
+    """An owned, contiguous fp32 CPU copy (safetensors refuses views sharing one storage)."""
+    out = torch.empty(t.numel(), dtype=torch.float32)
+    out.copy_(t.detach().reshape(-1))
+    return out
+
+
+# ---------------------------------------------------------------------------- optimizer state
+
+def _is_cpu_adam(optimizer) -> bool:
+    return type(optimizer).__name__ == "DeepSpeedCPUAdam"
+
+
+def new_adam_state(optimizer, t: torch.Tensor) -> dict:
+    """The state AdamW's first step() would create for tensor `t` (torch AdamW or
+    DeepSpeedCPUAdam), so that moments can be loaded before any step has run."""
+    if _is_cpu_adam(optimizer):
+        return {"step": 0, "exp_avg": torch.zeros_like(t, dtype=torch.float32),
+                "exp_avg_sq": torch.zeros_like(t, dtype=torch.float32)}
+    d = optimizer.defaults
+    on_device = d.get("fused") or d.get("capturable")
+    step = torch.zeros((), dtype=torch.float32, device=t.device if on_device else "cpu")
+    return {"step": step, "exp_avg": torch.zeros_like(t, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(t, memory_format=torch.preserve_format)}
+
+
+def get_step(state: dict | None):
+    if not state or "step" not in state:
+        return 0
+    s = float(state["step"])
+    return int(s) if s.is_integer() else s
+
+
+def set_step(state: dict, value):
+    s = state.get("step")
+    if torch.is_tensor(s):
+        s.fill_(value)
+    else:
+        state["step"] = int(value)
+
+
+# ---------------------------------------------------------------------------- holders
+
+class Holder:
+    name = "?"
+
+    def __init__(self):
+        self.slots: list[Slot] = []
+
+    def begin_load(self):
+        pass
+
+    def prepare_moments(self):
+        """Create missing optimizer state (optimizers create it lazily at the first step)."""
+
+    def finish_load(self):
+        """Refresh derived copies (low-precision weights, gathered persistent params)."""
+
+    def full_param(self, slot: Slot) -> torch.Tensor:
+        """The whole fp32 value. Collective under ZeRO: every rank calls it in slot order."""
+        raise NotImplementedError
+
+
+class ReplicaHolder(Holder):
+    """Every rank holds the whole model and optimizer: rank r writes 1/W of each tensor."""
+
+    name = "replica"
+
+    def __init__(self, model, optimizer, rank: int, world: int):
+        super().__init__()
+        self.optimizer = optimizer
+        stepped = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
+        for name, p in named_unique_params(model):
+            n = p.numel()
+            self.slots.append(Slot(name, p, tuple(p.shape), n, id(p) in stepped, even_range(n, rank, world), (0, n)))
+
+    def read(self, slot, kind):
+        a, b = slot.save
+        if kind == "param":
+            return copy_out(slot.param.detach().reshape(-1)[a:b])
+        st = self.optimizer.state.get(slot.param)
+        return copy_out(st[kind].reshape(-1)[a:b]) if st else torch.zeros(b - a)
+
+    def write(self, slot, kind, values):
+        a, b = slot.need
+        target = slot.param.data if kind == "param" else self.optimizer.state[slot.param][kind]
+        target.view(-1)[a:b].copy_(values)
+
+    def step_of(self, slot):
+        return get_step(self.optimizer.state.get(slot.param))
+
+    def set_step(self, slot, value):
+        set_step(self.optimizer.state[slot.param], value)
+
+    def prepare_moments(self):
+        for s in self.slots:
+            if s.trainable and not self.optimizer.state.get(s.param):
+                self.optimizer.state[s.param] = new_adam_state(self.optimizer, s.param)
+
+    def full_param(self, slot):
+        return slot.param.detach().float().cpu().reshape(slot.shape)
+
+
+class _LowPrecisionOnly:
+    """Parameters without optimizer state under DeepSpeed ZeRO-0/1/2 (frozen ones): the
+    module weight itself, replicated on every rank."""
+
+    @staticmethod
+    def slot(name, p, rank, world):
+        n = p.numel()
+        return Slot(name, p, tuple(p.shape), n, False, even_range(n, rank, world), (0, n))
+
+
+class MasterCopyHolder(Holder):
+    """DeepSpeed ZeRO-0 with bf16/fp16: full fp32 master copies on every rank, one flat tensor
+    per param group (FP16_Optimizer, for fused Adam) or one tensor per parameter
+    (FP16_UnfusedOptimizer, for torch AdamW); the optimizer state is keyed by those."""
+
+    name = "master-copies"
+
+    def __init__(self, model, ds_optimizer, rank: int, world: int):
+        super().__init__()
+        self.opt = ds_optimizer
+        self.where = {}  # id(param) -> (tensor the optimizer steps, element offset in it)
+        flats = getattr(ds_optimizer, "fp32_groups_flat", None)
+        for i, group in enumerate(ds_optimizer.fp16_groups):
+            off = 0
+            for j, p in enumerate(group):
+                self.where[id(p)] = (flats[i], off) if flats else (ds_optimizer.fp32_groups[i][j], 0)
+                off += p.numel()
+        for name, p in named_unique_params(model):
+            if id(p) in self.where:
+                n = p.numel()
+                self.slots.append(Slot(name, p, tuple(p.shape), n, True, even_range(n, rank, world), (0, n)))
+            else:
+                self.slots.append(_LowPrecisionOnly.slot(name, p, rank, world))
+
+    def _master(self, slot, kind):
+        t, off = self.where[id(slot.param)]
+        src = t if kind == "param" else self.opt.optimizer.state[t][kind]
+        return src.view(-1)[off:off + slot.numel]
+
+    def read(self, slot, kind):
+        a, b = slot.save
+        if not slot.trainable:
+            return copy_out(slot.param.detach().reshape(-1)[a:b])
+        if kind != "param" and not self._state(slot):
+            return torch.zeros(b - a)
+        return copy_out(self._master(slot, kind)[a:b])
+
+    def write(self, slot, kind, values):
+        a, b = slot.need
+        target = self._master(slot, kind) if slot.trainable else slot.param.data.view(-1)
+        target[a:b].copy_(values)
+
+    def _state(self, slot):
+        return self.opt.optimizer.state.get(self.where[id(slot.param)][0])
+
+    def step_of(self, slot):
+        return get_step(self._state(slot))
+
+    def set_step(self, slot, value):
+        set_step(self._state(slot), value)
+
+    def prepare_moments(self):
+        base = self.opt.optimizer
+        for t, _ in self.where.values():
+            if not base.state.get(t):
+                base.state[t] = new_adam_state(base, t)
+
+    def finish_load(self):
+        with torch.no_grad():  # the module's low-precision weights = cast of the masters, as after a step
+            for s in self.slots:
+                if s.trainable:
+                    s.param.data.copy_(self._master(s, "param").view_as(s.param))
+
+    def full_param(self, slot):
+        t = self._master(slot, "param") if slot.trainable else slot.param.detach()
+        return t.float().cpu().reshape(slot.shape).clone()
+
+
+class FragmentHolder(Holder):
+    """ZeRO-1/2: each param group is one flat fp32 tensor split evenly over the ranks; a
+    parameter's `_hp_mapping` says which contiguous part of it (if any) this rank owns."""
+
+    name = "fragments"
+
+    def __init__(self, model, ds_optimizer, rank: int, world: int):
+        super().__init__()
+        self.opt = ds_optimizer
+        groups = getattr(ds_optimizer, "bit16_groups", None) or ds_optimizer.bf16_groups
+        self.flats = getattr(ds_optimizer, "single_partition_of_fp32_groups", None) \
+            or ds_optimizer.fp32_groups_flat_partition
+        self.group_of = {id(p): i for i, g in enumerate(groups) for p in g}
+        for name, p in named_unique_params(model):
+            if id(p) not in self.group_of:
+                self.slots.append(_LowPrecisionOnly.slot(name, p, rank, world))
+                continue
+            m = p._hp_mapping
+            rng = (m.lp_fragment_address.start, m.lp_fragment_address.start + m.lp_fragment_address.numel) \
+                if m is not None else (0, 0)
+            self.slots.append(Slot(name, p, tuple(p.shape), p.numel(), True, rng, rng))
+
+    def _moment(self, slot, kind):
+        """This rank's fragment of a moment, cut from the flat partition's optimizer state.
+        (Not `_hp_mapping.optim_fragment`: DeepSpeed links those once, after the first
+        group's first step, so later param groups stay unlinked.)"""
+        state = self._state(slot)
+        if not state:
+            return None
+        addr = slot.param._hp_mapping.get_hp_fragment_address()
+        return state[kind].narrow(0, addr.start, addr.numel)
+
+    def read(self, slot, kind):
+        a, b = slot.save
+        if not slot.trainable:
+            return copy_out(slot.param.detach().reshape(-1)[a:b])
+        if kind == "param":
+            return copy_out(slot.param._hp_mapping.hp_fragment)
+        t = self._moment(slot, kind)
+        return copy_out(t) if t is not None else torch.zeros(b - a)
+
+    def write(self, slot, kind, values):
+        if not slot.trainable:
+            a, b = slot.need
+            slot.param.data.view(-1)[a:b].copy_(values)
+            return
+        target = slot.param._hp_mapping.hp_fragment if kind == "param" else self._moment(slot, kind)
+        target.data.copy_(values.view_as(target))
+
+    def _state(self, slot):
+        return self.opt.optimizer.state.get(self.flats[self.group_of[id(slot.param)]])
+
+    def step_of(self, slot):
+        return get_step(self._state(slot))
+
+    def set_step(self, slot, value):
+        set_step(self._state(slot), value)
+
+    def prepare_moments(self):
+        base = self.opt.optimizer
+        for flat in self.flats:
+            if not base.state.get(flat):
+                base.state[flat] = new_adam_state(base, flat)
+
+    def finish_load(self):
+        # Each rank casts its fp32 partition into the low-precision weights, then all-gather.
+        self.opt.update_lp_params()
+
+    def full_param(self, slot):
+        if not slot.trainable:
+            return slot.param.detach().float().cpu().reshape(slot.shape).clone()
+        from deepspeed.utils import safe_get_full_fp32_param
+        return safe_get_full_fp32_param(slot.param).float().cpu().reshape(slot.shape)
+
+
+class Zero3Holder(Holder):
+    """ZeRO-3: parameter p of N elements is split into W partitions of ceil(N/W) (the last
+    padded); rank r owns elements [r*part, min(N, (r+1)*part))."""
+
+    name = "zero3"
+
+    def __init__(self, model, ds_optimizer, rank: int, world: int):
+        super().__init__()
+        self.opt = ds_optimizer
+        self.sub_group = {}
+        for p in (q for g in ds_optimizer.fp16_groups for q in g):
+            self.sub_group[id(p)] = ds_optimizer.grad_position[ds_optimizer.get_param_id(p)][0]
+        for name, p in named_unique_params(model):
+            n, part = p.ds_numel, p.partition_numel()
+            r = ds_optimizer._get_param_partition_rank(p) if id(p) in self.sub_group else rank
+            start = min(n, r * part)
+            rng = (start, min(n, start + part))
+            self.slots.append(Slot(name, p, tuple(p.ds_shape), n, id(p) in self.sub_group, rng, rng))
+
+    def _has_state(self, slot) -> bool:
+        flat = self.opt.fp32_partitioned_groups_flat[self.sub_group[id(slot.param)]]
+        return bool(self.opt.optimizer.state.get(flat))
+
+    def read(self, slot, kind):
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+        a, b = slot.save
+        if not slot.trainable:
+            return copy_out(slot.param.ds_tensor[:b - a])
+        if kind == "param":
+            return copy_out(safe_get_local_fp32_param(slot.param)[:b - a])
+        if not self._has_state(slot):
+            return torch.zeros(b - a)
+        return copy_out(safe_get_local_optimizer_state(slot.param, kind)[:b - a])
+
+    def write(self, slot, kind, values):
+        from deepspeed.utils import (safe_get_local_fp32_param, safe_get_local_optimizer_state,
+                                     safe_set_local_fp32_param, safe_set_local_optimizer_state)
+        a, b = slot.need
+        p = slot.param
+        if not slot.trainable:
+            p.ds_tensor.data[:b - a].copy_(values)
+            return
+        # The setters take the whole (padded) local partition; keep the padding as it is.
+        if kind == "param":
+            local = safe_get_local_fp32_param(p).clone()
+            local[:b - a] = values.to(local.device)
+            safe_set_local_fp32_param(p, local)
+        else:
+            local = safe_get_local_optimizer_state(p, kind).clone()
+            local[:b - a] = values.to(local.device)
+            safe_set_local_optimizer_state(p, local, kind)
+
+    def _state(self, slot):
+        return self.opt.optimizer.state.get(self.opt.fp32_partitioned_groups_flat[self.sub_group[id(slot.param)]])
+
+    def step_of(self, slot):
+        return get_step(self._state(slot))
+
+    def set_step(self, slot, value):
+        set_step(self._state(slot), value)
+
+    def begin_load(self):
+        self.opt.checkpoint_event_prologue()  # every parameter partitioned, as DeepSpeed's own load does
+
+    def prepare_moments(self):
+        base = self.opt.optimizer
+        for flat in self.opt.fp32_partitioned_groups_flat:
+            if not base.state.get(flat):
+                base.state[flat] = new_adam_state(base, flat)
+
+    def finish_load(self):
+        # fp32 partitions -> low-precision partitions (what a step does), then re-gather the
+        # parameters ZeRO-3 keeps whole ("persistent": smaller than the persistence threshold).
+        for i in range(len(self.opt.fp16_partitioned_groups_flat)):
+            self.opt._reassign_or_swap_out_partitioned_parameters(i)
+        self.opt.checkpoint_event_epilogue()
+
+    def full_param(self, slot):
+        if slot.trainable:
+            from deepspeed.utils import safe_get_full_fp32_param
+            return safe_get_full_fp32_param(slot.param).float().cpu().reshape(slot.shape)
+        import deepspeed
+        with deepspeed.zero.GatheredParameters([slot.param]):
+            return slot.param.detach().float().cpu().reshape(slot.shape).clone()
+
+
+def make_holder(model, raw_model, raw_optimizer, ds, rank: int, world: int) -> Holder:
+    """`model` is what accelerate.prepare returned (a DeepSpeedEngine under DeepSpeed)."""
+    if not ds.is_deepspeed:
+        return ReplicaHolder(raw_model, raw_optimizer, rank, world)
+    opt = model.optimizer
+    if ds.stage == 3:
+        return Zero3Holder(raw_model, opt, rank, world)
+    if hasattr(opt, "single_partition_of_fp32_groups") or hasattr(opt, "fp32_groups_flat_partition"):
+        return FragmentHolder(raw_model, opt, rank, world)
+    if hasattr(opt, "fp16_groups") and (hasattr(opt, "fp32_groups_flat") or hasattr(opt, "fp32_groups")):
+        return MasterCopyHolder(raw_model, opt, rank, world)
+    return ReplicaHolder(raw_model, opt, rank, world)  # ZeRO-0 fp32: the torch optimizer itself
