@@ -390,10 +390,6 @@ class Trainer:
         try:
             self.acc.end_training()
         finally:
-            if self._finished and torch.distributed.is_available() and torch.distributed.is_initialized():
-                # Every rank is done with every collective before any rank tears gloo down: a
-                # rank closing its pairs while a peer still uses them aborts that peer
-                # ("terminate called without an active exception", seen ~1 in 50 launches).
-                # After a failure a barrier could wait forever, so a failing rank just exits.
-                torch.distributed.barrier()
+            # Local for gloo (no collective), so safe after a failure on only some ranks too.
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
