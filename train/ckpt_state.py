@@ -110,6 +110,16 @@ class Holder:
     def begin_load(self):
         pass
 
+    def _state(self, slot: Slot) -> dict | None:
+        """The optimizer-state dict that holds this slot's moments and step."""
+        raise NotImplementedError
+
+    def step_of(self, slot):
+        return get_step(self._state(slot))
+
+    def set_step(self, slot, value):
+        set_step(self._state(slot), value)
+
     def prepare_moments(self):
         """Create missing optimizer state (optimizers create it lazily at the first step)."""
 
@@ -146,11 +156,8 @@ class ReplicaHolder(Holder):
         target = slot.param.data if kind == "param" else self.optimizer.state[slot.param][kind]
         target.view(-1)[a:b].copy_(values)
 
-    def step_of(self, slot):
-        return get_step(self.optimizer.state.get(slot.param))
-
-    def set_step(self, slot, value):
-        set_step(self.optimizer.state[slot.param], value)
+    def _state(self, slot):
+        return self.optimizer.state.get(slot.param)
 
     def prepare_moments(self):
         for s in self.slots:
@@ -215,12 +222,6 @@ class MasterCopyHolder(Holder):
 
     def _state(self, slot):
         return self.opt.optimizer.state.get(self.where[id(slot.param)][0])
-
-    def step_of(self, slot):
-        return get_step(self._state(slot))
-
-    def set_step(self, slot, value):
-        set_step(self._state(slot), value)
 
     def prepare_moments(self):
         base = self.opt.optimizer
@@ -290,12 +291,6 @@ class FragmentHolder(Holder):
 
     def _state(self, slot):
         return self.opt.optimizer.state.get(self.flats[self.group_of[id(slot.param)]])
-
-    def step_of(self, slot):
-        return get_step(self._state(slot))
-
-    def set_step(self, slot, value):
-        set_step(self._state(slot), value)
 
     def prepare_moments(self):
         base = self.opt.optimizer
@@ -368,12 +363,6 @@ class Zero3Holder(Holder):
 
     def _state(self, slot):
         return self.opt.optimizer.state.get(self.opt.fp32_partitioned_groups_flat[self.sub_group[id(slot.param)]])
-
-    def step_of(self, slot):
-        return get_step(self._state(slot))
-
-    def set_step(self, slot, value):
-        set_step(self._state(slot), value)
 
     def begin_load(self):
         self.opt.checkpoint_event_prologue()  # every parameter partitioned, as DeepSpeed's own load does
