@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from train import plan
+from train import plan, plan_cli
 from train.plan import Batch, Cluster, count_shape, estimate, gpt_shape, make_plan
 
 PSI, N = 1_000_000_000, 8           # 1e9 is a multiple of 2N: no flat-buffer padding
@@ -131,13 +131,13 @@ def test_recommendation_moves_from_ddp_to_zero_to_offload_as_memory_shrinks():
 
 
 def test_cli_json_and_table(capsys):
-    assert plan.main(["gpt-1.3b", "--device-mem", "40GB", "--gpus-per-node", "8", "--micro-batch", "2",
+    assert plan_cli.main(["gpt-1.3b", "--device-mem", "40GB", "--gpus-per-node", "8", "--micro-batch", "2",
                       "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [o["option"] for o in out["options"]] == [label for label, _ in plan.OPTIONS]
     assert out["world"] == 8 and out["cluster"]["device_mem"] == 40 * 10**9
     assert out["recommended"] in [o["option"] for o in out["options"] if o["fits"]]
-    assert plan.main(["350M", "--device-mem", "16GiB", "--gpus-per-node", "4"]) == 0
+    assert plan_cli.main(["350M", "--device-mem", "16GiB", "--gpus-per-node", "4"]) == 0
     text = capsys.readouterr().out
     assert "ZeRO-3 + param/opt offload" in text and "recommended:" in text and "activations unknown" in text
 
@@ -146,7 +146,7 @@ def test_cli_reads_a_run_file(tmp_path, capsys):
     run = tmp_path / "run.yaml"
     run.write_text("model: {name: gpt2-124m}\ntrain: {micro_batch_size: 4, grad_accum_steps: 2}\n"
                    "data: {seq_len: 512}\n")
-    assert plan.main([str(run), "--device-mem", "24GB", "--json"]) == 0
+    assert plan_cli.main([str(run), "--device-mem", "24GB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["batch"] == {"micro": 4, "seq_len": 512, "accum": 2, "checkpointing": False}
     assert out["model"] == "gpt2-124m"
@@ -161,7 +161,7 @@ def test_cli_reads_a_run_file(tmp_path, capsys):
 ])
 def test_cli_errors_say_what_to_fix(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
-        plan.main(argv)
+        plan_cli.main(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert all(w in err for w in words), err
@@ -169,4 +169,4 @@ def test_cli_errors_say_what_to_fix(argv, words, capsys):
 
 def test_plan_is_a_zerotrain_command():
     from train.cli import COMMANDS
-    assert COMMANDS["plan"][:2] == ("train.plan", "main")
+    assert COMMANDS["plan"][:2] == ("train.plan_cli", "main")

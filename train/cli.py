@@ -143,7 +143,7 @@ COMMANDS = {
     "prepare": ("train.prepare", "main", "tokenize text files into a token file for data.kind = tokens"),
     "make-shapes": ("train.data.make_shapes", "main", "generate a small labelled shapes/colours ImageFolder set"),
     "export": ("train.export", "main", "checkpoint -> Hugging Face safetensors weights (offline, CPU, any world size)"),
-    "plan": ("train.plan", "main", "per-device memory of DDP / ZeRO-1/2/3 / offload for a model and cluster; "
+    "plan": ("train.plan_cli", "main", "per-device memory of DDP / ZeRO-1/2/3 / offload for a model and cluster; "
                                    "recommends the fastest that fits"),
 }
 

@@ -1,5 +1,5 @@
-"""`zerotrain plan`: what each ZeRO option costs per device before you launch, and the
-fastest option that fits.
+"""The ZeRO planner's arithmetic: what each ZeRO option costs per device, and the fastest
+option that fits. The `zerotrain plan` command (flags, table) is train/plan_cli.py.
 
     zerotrain plan gpt-1.3b --gpus-per-node 8 --device-mem 80GB --micro-batch 8
     zerotrain plan runs/my_run.yaml --device-mem 24GiB --json
@@ -31,15 +31,10 @@ ZeRO-1, and multiply CPU memory by a blanket 1.5 "buffer factor". See BENCHMARKS
 
 from __future__ import annotations
 
-import json
 import math
-import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
-
-from train.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 GiB = 2 ** 30
@@ -164,24 +159,6 @@ def module_shape(model, name: str, gpt=None) -> ModelShape:
     groups = tuple(tuple(int(getattr(p, "ds_numel", p.numel())) for p in g["params"])
                    for g in param_groups(model, 0.1))
     return ModelShape(name, sum(map(sum, groups)), groups, gpt)
-
-
-def parse_count(text: str) -> Optional[int]:
-    """'124M', '1.3B', '7e9', '350000000' -> int; None if it is not a count."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*", text.lower())
-    if not m:
-        return None
-    return int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2)])
-
-
-def parse_bytes(text: str, flag: str) -> int:
-    """'80GB' (1e9), '80GiB' / '80G' (2^30), '1.5TB', '512MiB'."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*", str(text).lower())
-    if not m or (not m.group(2) and (m.group(3) or m.group(4))):
-        raise ConfigError(f"{flag} {text!r} is not a size; write e.g. 80GB, 80GiB or 141G")
-    power = "kmgt".index(m.group(2)) + 1 if m.group(2) else 0
-    decimal = m.group(4) and not m.group(3)   # "GB" is decimal like GPU datasheets; "G"/"GiB" binary
-    return int(float(m.group(1)) * ((1000 if decimal else 1024) ** power))
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -390,63 +367,6 @@ def _fallback_strategy(label, fname, precision) -> Strategy:
     return _zero_strategy(label, None, precision, zero)
 
 
-def _gib(n: Optional[int]) -> str:
-    return "n/a" if n is None else f"{n / GiB:.2f}"
-
-
-def render(plan: Plan) -> str:
-    c, b = plan.cluster, plan.batch
-    head = (f"zerotrain plan: {plan.shape.name} ({plan.shape.num_params / 1e6:,.1f}M params), "
-            f"{c.nodes} node(s) x {c.devices_per_node} device(s) = {c.world}, {c.device_mem / GiB:.1f} GiB/device"
-            + (f", {c.cpu_mem / GiB:.0f} GiB CPU/node" if c.cpu_mem else "")
-            + f"\n  batch: micro {b.micro} x seq {b.seq_len} x accum {b.accum}, activation checkpointing "
-            + ("on" if b.checkpointing else "off") + f", {plan.rows[0].strategy.precision}")
-    cols = ("option", "params", "grads", "optim", "activ", "buffers", "device", "host/node", "comm", "fits")
-    table = [cols]
-    for r in plan.rows:
-        table.append((r.strategy.label, _gib(r.params), _gib(r.grads), _gib(r.optimizer), _gib(r.activations),
-                      _gib(r.buffers), _gib(r.device_total), _gib(r.host * c.devices_per_node) if r.host else "-",
-                      f"{r.comm:.1f}x" if r.comm is not None else "-", "yes" if r.fits else "NO"))
-    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
-    lines = [head, "", "  GiB per device (host/node: offloaded states per node)"]
-    for i, row in enumerate(table):
-        lines.append("  " + "  ".join(v.ljust(w) if j == 0 else v.rjust(w) for j, (v, w) in enumerate(zip(row, widths))))
-        if i == 0:
-            lines.append("  " + "  ".join("-" * w for w in widths))
-    usable = (1 - plan.safety) * c.device_mem / GiB
-    if plan.recommended:
-        r = plan.recommended
-        lines.append(f"\nrecommended: {r.strategy.label}  (--ds-config {_rel(r.strategy.path)}): the fastest option "
-                     f"whose {r.device_total / GiB:.2f} GiB fits in {usable:.1f} GiB ({plan.safety:.0%} headroom)")
-    else:
-        lines.append(f"\nnothing fits in {usable:.1f} GiB per device ({plan.safety:.0%} headroom): "
-                     + _advice(plan))
-    notes = sorted({n for r in plan.rows for n in r.notes})
-    lines.append("\ncomm = volume per optimizer step relative to DDP's all-reduce (ZeRO paper); offload adds "
-                 "PCIe traffic. buffers = reduce buckets, step-time fp32 gradients, gathered ZeRO-3 params.")
-    lines += [f"note: {n}" for n in notes]
-    return "\n".join(lines)
-
-
-def _advice(plan: Plan) -> str:
-    tips = []
-    if not plan.batch.checkpointing and plan.shape.gpt is not None:
-        tips.append("--activation-checkpointing")
-    if plan.batch.micro > 1:
-        tips.append("a smaller --micro-batch (raise accumulation instead)")
-    tips.append("more devices or nodes")
-    return "try " + ", ".join(tips)
-
-
-def _rel(path: Optional[str]) -> str:
-    if not path:
-        return "-"
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return path
-
-
 # ----------------------------------------------------------------------------- the trainer's banner
 
 def banner_estimate(model, cfg, ds, batch, world: int, gpt=None, seq_len: Optional[int] = None,
@@ -462,131 +382,6 @@ def banner_estimate(model, cfg, ds, batch, world: int, gpt=None, seq_len: Option
             + (f" + activations {human_bytes(e.activations)}" if e.activations is not None else "")
             + f" + buffers {human_bytes(e.buffers)}" + (f", host {human_bytes(e.host)}" if e.host else ""))
     return text, e
-
-
-# ----------------------------------------------------------------------------- command line
-
-USAGE = """usage: zerotrain plan MODEL [--nodes N] [--gpus-per-node G] [--device-mem SIZE] [--cpu-mem SIZE]
-                      [--micro-batch B] [--seq-len T] [--grad-accum K] [--activation-checkpointing]
-                      [--precision bf16|fp16|fp32] [--safety 0.1] [--json]
-
-MODEL is a GPT preset (gpt-tiny ... gpt-7b), a run file (.yaml/.json; its model, batch and
-sequence length are used), or a parameter count (124M, 1.3B, 7e9). Sizes: 80GB (decimal,
-as on datasheets), 80GiB or 80G (binary). Defaults: this machine's GPUs if it has any,
-else 1 node x 8 devices x 80GB. Prints per-device memory of DDP, ZeRO-1/2/3 and the two
-offload options (from ds_configs/*.json) and recommends the fastest that fits.
-"""
-
-FLAGS = {"--nodes": int, "--gpus-per-node": int, "--device-mem": str, "--cpu-mem": str, "--micro-batch": int,
-         "--seq-len": int, "--grad-accum": int, "--precision": str, "--safety": float}
-
-
-def parse_args(argv: list[str]) -> dict:
-    out = {"json": False, "activation_checkpointing": None, "model": None}
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        name, _, inline = a.partition("=")
-        if name in ("-h", "--help"):
-            print(USAGE)
-            raise SystemExit(0)
-        if name == "--json":
-            out["json"] = True
-        elif name == "--activation-checkpointing":
-            out["activation_checkpointing"] = True
-        elif name in FLAGS:
-            if not inline:
-                i += 1
-                if i >= len(argv):
-                    raise ConfigError(f"{name} needs a value (see zerotrain plan --help)")
-                inline = argv[i]
-            try:
-                out[name[2:].replace("-", "_")] = FLAGS[name](inline)
-            except ValueError:
-                raise ConfigError(f"{name} {inline!r} is not a {FLAGS[name].__name__}") from None
-        elif a.startswith("-"):
-            from train.errors import did_you_mean
-            raise ConfigError(f"unknown option {a!r}{did_you_mean(name, list(FLAGS) + ['--json'])}; "
-                              f"see zerotrain plan --help")
-        elif out["model"] is None:
-            out["model"] = a
-        else:
-            raise ConfigError(f"one MODEL only (got {out['model']!r} and {a!r})")
-        i += 1
-    if out["model"] is None:
-        raise ConfigError("zerotrain plan needs a MODEL: a GPT preset (e.g. gpt-1.3b), a run file or a parameter "
-                          "count (e.g. 7B); see zerotrain plan --help")
-    return out
-
-
-def resolve_model(spec: str) -> tuple[ModelShape, dict]:
-    """(shape, batch defaults from a run file)."""
-    from models import gpt
-    if spec in gpt.PRESETS:
-        return gpt_shape(spec, gpt.PRESETS[spec]), {}
-    if Path(spec).suffix in (".yaml", ".yml", ".json") or Path(spec).is_file():
-        from models import _gpt_config
-        from train.config import load_config
-        cfg = load_config(spec)
-        if cfg.model.name not in gpt.PRESETS:
-            raise ConfigError(f"{spec}: model.name {cfg.model.name!r} is not a GPT preset; zerotrain plan sizes "
-                              f"GPTs from the run file, other models by parameter count (e.g. zerotrain plan 25M)")
-        gcfg = _gpt_config(cfg.model, vocab_size=None)
-        return gpt_shape(cfg.model.name, gcfg), {
-            "micro_batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len or gcfg.seq_len,
-            "grad_accum": cfg.train.grad_accum_steps or 1,
-            "activation_checkpointing": cfg.model.activation_checkpointing}
-    n = parse_count(spec)
-    if n is None or n <= 0:
-        from train.errors import did_you_mean
-        raise ConfigError(f"MODEL {spec!r} is not a GPT preset{did_you_mean(spec, gpt.PRESETS)}, a run file or a "
-                          f"parameter count; presets: {', '.join(gpt.PRESETS)}")
-    return count_shape(n), {}
-
-
-def _local_defaults() -> tuple[int, Optional[int]]:
-    try:
-        import torch
-        if torch.cuda.is_available():
-            return torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory
-    except Exception:  # noqa: BLE001 - a broken CUDA install must not stop planning
-        pass
-    return 8, None
-
-
-def main(argv: list[str]) -> int:
-    from train.cli import user_errors
-    with user_errors():
-        a = parse_args(argv)
-        shape, run = resolve_model(a["model"])
-        local_devices, local_mem = _local_defaults()
-        device_mem = parse_bytes(a["device_mem"], "--device-mem") if a.get("device_mem") else (local_mem or 80 * 10**9)
-        cpu_mem = parse_bytes(a["cpu_mem"], "--cpu-mem") if a.get("cpu_mem") else None
-        cluster = Cluster(a.get("nodes", 1), a.get("gpus_per_node", local_devices), device_mem, cpu_mem)
-        ckpt = a["activation_checkpointing"] if a["activation_checkpointing"] is not None else run.get(
-            "activation_checkpointing", False)
-        seq = a.get("seq_len") or run.get("seq_len") or (shape.gpt.seq_len if shape.gpt else None)
-        batch = Batch(a.get("micro_batch") or run.get("micro_batch", 8), seq, a.get("grad_accum") or run.get(
-            "grad_accum", 1), ckpt)
-        for name, v in (("--nodes", cluster.nodes), ("--gpus-per-node", cluster.devices_per_node),
-                        ("--micro-batch", batch.micro), ("--grad-accum", batch.accum)):
-            if v <= 0:
-                raise ConfigError(f"{name} must be a positive integer (got {v})")
-        if shape.gpt is not None and seq > shape.gpt.seq_len:
-            raise ConfigError(f"--seq-len {seq} exceeds {shape.name}'s context length {shape.gpt.seq_len}")
-        precision = a.get("precision", "bf16")
-        if precision not in ("bf16", "fp16", "fp32"):
-            raise ConfigError(f"--precision must be bf16, fp16 or fp32 (got {precision!r})")
-        safety = a.get("safety", 0.1)
-        if not 0 <= safety < 1:
-            raise ConfigError(f"--safety is a fraction of device memory kept free, in [0, 1) (got {safety})")
-        plan = make_plan(shape, cluster, batch, precision, safety)
-        print(json.dumps(plan.to_dict(), indent=1) if a["json"] else render(plan))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
 
 
 def attach_estimate(trainer) -> None:
