@@ -9,8 +9,10 @@ so the trainer never branches on the model type.
 from __future__ import annotations
 
 import contextlib
+import math
+import types
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -69,13 +71,19 @@ class Workload:
                 if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
                 for name in ("running_mean", "running_var") if getattr(m, name) is not None]
 
-    @torch.no_grad()
-    def match_norm_stats_dtype(self, model, dtype: torch.dtype):
-        """DeepSpeed bf16/fp16 casts parameters but keeps buffers in fp32, and batch_norm refuses a
-        bf16 weight with fp32 running statistics: keep them in the parameters' dtype."""
-        for m, name in self._norm_stats(model):
-            if getattr(m, name).dtype != dtype:
-                setattr(m, name, getattr(m, name).to(dtype))
+    @staticmethod
+    def keep_norm_stats_fp32(model) -> int:
+        """DeepSpeed bf16/fp16 casts the parameters, not the buffers, and batch_norm refuses a
+        16-bit weight next to fp32 running statistics. Rounding the statistics to 16 bits (and
+        accumulating their momentum updates there) would change the model; instead each BatchNorm
+        computes with its affine parameters upcast: statistics stay fp32 under every strategy,
+        input and output keep the compute dtype. Returns the number of BatchNorm modules."""
+        n = 0
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm):
+                m.forward = types.MethodType(_batch_norm_fp32_affine, m)
+                n += 1
+        return n
 
     @torch.no_grad()
     def sync_norm_stats(self, model):
@@ -95,6 +103,47 @@ class Workload:
         for b in bufs:
             b.copy_(flat[offset:offset + b.numel()].view_as(b))
             offset += b.numel()
+
+
+def _batch_norm_fp32_affine(self, x: torch.Tensor) -> torch.Tensor:
+    """torch's _BatchNorm.forward (torch 2.x) with weight and bias in fp32: the mixed-dtype
+    batch_norm kernels (16-bit input, fp32 parameters and statistics) exist on CPU and CUDA."""
+    self._check_input_dim(x)
+    momentum = 0.0 if self.momentum is None else self.momentum
+    if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+        self.num_batches_tracked.add_(1)
+        momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+    bn_training = self.training or (self.running_mean is None and self.running_var is None)
+    use_stats = not self.training or self.track_running_stats
+    return F.batch_norm(x, self.running_mean if use_stats else None, self.running_var if use_stats else None,
+                        None if self.weight is None else self.weight.float(),
+                        None if self.bias is None else self.bias.float(), bn_training, momentum, self.eps)
+
+
+def restore_buffers(model: nn.Module, reference: nn.Module, keep: Callable[[str], bool] = lambda name: False) -> list[str]:
+    """Give a model built inside deepspeed.zero.Init the buffers an ordinary construction makes.
+
+    zero.Init turns every floating tensor created in a constructor into the training dtype
+    (bf16): rotary tables, BatchNorm statistics, masks. Under ZeRO-1/2 and DDP they stay as
+    built (fp32), so without this a ZeRO-3 bf16 run trains a different model. `reference` is the
+    same architecture built with its parameters on the meta device and real buffers
+    (accelerate.init_empty_weights(include_buffers=False): no parameter memory). Buffers for
+    which keep(name) is true (loaded from a checkpoint) only get their dtype back. Returns
+    the names of the buffers replaced."""
+    ref = dict(reference.named_buffers())
+    fixed = []
+    for name, buf in model.named_buffers():
+        r = ref.get(name)
+        if buf is None or r is None or not buf.is_floating_point() or r.device.type == "meta":
+            continue
+        if keep(name):
+            if buf.dtype != r.dtype:
+                buf.data = buf.data.to(r.dtype)
+                fixed.append(name)
+        elif buf.dtype != r.dtype or not torch.equal(buf.data.cpu(), r):
+            buf.data = r.to(buf.device).clone()
+            fixed.append(name)
+    return fixed
 
 
 def lm_context(cfg: ModelConfig) -> tuple[Optional[int], Optional[int]]:
@@ -124,29 +173,52 @@ def check_model_name(name: str):
                       f'or "hf:<local model dir>"')
 
 
-def hidden_size_of(cfg: ModelConfig) -> Optional[int]:
-    """Model width before construction (fills DeepSpeed's "auto" bucket sizes); None if unknown."""
+def hidden_size_of(cfg: ModelConfig, data=None) -> Optional[int]:
+    """Model width before construction (fills DeepSpeed's "auto" bucket and ZeRO-3 sizes); None if
+    unknown. Transformers: the hidden size. Other models: the side of their largest weight
+    (sqrt of its elements), which plays the same role for bucket and persistence sizes."""
     if cfg.name.startswith("hf:"):
         from models.hf import hf_hidden_size
         return hf_hidden_size(cfg.name[3:])
     from models import gpt
     if cfg.name in gpt.PRESETS:
         return _gpt_config(cfg, vocab_size=None).d_model
+    if data is None:
+        return None
+    if cfg.name == "linear":
+        return max(1, math.isqrt(data.num_features + 1))
+    from models.vision import arch_info, is_vision
+    if is_vision(cfg.name):
+        info = arch_info(cfg.name, cfg.num_classes or data.num_classes, data.extra["image_size"])
+        return max(1, math.isqrt(max(math.prod(s) for s in info.shapes.values())))
     return None
 
 
-def partition_summary(model: nn.Module, world_size: int) -> str:
-    """How the model was built under ZeRO-3, from the parameters themselves: partitioned at
-    construction (every parameter a DeepSpeed ZeRO-3 parameter holding only its shard) or whole."""
+def partition_counts(model: nn.Module) -> dict:
+    """What ZeRO-3 did with this model's parameters on this rank, from the parameters themselves.
+    `partitioned_*`: tensors held as a 1/world shard (`held_elements` of them here); `whole_*`:
+    tensors every rank holds in full (built outside zero.Init, or at most
+    stage3_param_persistence_threshold elements once the engine has marked them)."""
     params = list(model.parameters())
-    zero = [p for p in params if hasattr(p, "ds_id")]
-    total = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
-    if len(zero) != len(params):
-        return (f"WARNING: {len(params) - len(zero)} of {len(params)} parameters were built whole, outside "
-                f"deepspeed.zero.Init ({total / 1e6:.2f}M parameters)")
-    local = sum(p.ds_tensor.numel() for p in zero)
-    return (f"model built partitioned by deepspeed.zero.Init: {total / 1e6:.2f}M parameters, "
-            f"{local / 1e6:.2f}M held by this rank ({world_size} ranks)")
+    parted = [p for p in params if hasattr(p, "ds_id") and not getattr(p, "ds_persist", False)]
+    whole = [p for p in params if not (hasattr(p, "ds_id") and not getattr(p, "ds_persist", False))]
+    numel = lambda p: int(getattr(p, "ds_numel", p.numel()))  # noqa: E731 - the full size, not the shard
+    return {"tensors": len(params), "elements": sum(map(numel, params)),
+            "partitioned_tensors": len(parted), "partitioned_elements": sum(map(numel, parted)),
+            "held_elements": sum(int(p.ds_tensor.numel()) for p in parted),
+            "whole_tensors": len(whole), "whole_elements": sum(map(numel, whole)),
+            "built_outside_zero_init": sum(not hasattr(p, "ds_id") for p in params)}
+
+
+def partition_summary(model: nn.Module, world_size: int) -> str:
+    """How the model was built under ZeRO-3: partitioned at construction (every parameter a
+    DeepSpeed ZeRO-3 parameter holding only its shard) or whole."""
+    c = partition_counts(model)
+    if c["built_outside_zero_init"]:
+        return (f"WARNING: {c['built_outside_zero_init']} of {c['tensors']} parameters were built whole, outside "
+                f"deepspeed.zero.Init ({c['elements'] / 1e6:.2f}M parameters)")
+    return (f"model built partitioned by deepspeed.zero.Init: {c['elements'] / 1e6:.2f}M parameters, "
+            f"{c['held_elements'] / 1e6:.2f}M held by this rank ({world_size} ranks)")
 
 
 def _gpt_config(cfg: ModelConfig, vocab_size):
@@ -158,6 +230,35 @@ def _gpt_config(cfg: ModelConfig, vocab_size):
                           activation_checkpointing=cfg.activation_checkpointing)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
+
+
+def meta_model(cfg: ModelConfig, data) -> tuple[nn.Module, dict, Optional[int]]:
+    """(the model with its parameters on the meta device, its model_config, its width): the
+    architecture as build_workload makes it, for sizing before anything is allocated (the
+    memory planner). Costs no parameter memory; validates like build_workload."""
+    from models import gpt
+    name = cfg.name
+    width = hidden_size_of(cfg, data)
+    if name.startswith("hf:"):
+        from models.hf import meta_hf
+        model, model_config = meta_hf(cfg)
+        return model, model_config, width
+    if name in gpt.PRESETS:
+        gcfg = _gpt_config(cfg, vocab_size=data.vocab_size)
+        with torch.device("meta"):
+            model = gpt.GPT(gcfg)
+        return model, {"family": "gpt", **gcfg.to_dict()}, width
+    if name == "linear":
+        from models.linear import LinearRegression
+        with torch.device("meta"):
+            model = LinearRegression(data.num_features)
+        return model, {"family": "linear", "num_features": data.num_features}, width
+    from models.vision import is_vision, meta_vision
+    if is_vision(name):
+        model, model_config = meta_vision(cfg, data)
+        return model, model_config, width
+    check_model_name(name)
+    raise AssertionError(name)
 
 
 def build_workload(cfg: ModelConfig, data, init_context=contextlib.nullcontext) -> Workload:
@@ -186,6 +287,9 @@ def build_workload(cfg: ModelConfig, data, init_context=contextlib.nullcontext) 
         from models.linear import LinearRegression
         if data.task != "regress":
             raise ConfigError(f'model.name "linear" needs data.kind = "regression" (got a {data.task} task)')
+        if cfg.activation_checkpointing:
+            raise ConfigError('model.activation_checkpointing: model "linear" has no activations to recompute; '
+                              "set it to false")
         with init_context():
             model = LinearRegression(data.num_features)
         return Workload(model=model, task="regress", family="linear",

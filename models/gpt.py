@@ -183,30 +183,32 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for RoPE, (seq_len, Hd/2), in non-persistent fp32 buffers:
-    derived purely from the config, so they are neither parameters (ZeRO must not
-    partition them) nor checkpointed."""
+    """cos/sin tables for RoPE, (T, Hd/2) in fp32, computed on first use per device and cached.
+
+    Not buffers, and nothing is computed in __init__: tables built at construction take the
+    dtype construction happens under. deepspeed.zero.Init with bf16 turns every floating
+    tensor a constructor creates (torch.arange included) into bf16, where angles above 256
+    radians are not representable: the tables were off by up to 1.7 at position 1023 and
+    a ZeRO-3 bf16 model computed different logits than the same weights under ZeRO-1/2.
+    Derived purely from the config, they are never partitioned, cast, moved or checkpointed."""
 
     def __init__(self, head_dim: int, seq_len: int, theta: float):
         super().__init__()
         self.head_dim, self.seq_len, self.theta = head_dim, seq_len, theta
-        cos, sin = self._tables(device=None)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # -> 2 x (T, Hd/2)
+        if device not in self._cache:
+            self._cache[device] = self._tables(device)
+        cos, sin = self._cache[device]
+        return cos[:T], sin[:T]
 
     def _tables(self, device):
-        # fp32 throughout: angles reach seq_len radians, where bf16 is too coarse.
-        inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim)
-        angles = torch.outer(torch.arange(self.seq_len, dtype=torch.float32, device=device), inv_freq)
-        return angles.cos(), angles.sin()
-
-    def _apply(self, fn, recurse=True):
-        # .bfloat16()/.half() (e.g. DeepSpeed's bf16 engine) would round the tables,
-        # and to_empty() after meta-device construction leaves garbage: recompute
-        # in fp32 on whatever device the buffers ended up on.
-        super()._apply(fn, recurse)
-        self.cos, self.sin = self._tables(device=self.cos.device)
-        return self
+        # Explicit fp32 on the target device; no ambient dtype or device can change it.
+        inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
+        angles = torch.outer(torch.arange(self.seq_len, dtype=torch.float64), inv_freq)  # (T, Hd/2)
+        return (angles.cos().to(device=device, dtype=torch.float32),
+                angles.sin().to(device=device, dtype=torch.float32))
 
 
 def apply_rope(x, cos, sin):  # x (B, h, T, Hd); cos/sin (T, Hd/2) -> (B, h, T, Hd)
@@ -297,7 +299,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T > self.config.seq_len:
             raise ValueError(f"sequence length {T} exceeds config.seq_len {self.config.seq_len}")
-        cos, sin = self.rotary.cos[:T], self.rotary.sin[:T]  # (T, Hd/2)
+        cos, sin = self.rotary(T, idx.device)  # 2 x (T, Hd/2), fp32
         x = self.drop(self.tok_emb(idx))  # (B, T, D)
         for block in self.blocks:
             if self.config.activation_checkpointing and self.training:

@@ -146,6 +146,15 @@ def build_hf(cfg, data, init_context):
         print(f"zerotrain: {d} has no weights ({', '.join(WEIGHT_FILES[:2])}): training {config.model_type} from "
               f"random initialisation", flush=True)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if init_context is not contextlib.nullcontext:
+        _restore_buffers(model, config, d, files)
+    if cfg.activation_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ConfigError(f"model.activation_checkpointing: transformers has no gradient checkpointing for "
+                              f"{config.model_type} ({type(model).__name__}); set model.activation_checkpointing false")
+        # Non-reentrant: gradients reach every trainable parameter even when a checkpointed layer's
+        # input needs none (frozen embeddings), and the layers' ZeRO-3 hooks run in the recomputation.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = sum(_numel(p) for p in model.parameters())
     emb = model.get_input_embeddings()
     n_emb = _numel(emb.weight) if emb is not None else 0
@@ -158,6 +167,41 @@ def build_hf(cfg, data, init_context):
                     model_config={"family": "hf", "source": str(d.resolve()), "model_type": config.model_type,
                                   "config": config.to_dict(), "num_params": n_params},
                     hidden_size=width, flops_per_item=flops, tied=tied_names(model))
+
+
+def _restore_buffers(model, config, d: Path, files: list[str]):
+    """Buffers as an ordinary construction (and the weight files) make them, not as zero.Init's
+    bf16 tensor constructors did (transformers protects RoPE tables, not every buffer)."""
+    from accelerate import init_empty_weights
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from models import restore_buffers
+    with init_empty_weights(include_buffers=False):
+        reference = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)  # parameters on meta, real buffers
+    in_files = _checkpoint_keys(d, files)
+    restore_buffers(model, reference, keep=lambda name: name in in_files)
+
+
+def _checkpoint_keys(d: Path, files: list[str]) -> set[str]:
+    """Tensor names stored in the directory's safetensors weights (persistent buffers loaded from there)."""
+    import json
+    if "model.safetensors.index.json" in files:
+        return set(json.loads((d / "model.safetensors.index.json").read_text())["weight_map"])
+    if "model.safetensors" in files:
+        from safetensors import safe_open
+        with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+            return set(f.keys())
+    return set()
+
+
+def meta_hf(cfg) -> tuple:
+    """The causal LM build_hf would make, parameters on the meta device (for sizing)."""
+    from accelerate import init_empty_weights
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    config = load_config(cfg.name[3:])
+    with init_empty_weights(include_buffers=False):
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+    return model, {"family": "hf", "model_type": config.model_type}
 
 
 def save_hf_config(model_config: dict, out_dir: str | os.PathLike, dtype: Optional[str] = None) -> list[str]:

@@ -68,15 +68,24 @@ class ArchInfo:
     flops_per_sample: Optional[float]  # forward FLOPs of one image (None if not measurable)
 
 
-def _meta_build(name: str, num_classes: int, image_size: int) -> nn.Module:
+def reference_build(name: str, num_classes: int, image_size: int) -> nn.Module:
+    """Parameters on the meta device (no memory), buffers real: what an ordinary construction
+    makes of them (models.restore_buffers gives those to a model built under zero.Init)."""
     # init_empty_weights (not `torch.device("meta")`): some builders (RegNet) compute
     # layer widths with real tensor arithmetic that meta tensors cannot do.
     from accelerate import init_empty_weights
-    with init_empty_weights(include_buffers=False):
-        model = construct(name, num_classes, image_size)
-    return model.to("meta")
+    # Some builders draw initial values on the CPU before init_empty_weights moves them to meta
+    # (ViT's position embedding): leave the global RNG as it was, so that the real model's
+    # weights do not depend on whether this ran before (arch_info is cached).
+    with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
+        return construct(name, num_classes, image_size)
 
 
+def _meta_build(name: str, num_classes: int, image_size: int) -> nn.Module:
+    return reference_build(name, num_classes, image_size).to("meta")
+
+
+@functools.lru_cache(maxsize=4)
 def arch_info(name: str, num_classes: int, image_size: int) -> ArchInfo:
     """Shapes, head keys and FLOPs from two meta-device builds and one meta forward: costs no
     memory, and a too-small image size fails here with a message instead of in step 1."""
@@ -253,6 +262,35 @@ def gathering_inits():
             setattr(mod, n, fn)
 
 
+# ----------------------------------------------------------------------------- activation checkpointing
+
+# Architecture name prefix -> containers whose children are the checkpointed units (residual
+# blocks, transformer layers, stages). Each unit starts with a convolution, a norm or a layer
+# of its own, never with an in-place activation of its input (which recomputation would see
+# modified): VGG, AlexNet, SqueezeNet, DenseNet, MNASNet, GoogLeNet and Inception are not listed.
+CHECKPOINT_UNITS = {
+    "resnet": ("layer1", "layer2", "layer3", "layer4"), "resnext": ("layer1", "layer2", "layer3", "layer4"),
+    "wide_resnet": ("layer1", "layer2", "layer3", "layer4"), "vit_": ("encoder.layers",),
+    "convnext": ("features",), "efficientnet": ("features",), "mobilenet": ("features",),
+    "regnet": ("trunk_output",), "swin": ("features",), "maxvit": ("blocks",),
+    "shufflenet": ("stage2", "stage3", "stage4"),
+}
+
+
+def enable_activation_checkpointing(model: nn.Module, name: str) -> int:
+    """Recompute each block of a torchvision classifier in backward (models/checkpointing.py);
+    ConfigError for an architecture where that is not possible. Returns the number of units."""
+    from models.checkpointing import checkpoint_modules
+    prefix = next((p for p in CHECKPOINT_UNITS if name.startswith(p)), None)
+    if prefix is None:
+        families = ", ".join(p.rstrip("_") + "*" for p in CHECKPOINT_UNITS)
+        raise ConfigError(f"model.activation_checkpointing: {name} has no blocks zerotrain can recompute (its "
+                          f"layers modify their inputs in place, or it has no repeated blocks); supported: "
+                          f"{families}; set model.activation_checkpointing false")
+    units = [child for path in CHECKPOINT_UNITS[prefix] for child in model.get_submodule(path).children()]
+    return checkpoint_modules(units)
+
+
 # ----------------------------------------------------------------------------- the workload
 
 def build_vision(cfg: ModelConfig, data, init_context):
@@ -276,12 +314,18 @@ def build_vision(cfg: ModelConfig, data, init_context):
 
     with init_context(), gathering_inits():
         model = construct(name, num_classes, image_size)
+    if init_context is not contextlib.nullcontext:
+        # zero.Init made the BatchNorm statistics bf16; the file's (or fresh) fp32 values go in next.
+        from models import restore_buffers
+        restore_buffers(model, reference_build(name, num_classes, image_size))
     if weights is not None:
         load_into(model, weights)
     if cfg.freeze_backbone:
         trainable = set(info.head)
         for n, p in model.named_parameters():
             p.requires_grad_(n in trainable)
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(model, name)
     return Workload(model=model, task="classify", family="vision",
                     model_config={"family": "vision", "arch": name, "num_classes": num_classes,
                                   "image_size": image_size, "class_names": data.class_names,
@@ -289,6 +333,18 @@ def build_vision(cfg: ModelConfig, data, init_context):
                                   "frozen_backbone": cfg.freeze_backbone},
                     # training = forward + backward (2x forward)
                     flops_per_item=3 * info.flops_per_sample if info.flops_per_sample else None)
+
+
+def meta_vision(cfg: ModelConfig, data) -> tuple[nn.Module, dict]:
+    """The classifier build_vision would make, parameters on the meta device (for sizing)."""
+    num_classes = cfg.num_classes or data.num_classes
+    image_size = data.extra["image_size"]
+    info = arch_info(cfg.name, num_classes, image_size)
+    model = reference_build(cfg.name, num_classes, image_size)
+    if cfg.freeze_backbone:
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in set(info.head))
+    return model, {"family": "vision", "arch": cfg.name, "num_classes": num_classes, "image_size": image_size}
 
 
 def load_exported(export_dir: str | os.PathLike) -> tuple[nn.Module, dict]:

@@ -150,19 +150,26 @@ def small_run_args(ds_json: str, steps: int = 4) -> list[str]:
             "--train.trace_data", "true"]
 
 
-# d_model 256: the big matrices exceed ZeRO-3's 1e5 persistence threshold (with gpt-tiny's 64
-# every tensor would stay whole on every rank); accumulation 2 shows ZeRO-1's full gradients.
+# d_model 256: every matrix and the tied embedding exceed ZeRO-3's persistence threshold ("auto":
+# 10 x d_model) and are partitioned; accumulation 2 shows ZeRO-1's full gradients.
 STAGE_STEPS = 6
 STAGE_ARGS = [*TINY, "--model.d_model", "256", "--model.n_layer", "2", "--train.grad_accum_steps", "2",
               "--train.max_steps", str(STAGE_STEPS), "--train.eval_every", "0", "--train.eval_batches", "1"]
 
 
+STAGE_RUNS = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero3_offload")
+
+
 @pytest.fixture(scope="session")
 def fp32_stage_runs(tmp_path_factory, fp32_configs) -> dict[str, Path]:
-    """DDP and ZeRO-1/2/3 in fp32, 2 torchrun processes, same seed and data: the stage
-    equivalence tests and the measured-memory tests read the same four launches."""
-    return {name: cached_run(tmp_path_factory, "torchrun", 2, ["--ds-config", fp32_configs[name], *STAGE_ARGS])
-            for name in ("ddp", "zero1", "zero2", "zero3")}
+    """DDP and ZeRO-0/1/2/3 (+ ZeRO-3 offload, + ZeRO-3 with activation checkpointing) in fp32,
+    2 torchrun processes, same seed and data: the stage equivalence tests and the
+    measured-memory tests read the same launches."""
+    runs = {name: cached_run(tmp_path_factory, "torchrun", 2, ["--ds-config", fp32_configs[name], *STAGE_ARGS])
+            for name in STAGE_RUNS}
+    runs["zero3_ckpt"] = cached_run(tmp_path_factory, "torchrun", 2, ["--ds-config", fp32_configs["zero3"], *STAGE_ARGS,
+                                                                      "--model.activation_checkpointing", "true"])
+    return runs
 
 
 @pytest.fixture(scope="session")

@@ -127,7 +127,8 @@ def test_shipped_configs_resolve(tmp_path):
     cfg = load_config(None)
     stages = {}
     for name in ("ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero2_fp32"):
-        ds = resolve(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100, cuda=False)
+        ds = resolve(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100, cuda=False,
+                     hidden_size=128)
         stages[name] = (ds.backend, ds.stage, ds.precision, ds.offload_optimizer, ds.offload_param)
         if ds.is_deepspeed:
             r = ds.resolved
@@ -135,6 +136,14 @@ def test_shipped_configs_resolve(tmp_path):
             assert r["train_batch_size"] == 16 and r["gradient_clipping"] == 1.0
             assert "optimizer" not in r and "scheduler" not in r   # zerotrain builds both
             assert "auto" not in json.dumps(r)
+            # bf16 accumulates gradients in fp32 from stage 1 on (DeepSpeed has no fp32 accumulation at stage 0)
+            want = {"grad_accum_dtype": "fp32"} if ds.precision == "bf16" and ds.stage >= 1 else None
+            assert r.get("data_types") == want, name
+            z = r["zero_optimization"]
+            if ds.stage >= 1:  # buckets sized from the width (128), not DeepSpeed's 5e8 elements
+                assert z["reduce_bucket_size"] == 128 * 128, name
+            if ds.stage == 3:
+                assert z["stage3_param_persistence_threshold"] == 1280 and z["sub_group_size"] == 24 * 128 * 128
     assert stages == {
         "ddp": ("ddp", None, "bf16", None, None), "zero0": ("deepspeed", 0, "bf16", None, None),
         "zero1": ("deepspeed", 1, "bf16", None, None), "zero2": ("deepspeed", 2, "bf16", None, None),

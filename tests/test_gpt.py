@@ -76,21 +76,35 @@ def test_tied_weights_are_same_tensor():
     assert untied.lm_head.weight is not untied.tok_emb.weight
 
 
-def test_rope_buffers_not_parameters_and_stay_fp32():
-    model = build(tiny())
-    names = {n for n, _ in model.named_parameters()}
-    assert not any("rotary" in n for n in names)
-    assert not any("rotary" in k for k in model.state_dict())  # non-persistent
-    ref_cos = model.rotary.cos.clone()
+def test_rope_tables_are_fp32_whatever_dtype_or_device_construction_had():
+    """RoPE tables are derived, never parameters or state, and exact fp32 angles whatever
+    dtype the model is cast to or built under (zero.Init bf16 built them in bf16: off by
+    up to 1.7 at position 1023; tests/test_zero3.py checks that path with DeepSpeed itself)."""
+    cfg = tiny(seq_len=1024)
+    model = build(cfg)
+    assert not any("rotary" in n for n, _ in model.named_parameters())
+    assert not any("rotary" in k for k in model.state_dict()) and not list(model.buffers())
+    cos, sin = model.rotary(1024, torch.device("cpu"))
+    pos = torch.arange(1024, dtype=torch.float64)[:, None]
+    inv = 10000.0 ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape == (1024, cfg.head_dim // 2)
+    torch.testing.assert_close(cos.double(), (pos * inv).cos(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin.double(), (pos * inv).sin(), rtol=0, atol=1e-6)
+    # Casting the model, or building it while floating tensors default to bf16, changes nothing.
     model.to(torch.bfloat16)
-    assert model.rotary.cos.dtype == torch.float32
-    torch.testing.assert_close(model.rotary.cos, ref_cos, rtol=0, atol=0)
-    assert model.tok_emb.weight.dtype == torch.bfloat16
-    # meta-built then materialised: tables must be real, not uninitialised memory.
+    torch.testing.assert_close(model.rotary(1024, torch.device("cpu"))[0], cos, rtol=0, atol=0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        m = GPT(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    torch.testing.assert_close(m.rotary(1024, torch.device("cpu"))[0], cos, rtol=0, atol=0)
+    # Built on the meta device and materialised: real tables, not uninitialised memory.
     with torch.device("meta"):
-        m = GPT(tiny())
+        m = GPT(cfg)
     m.to_empty(device="cpu")
-    torch.testing.assert_close(m.rotary.cos, ref_cos, rtol=0, atol=0)
+    torch.testing.assert_close(m.rotary(1024, torch.device("cpu"))[0], cos, rtol=0, atol=0)
 
 
 def reference_attention(attn: Attention, x, cos, sin):
@@ -119,7 +133,7 @@ def test_gqa_matches_explicit_reference(n_kv_head):
     attn = model.blocks[0].attn
     T = 24
     x = torch.randn(2, T, cfg.d_model)
-    cos, sin = model.rotary.cos[:T], model.rotary.sin[:T]
+    cos, sin = model.rotary(T, x.device)
     torch.testing.assert_close(attn(x, cos, sin), reference_attention(attn, x, cos, sin), rtol=1e-5, atol=1e-5)
 
 

@@ -82,11 +82,18 @@ def test_measured_model_states_decrease_with_the_stage(runs):
 
 
 @pytest.mark.multiproc
-def test_planner_matches_measured_within_10_percent(runs):
+def test_planner_matches_measured_within_10_percent(runs, fp32_stage_runs):
     for stage in STAGES:
         row = runs[stage][0]
         for measured, planned in zip(row["mem/model_states_bytes_per_rank"], row["plan/model_states_bytes_per_rank"]):
             assert abs(planned - measured) / measured < 0.10, (stage, measured, planned)
+    for stage in ("zero0", "zero3_offload"):  # on the device and, offloaded, on the host
+        row = next(r for r in metrics(fp32_stage_runs[stage]) if "mem/model_states_bytes_per_rank" in r)
+        for kind in ("model_states", "host"):
+            for measured, planned in zip(row[f"mem/{kind}_bytes_per_rank"], row[f"plan/{kind}_bytes_per_rank"]):
+                # + 1 MiB: with everything offloaded, the parameters ZeRO-3 has gathered at the
+                # moment of measurement (here the tied embedding, 256 KiB) dominate the device's bytes.
+                assert abs(planned - measured) <= 0.10 * measured + 2 ** 20, (stage, kind, measured, planned)
 
 
 @pytest.mark.multiproc

@@ -3,6 +3,7 @@ against autograd's saved tensors, the recommendation as memory shrinks, and the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,24 +16,39 @@ PSI, N = 1_000_000_000, 8           # 1e9 is a multiple of 2N: no flat-buffer pa
 OPTIONS = dict(plan.OPTIONS)
 
 
-def strategy(name: str, precision: str = "bf16"):
-    label = {v: k for k, v in plan.OPTIONS}[f"{name}.json"]
-    return plan.strategy_from_json(label, plan.REPO / "ds_configs" / f"{name}.json", precision)
+def strategy(name: str, precision: str = "bf16", accum_dtype: str | None = None):
+    label = {v: k for k, v in plan.OPTIONS}.get(f"{name}.json", name)
+    s = plan.strategy_from_json(label, plan.REPO / "ds_configs" / f"{name}.json", precision)
+    if accum_dtype is not None:
+        s = dataclasses.replace(s, grad_accum_fp32=accum_dtype == "fp32")
+    return s
 
 
-def states(name, precision="bf16", accum=1, psi=PSI, n=N):
-    e = estimate(count_shape(psi), strategy(name, precision), n, Batch(micro=1, seq_len=None, accum=accum))
+def states(name, precision="bf16", accum=1, psi=PSI, n=N, accum_dtype="bf16"):
+    e = estimate(count_shape(psi), strategy(name, precision, accum_dtype), n, Batch(micro=1, seq_len=None, accum=accum))
     return e
 
 
 def test_zero_paper_mixed_precision_model_states():
-    # ZeRO paper, mixed-precision Adam (K = 12): DDP 16Ψ, ZeRO-1 4Ψ+12Ψ/N, ZeRO-2 2Ψ+14Ψ/N, ZeRO-3 16Ψ/N.
+    # ZeRO paper, mixed-precision Adam (K = 12), gradients kept in bf16 (DeepSpeed's own default):
+    # DDP 16Ψ, ZeRO-1 4Ψ+12Ψ/N, ZeRO-2 2Ψ+14Ψ/N, ZeRO-3 16Ψ/N.
     assert states("ddp").model_states == 16_000_000_000
     assert states("zero1", accum=2).model_states == 4_000_000_000 + 1_500_000_000
     assert states("zero2").model_states == 2_000_000_000 + 1_750_000_000
     assert states("zero3").model_states == 2_000_000_000
     z2 = states("zero2")
     assert (z2.params, z2.grads, z2.optimizer) == (2_000_000_000, 250_000_000, 1_500_000_000)
+
+
+def test_fp32_gradient_accumulation_under_bf16():
+    # The shipped bf16 JSONs accumulate in fp32 (train/dsconfig.py): 4 bytes per held gradient element;
+    # ZeRO-1 becomes DeepSpeed's BF16_Optimizer with fp32 accumulators for every parameter
+    # (+ the bf16 gradients backward writes before they are added in).
+    assert strategy("zero2").grad_accum_fp32 and not strategy("zero0").grad_accum_fp32
+    z1, z2, z3 = (states(n, accum_dtype=None) for n in ("zero1", "zero2", "zero3"))
+    assert (z1.params, z1.grads, z1.optimizer) == (2 * PSI, 6 * PSI, 12 * PSI // N)
+    assert (z2.params, z2.grads, z2.optimizer) == (2 * PSI, 4 * PSI // N, 12 * PSI // N)
+    assert (z3.params, z3.grads, z3.optimizer) == (2 * PSI // N, 4 * PSI // N, 12 * PSI // N)
 
 
 def test_what_deepspeed_allocates_beyond_the_paper():
@@ -43,7 +59,8 @@ def test_what_deepspeed_allocates_beyond_the_paper():
     assert states("zero3", "fp32").model_states == 500_000_000 + 500_000_000 + 1_500_000_000
     # DDP under Accelerate autocast keeps fp32 params and grads whatever the precision.
     assert states("ddp", "fp32").model_states == states("ddp", "bf16").model_states
-    # Reduce buckets: ds_configs/zero2.json has 5e8 elements, overlap_comm -> two bf16 buffers.
+    # Reduce buckets are "auto" (the model width squared); a bare parameter count has no width, so
+    # DeepSpeed's 5e8-element default stands in: overlap_comm -> two bf16 buffers, allocated whole on CUDA.
     assert states("zero2").buffers == 2 * 500_000_000 * 2
 
 
@@ -119,8 +136,9 @@ def test_recommendation_moves_from_ddp_to_zero_to_offload_as_memory_shrinks():
         p = make_plan(shape, Cluster(1, devices, int(gib * 2**30), 512 * 2**30), batch)
         return p.recommended.strategy.label if p.recommended else None
 
-    # 8 devices: model states 16Ψ (DDP) -> 4Ψ+12Ψ/N -> 2Ψ+14Ψ/N -> 16Ψ/N -> offloaded.
-    assert [pick(g) for g in (80, 12, 9, 6.5, 4, 1)] == [
+    # 8 devices, bf16 with fp32 accumulation: DDP 16Ψ (+ autocast copies) -> ZeRO-1 2Ψ+6Ψ+12Ψ/N
+    # -> ZeRO-2 2Ψ+16Ψ/N -> ZeRO-3 18Ψ/N -> offloaded.
+    assert [pick(g) for g in (80, 14, 9, 6.5, 4, 1)] == [
         "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 + param/opt offload", None]
     # One device: partitioning saves nothing, offloading the optimizer does.
     assert [pick(g, devices=1) for g in (40, 8)] == ["DDP", "ZeRO-2 + opt offload"]

@@ -27,8 +27,11 @@ def falling(losses: dict) -> bool:
     return losses[steps[-1]] < losses[steps[0]] - 0.3
 
 
-@pytest.mark.parametrize("name,strategy", [("ddp", "DDP (fp32)"), ("zero1", "ZeRO-1 (fp32)"),
-                                           ("zero2", "ZeRO-2 (fp32)"), ("zero3", "ZeRO-3 (fp32)")])
+@pytest.mark.parametrize("name,strategy", [("ddp", "DDP (fp32)"), ("zero0", "ZeRO-0 (fp32)"),
+                                           ("zero1", "ZeRO-1 (fp32)"), ("zero2", "ZeRO-2 (fp32)"),
+                                           ("zero3", "ZeRO-3 (fp32)"),
+                                           ("zero3_offload", "ZeRO-3 + optimizer offload (cpu) + param offload (cpu) "
+                                                             "(fp32)")])
 def test_each_stage_trains_fp32(fp32_stage_runs, name, strategy):
     infos = rank_infos(fp32_stage_runs[name])
     assert [i["strategy"] for i in infos] == [strategy, strategy]
@@ -41,12 +44,28 @@ def test_each_stage_trains_fp32(fp32_stage_runs, name, strategy):
 
 
 def test_stages_agree_in_fp32(fp32_stage_runs):
-    """Same seed and data: DDP and ZeRO-1/2/3 are the same mathematics (only reduction
-    order differs), so their per-step losses agree tightly."""
+    """Same seed and data: DDP and ZeRO-0/1/2/3 (and ZeRO-3 offloaded to DeepSpeedCPUAdam) are
+    the same mathematics (only reduction order differs), so their per-step losses agree tightly."""
     ref = train_losses(fp32_stage_runs["ddp"])
-    for name in ("zero1", "zero2", "zero3"):
+    for name in ("zero0", "zero1", "zero2", "zero3", "zero3_offload"):
         got = train_losses(fp32_stage_runs[name])
         assert got == pytest.approx(ref, rel=2e-5, abs=1e-5), name
+
+
+def test_zero3_runs_partition_every_large_tensor(fp32_stage_runs):
+    """stage3_param_persistence_threshold "auto" (10 x d_model): the tied embedding and every
+    matrix are 1/2 per rank; only the norm gains stay whole."""
+    for name in ("zero3", "zero3_offload"):
+        for info in rank_infos(fp32_stage_runs[name]):
+            z = info["zero3"]
+            assert z["built_outside_zero_init"] == 0 and z["whole_elements"] < 0.01 * z["elements"], (name, z)
+            assert z["partitioned_tensors"] == 1 + 2 * 4                # tok_emb (= lm_head) + 4 matrices per layer
+            assert abs(z["held_elements"] - z["partitioned_elements"] / 2) <= z["partitioned_tensors"], z
+
+
+def test_activation_checkpointing_changes_nothing_but_memory_under_zero3(fp32_stage_runs):
+    """Recomputing each block in backward (fp32, partitioned ZeRO-3, 2 processes): the same losses."""
+    assert train_losses(fp32_stage_runs["zero3_ckpt"]) == train_losses(fp32_stage_runs["zero3"])
 
 
 @pytest.mark.parametrize("name,strategy", [("ddp", "DDP (bf16)"), ("zero2", "ZeRO-2 (bf16)"),

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from train.config import RunConfig
-from train.errors import ConfigError
+from train.errors import ConfigError, UserError
 
 
 def _init_context(ds):
@@ -71,6 +71,11 @@ def _write_rank_info(run_dir: Path, acc, topo, ds):
     (d / f"rank{topo.rank}.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
+def _add_rank_info(run_dir: Path, topo, **more):
+    path = run_dir / "ranks" / f"rank{topo.rank}.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **more}, indent=1) + "\n")
+
+
 def _git_commit():
     import subprocess
     try:
@@ -97,6 +102,10 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     launcher = dist_.normalize_env()
     world = int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()
+    if not cuda:
+        # The device is host RAM: freed tensors go back to the OS, so memory follows live tensors.
+        from train.device_memory import compact_host_malloc
+        compact_host_malloc()
     run_dir = Path(cfg.train.run_dir)
     _check_run_dir(run_dir)
     batch = cfg.train.batch(world)
@@ -113,9 +122,20 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     sampler = GlobalBatchSampler(len(data.train), batch.micro, world, batch.accum, cfg.train.seed)
     max_steps = cfg.train.epochs * sampler.steps_per_epoch if cfg.train.epochs else cfg.train.max_steps
 
+    from train import fit
     ds_path = dist_.resolve_ds_config_path(ds_config_cli or cfg.distributed.ds_config, launcher)
+    budget = choice = None
+    if fit.is_auto(ds_path):
+        # Every rank must choose the same JSON: agree on the budget over a process group made
+        # now (Accelerate and DeepSpeed then use it).
+        dist_.init_process_group(cfg.distributed.timeout_s)
+        auto_budget = fit.agreed_budget(before_accelerator=True)
+        choice = fit.choose(ds_path, cfg, data, batch, seq_len, world, auto_budget)
+        if int(os.environ["RANK"]) == 0:
+            print(f"zerotrain: {choice.line}", flush=True)
+        ds_path = choice.path
     from models import hidden_size_of
-    ds = resolve(ds_path, cfg, batch, max_steps, cuda=cuda, hidden_size=hidden_size_of(cfg.model))
+    ds = resolve(ds_path, cfg, batch, max_steps, cuda=cuda, hidden_size=hidden_size_of(cfg.model, data))
     dist_.check_accelerate_precision(ds)
 
     from train import wandb_logger
@@ -124,6 +144,17 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     dist_.check_world(acc, topo)
     wandb_logger.preflight(acc, cfg)  # W&B online without credentials: every rank stops here
     _write_rank_info(run_dir, acc, topo, ds)
+    planned = None
+    if cfg.distributed.memory_check:  # before the model exists: a plan that does not fit stops here
+        budget = fit.agreed_budget()
+        try:
+            planned, warning = fit.check(cfg, ds, data, batch, seq_len, world, budget)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a model the planner cannot size still trains
+            planned, warning = None, f"note: memory check skipped, the planner cannot size this model ({e})"
+        if warning and acc.is_main_process:
+            print(f"zerotrain: {warning}", flush=True)
 
     from accelerate.utils import set_seed
     set_seed(cfg.train.seed)  # identical initial weights on every rank
@@ -153,10 +184,20 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
                                                                  val_loader)
     else:
         model, optimizer, train_loader = acc.prepare(workload.model, raw_optimizer, train_loader)
-    if ds.is_deepspeed:
-        workload.match_norm_stats_dtype(model, next(model.parameters()).dtype)
+    if ds.is_deepspeed and ds.precision != "fp32":
+        workload.keep_norm_stats_fp32(model)  # 16-bit parameters, fp32 BatchNorm statistics
+    if ds.is_deepspeed and ds.stage == 3:
+        from models import partition_counts
+        _add_rank_info(run_dir, topo, zero3=partition_counts(acc.unwrap_model(model)))
 
     resolved = resolved_config(cfg, ds, batch, topo, max_steps, data, workload)
+    if budget is not None:
+        resolved["resolved"]["memory_budget"] = {"bytes": budget.bytes, "source": budget.source,
+                                                 "device": budget.device, "runtime_bytes": budget.runtime}
+    if planned is not None:
+        resolved["resolved"]["memory_plan"] = planned.to_dict()  # the peak the check compared with the budget
+    if choice is not None:
+        resolved["resolved"]["auto_ds_config"] = choice.record(auto_budget, cfg.distributed.memory_margin)
     sinks = []
     if acc.is_main_process:
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")

@@ -102,7 +102,9 @@ def run_checks(args) -> list[str]:
     ds_path = args.ds_config or ((acc or {}).get("deepspeed_config") or {}).get("deepspeed_config_file") \
         or cfg.distributed.ds_config or "ds_configs/zero2.json"
     batch = cfg.train.batch(world)
-    ds = resolve(ds_path, cfg, batch, cfg.train.max_steps, cuda=args.cuda)
+    from models import hidden_size_of
+    ds = resolve(ds_path, cfg, batch, cfg.train.max_steps, cuda=args.cuda, hidden_size=hidden_size_of(cfg.model),
+                 sizes_later=True)
     ok.append(f"{ds_path}: {ds.describe()} at world size {world}: micro {batch.micro} x accum {batch.accum} "
               f"x world {world} = global {batch.global_size}")
     return ok

@@ -37,7 +37,9 @@ class ModelConfig:
     dropout: float = 0.0
     tie_embeddings: Optional[bool] = None
     activation_checkpointing: bool = False
-    """Recompute block activations in backward: less memory, ~30% more compute."""
+    """Recompute each block's activations in backward: less memory, ~30% more compute. GPT
+    presets and hf: models (transformers' own, non-reentrant) and torchvision ResNet/ResNeXt/
+    ViT/ConvNeXt/EfficientNet/MobileNet/RegNet/Swin/MaxViT/ShuffleNet; other models refuse it."""
     num_classes: Optional[int] = None
     """Vision: classifier outputs; None = number of classes found in the dataset."""
     pretrained: Optional[str] = None
@@ -318,13 +320,24 @@ class DistributedConfig:
     ds_config: Optional[str] = None
     """DeepSpeed JSON: ZeRO stage, offload and precision (ds_configs/ddp.json = plain DDP).
     None = the accelerate YAML's deepspeed_config_file under `accelerate launch`, else
-    ds_configs/zero2.json. --ds-config on the command line sets it too."""
+    ds_configs/zero2.json. "auto": the fastest of ds_configs/{ddp,zero1,zero2,zero3,...}.json
+    that fits this device's memory ("auto:DIR": the same file names in DIR). --ds-config on the
+    command line sets it too."""
     timeout_s: int = 1800
     """Collective timeout: a rank waiting longer on a dead peer exits with an error."""
+    memory_check: bool = True
+    """Before building the model, compare the planner's peak per rank (train/plan.py) with what
+    the device allows (GPU free memory; on CPU the memory cgroup limit or the RAM) and stop with
+    the option that fits if it does not. false: skip (e.g. a model the planner cannot size)."""
+    memory_margin: float = 0.1
+    """Fraction of the per-rank memory --ds-config auto keeps free (estimate error, allocator
+    cache); the check warns when a run leaves less."""
 
     def __post_init__(self):
         if self.timeout_s <= 0:
             raise ConfigError(f"distributed.timeout_s must be positive (got {self.timeout_s})")
+        if not 0 <= self.memory_margin < 1:
+            raise ConfigError(f"distributed.memory_margin is a fraction in [0, 1) (got {self.memory_margin})")
 
 
 @dataclass

@@ -139,6 +139,9 @@ def resolve_ds_config_path(cli_or_file: str | None, launcher: str) -> str:
     acc_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     acc_uses_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     root = Path(__file__).resolve().parent.parent
+    if launcher == "accelerate" and cli_or_file and cli_or_file.split(":")[0] == "auto":
+        raise ConfigError(f"--ds-config {cli_or_file} chooses the strategy at start-up, but an accelerate config "
+                          f"fixes it already; launch with deepspeed, torchrun or python instead")
     if launcher == "accelerate" and acc_uses_ds and acc_file and acc_file != "none":
         if cli_or_file and Path(cli_or_file).resolve() != Path(acc_file).resolve():
             raise ConfigError(f"the accelerate config names deepspeed_config_file {acc_file} but the run asks for "
@@ -184,6 +187,19 @@ def build_accelerator(ds: DSSetup, batch: Batch, timeout_s: int, log_with: str |
             return Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[pg], **common)
         ddp = DistributedDataParallelKwargs(**ds.ddp_kwargs)
         return Accelerator(cpu=not cuda, kwargs_handlers=[pg, ddp], **common)
+
+
+def init_process_group(timeout_s: int):
+    """The process group Accelerate would create, made earlier (ranks must agree on something
+    before the Accelerator exists, e.g. --ds-config auto). Accelerate and DeepSpeed adopt an
+    existing group."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    _PEERS["timeout_s"] = timeout_s
+    with rendezvous_errors(timeout_s):
+        torch.distributed.init_process_group("nccl" if cuda else "gloo",
+                                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def check_world(acc, topo: Topology):

@@ -6,6 +6,10 @@ accumulation, clipping, optimizer and scheduler hyper-parameters) are ``"auto"``
 filled from the run config here; a concrete value that disagrees with the run config is
 an error rather than being silently overridden.
 
+Under bf16 with ZeRO-1/2/3, gradients accumulate in fp32 ("data_types.grad_accum_dtype",
+filled when the JSON does not set it). ZeRO buffer sizes may be "auto": derived from the model
+width (AUTO_SIZES).
+
 zerotrain builds the optimizer (torch AdamW, or DeepSpeedCPUAdam when the optimizer is
 offloaded) and computes the LR itself every step, so both behave identically under DDP
 and every ZeRO stage. The JSON's ``optimizer``/``scheduler`` blocks therefore select and
@@ -30,8 +34,28 @@ STAGE3_ONLY = ("offload_param", "stage3_prefetch_bucket_size", "stage3_param_per
                "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
                "stage3_module_granularity_threshold", "zero_hpz_partition_size", "zero_quantized_weights",
                "zero_quantized_nontrainable_weights", "mics_shard_size", "module_granularity_threshold",
-               "sub_group_size_stage3")
+               "sub_group_size_stage3", "sub_group_size")
 SCHEDULES = {"WarmupCosineLR": "cosine", "WarmupDecayLR": "linear", "WarmupLR": "constant"}
+
+
+def _multiple_of_8(n: float) -> int:
+    return max(8, int(n) // 8 * 8)  # DeepSpeed asserts bucket sizes align to its NCCL start alignment
+
+
+# "auto" sizes from the model width h, so ZeRO's buffers scale with the model rather than being
+# fixed at DeepSpeed's 5e8-element defaults (several GB: more than a 100M-parameter model's own
+# states). Bucket, prefetch and persistence rules are Hugging Face's (transformers' DeepSpeed
+# integration); live parameters and reuse distance hold two transformer blocks (~12 h^2 each)
+# gathered, so ZeRO-3 releases what the layer after next does not need (BENCHMARKS.md).
+AUTO_SIZES = {
+    "reduce_bucket_size": lambda h: _multiple_of_8(h * h),
+    "allgather_bucket_size": lambda h: _multiple_of_8(h * h),
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+    "stage3_max_live_parameters": lambda h: 24 * h * h,
+    "stage3_max_reuse_distance": lambda h: 24 * h * h,
+    "sub_group_size": lambda h: 24 * h * h,
+}
 OPTIMIZERS = ("adamw", "adam")
 
 
@@ -138,8 +162,10 @@ def _check_block(path, block: dict, name: str, checks: dict):
 
 
 def resolve(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda: bool,
-            hidden_size: int | None = None) -> DSSetup:
-    """Validate the JSON at `path` against the run config and fill every "auto"."""
+            hidden_size: int | None = None, sizes_later: bool = False) -> DSSetup:
+    """Validate the JSON at `path` against the run config and fill every "auto". The "auto"
+    ZeRO sizes need the model width; `sizes_later` (zerotrain check, before any data is read)
+    leaves them for the run to fill."""
     ds = copy.deepcopy(read_ds_json(path))
     precision = _precision(path, ds)
     if precision == "fp16" and not cuda:
@@ -214,23 +240,52 @@ def resolve(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda: bool,
         raise ConfigError(f'{path}: "offload_optimizer" needs ZeRO stage 1, 2 or 3 (the file sets stage 0)')
     if off_opt not in (None, "cpu", "nvme") or off_par not in (None, "cpu", "nvme"):
         raise ConfigError(f'{path}: offload "device" must be "cpu", "nvme" or "none"')
-    for k in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+    for k, rule in AUTO_SIZES.items():
         if _is_auto(zero.get(k)):
+            if hidden_size is None and sizes_later:
+                continue
             if hidden_size is None:
                 raise ConfigError(f'{path}: "zero_optimization.{k}" is "auto" but this model has no hidden size '
                                   f"to derive it from; set a number")
-            zero[k] = {"reduce_bucket_size": hidden_size * hidden_size,
-                       "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-                       "stage3_param_persistence_threshold": 10 * hidden_size}[k]
+            zero[k] = rule(hidden_size)
+    _grad_accum_dtype(path, ds, stage, precision)
     if off_opt:
         # The optimizer is ours (DeepSpeedCPUAdam); DeepSpeed must not second-guess it.
         ds["zero_force_ds_cpu_optimizer"] = False
     ds["zero_allow_untested_optimizer"] = True
-    left = _find_auto(ds)
+    left = [k for k in _find_auto(ds) if not (sizes_later and k.removeprefix("zero_optimization.") in AUTO_SIZES)]
     if left:
         raise ConfigError(f'{path}: zerotrain cannot fill "auto" for {", ".join(left)}; set concrete values')
     return DSSetup(path=str(path), backend="deepspeed", stage=stage, precision=precision, offload_optimizer=off_opt,
                    offload_param=off_par, resolved=ds)
+
+
+ACCUM_DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
+                "fp16": "fp16", "float16": "fp16", "half": "fp16"}
+
+
+def _grad_accum_dtype(path, ds: dict, stage: int, precision: str):
+    """bf16 under ZeRO-1/2/3 accumulates gradients in fp32 unless the JSON says otherwise.
+
+    DeepSpeed's default accumulates micro-batch gradients in the parameters' dtype: in bf16
+    (8 significant bits) each micro-batch's contribution is rounded into the running sum, so a
+    gradient much smaller than the sum so far is lost (tests/test_zero3.py measures it).
+    "data_types": {"grad_accum_dtype": "fp32"} keeps the sum in fp32 (ZeRO-1 then uses
+    DeepSpeed's BF16_Optimizer). DeepSpeed 0.19 supports it from stage 1 only."""
+    dt = ds.get("data_types", {})
+    if not isinstance(dt, dict):
+        raise ConfigError(f'{path}: "data_types" must be an object like {{"grad_accum_dtype": "fp32"}}')
+    have = dt.get("grad_accum_dtype")
+    if have is not None and ACCUM_DTYPES.get(str(have).lower()) is None:
+        raise ConfigError(f'{path}: "data_types.grad_accum_dtype" {have!r} is not a dtype; use "fp32" or "bf16"')
+    if precision != "bf16":
+        return
+    if have is None and stage >= 1:
+        ds["data_types"] = {**dt, "grad_accum_dtype": "fp32"}
+    elif have is not None and ACCUM_DTYPES[str(have).lower()] == "fp32" and stage == 0:
+        raise ConfigError(f'{path}: "data_types.grad_accum_dtype": "fp32" with bf16 needs ZeRO stage 1, 2 or 3 '
+                          f"(DeepSpeed 0.19 has no fp32 accumulation at stage 0); use ds_configs/zero1.json or "
+                          f'drop "data_types"')
 
 
 def _find_auto(d, prefix="") -> list[str]:

@@ -11,8 +11,14 @@ parse config -> build -> fit -> close. `--help` lists every option.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+# Large CPU tensors on transparent huge pages (PyTorch's own switch, read once when torch loads:
+# it must be set before the first import of torch). Fewer page faults for the fresh memory that
+# train/device_memory.compact_host_malloc() hands out on CPU (BENCHMARKS.md). THP_MEM_ALLOC_ENABLE=0 opts out.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 if __package__ in (None, ""):
     # Run as a script: Python put train/ first on sys.path; import from the repo root instead.

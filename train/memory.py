@@ -124,7 +124,8 @@ def measure(model, raw_optimizer, accelerator_is_cpu: bool | None = None) -> Mod
     # -- gradients: wherever the engine keeps them between backward and step
     c.add("grads", "param.grad", [p.grad for p in params if p.grad is not None])
     c.add("grads", "param.grad_accum", [getattr(p, "grad_accum", None) for p in params])
-    for name in ("averaged_gradients", "grads_in_partition", "all_grad_tensors"):
+    for name in ("averaged_gradients", "grads_in_partition", "all_grad_tensors",
+                 "fp32_groups_gradients_flat"):  # the last: BF16_Optimizer's fp32 accumulators
         c.add("grads", name, getattr(zero, name, None))
     c.add("grads", "grad_partitions_flat_buffer", getattr(zero, "grad_partitions_flat_buffer", None), off_opt)
     masters = [getattr(zero, n, None) for n in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",

@@ -1,32 +1,49 @@
-"""The ZeRO planner's arithmetic: what each ZeRO option costs per device, and the fastest
-option that fits. The `zerotrain plan` command (flags, table) is train/plan_cli.py.
+"""The ZeRO planner's arithmetic: the peak memory each ZeRO option needs per device, and the
+fastest option that fits. The `zerotrain plan` command (flags, table) is train/plan_cli.py.
 
     zerotrain plan gpt-1.3b --gpus-per-node 8 --device-mem 80GB --micro-batch 8
     zerotrain plan runs/my_run.yaml --device-mem 24GiB --json
-    zerotrain plan 7B --nodes 2 --gpus-per-node 8 --device-mem 80GB --cpu-mem 1TB
+    zerotrain plan run.yaml --device cpu --device-mem 3.5GiB --gpus-per-node 2   # CPU ranks, RAM cap
 
-Model states follow what DeepSpeed 0.19 really allocates (read from its source and checked
-against train/memory.py's measurement, see BENCHMARKS.md), not only the ZeRO paper's
-16Ψ / 4Ψ+12Ψ/N / 2Ψ+14Ψ/N / 16Ψ/N for mixed-precision Adam:
+A rank's peak is
 
-* params / grads use the training dtype (b = 2 for bf16/fp16, 4 for fp32). DeepSpeed keeps a
-  separate fp32 master partition even for fp32 training, so ZeRO-1/2/3 optimizer states
-  are always 12 bytes per owned element (master 4 + Adam moments 8).
-* DDP (Accelerate autocast) keeps fp32 params and grads whatever the precision: 16Ψ.
-* ZeRO-1/2 flat groups are padded to 2N elements; a rank holds the *whole* gradient of every
-  tensor that overlaps its partition (simulated tensor by tensor when the shapes are known).
-* ZeRO-1 keeps full gradients between micro-batches when accumulating (it reduces only at the
-  boundary); with one micro-batch per step it holds a partition like ZeRO-2.
-* ZeRO-3 keeps tensors with numel <= stage3_param_persistence_threshold whole on every rank.
-* "buffers": reduce buckets (reduce_bucket_size elements, doubled by overlap_comm for
-  ZeRO-1/2; allocated once at start-up for ZeRO-3), the step's transient fp32 gradient
-  partition, ZeRO-3's gathered parameters, DDP's autocast weight copies.
+    runtime + model states + buffers + max(activations + backward work, optimizer-step work)
+
+* runtime: what the process holds before the model exists. On CUDA the device's free memory is
+  read after the context exists, so 0; on a CPU (the device is host RAM) the resident libraries
+  (torch, DeepSpeed, Accelerate, transformers, torch._dynamo: ~0.9 GiB), measured, not assumed.
+* model states (params, grads, optimizer) follow what DeepSpeed 0.19 really allocates (read from
+  its source, checked to the byte against train/memory.py's measurement), not only the ZeRO
+  paper's 16Ψ / 4Ψ+12Ψ/N / 2Ψ+14Ψ/N / 16Ψ/N for mixed-precision Adam:
+  - params / grads use the training dtype (2 bytes for bf16/fp16, 4 for fp32); under bf16 ZeRO-1/2/3
+    gradients accumulate in fp32 (data_types.grad_accum_dtype, train/dsconfig.py). DeepSpeed keeps
+    a separate fp32 master partition even in fp32 training: optimizer states are 12 bytes per
+    owned element.
+  - DDP (Accelerate autocast) keeps fp32 params and grads whatever the precision: 16Ψ.
+  - ZeRO-1/2 flat groups are padded to 2N elements; a rank holds the *whole* gradient of every
+    tensor that overlaps its partition (simulated tensor by tensor when the shapes are known).
+    ZeRO-1 keeps full gradients until the accumulation boundary; bf16 ZeRO-1 with fp32
+    accumulation is DeepSpeed's BF16_Optimizer (fp32 gradients for every parameter).
+  - ZeRO-3 keeps tensors of at most stage3_param_persistence_threshold elements whole.
+* buffers (held all along): reduce buckets (allocated in full on CUDA; on a CPU only the part
+  that is written becomes resident), ZeRO-3's fp32 step-gradient buffer (one optimizer
+  sub-group), the communication workspaces of gloo (two DDP buckets) and of DeepSpeed's CPU
+  shared-memory all-reduce.
+* backward work: 16-bit weight copies under autocast, ZeRO-0's flattened all-reduce buffer,
+  ZeRO-3's gathered parameters (at most stage3_max_live_parameters) and one full gradient.
+* optimizer-step work: torch AdamW's temporaries (single-tensor on CPU: two copies of the
+  largest tensor it steps, which under ZeRO-1/2 is a whole flat partition; foreach on CUDA: one
+  copy of everything; fused: none), the fp32 gradient partition ZeRO hands to it.
+
+Checked against measured peak RSS on CPU in BENCHMARKS.md (fit frontier): within a few percent
+when RSS tracks live tensors, which zerotrain arranges on CPU (train/host_memory.py). On CUDA it
+predicts torch.cuda.max_memory_allocated; the allocator's cache comes on top (the headroom).
 
 Where this differs from DeepSpeed's own estimators (estimate_zero2_model_states_mem_needs /
 estimate_zero3_model_states_mem_needs): they assume 16-bit params always (wrong for fp32
 runs), count the step's fp32 gradient copy as a permanent 4Ψ/N ("18Ψ/N"), ignore the
-reduce buckets (1-4 GB with the shipped JSONs), activations, persistent ZeRO-3 tensors and
-ZeRO-1, and multiply CPU memory by a blanket 1.5 "buffer factor". See BENCHMARKS.md.
+buckets, activations, transients, persistent ZeRO-3 tensors and ZeRO-1, and multiply CPU
+memory by a blanket 1.5 "buffer factor". See BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -38,6 +55,7 @@ from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 GiB = 2 ** 30
+MiB = 2 ** 20
 
 # Fastest first: same communication as DDP, then more communication, then PCIe traffic.
 OPTIONS = (("DDP", "ddp.json"), ("ZeRO-1", "zero1.json"), ("ZeRO-2", "zero2.json"), ("ZeRO-3", "zero3.json"),
@@ -47,7 +65,11 @@ OPTIONS = (("DDP", "ddp.json"), ("ZeRO-1", "zero1.json"), ("ZeRO-2", "zero2.json
 ZERO_DEFAULTS = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "contiguous_gradients": True,
                  "stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
                  "stage3_max_live_parameters": 1e9, "sub_group_size": 1e9}
-ALLREDUCE_BUCKET = 5e8   # engine.allreduce_gradients' flatten size under ZeRO-0
+ALLREDUCE_BUCKET = 5e8        # engine.allreduce_gradients' flatten size under ZeRO-0
+DDP_BUCKET_CAP_MB = 25        # torch DDP's default bucket_cap_mb
+# DeepSpeed's CPU all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp): a shared-memory workspace of
+# 2 x 32 MiB per rank, plus the pages of the peers' workspaces a rank reads (measured 40-85 MiB).
+DS_CPU_COMM_WORKSPACE = 96 * MiB
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -59,6 +81,8 @@ class ModelShape:
     # numel of every trainable tensor, per optimizer group, in the order DeepSpeed flattens them
     groups: tuple
     gpt: object = None          # models.gpt.GPTConfig for activations; None = parameter count only
+    width: Optional[int] = None  # hidden size: fills the JSON's "auto" ZeRO sizes (train/dsconfig.AUTO_SIZES)
+    frozen: tuple = ()          # numel of parameters without gradients (held, never stepped)
 
     @property
     def tensors(self) -> list[int]:
@@ -82,6 +106,8 @@ class Strategy:
     offload_param: bool = False
     zero: dict = field(default_factory=dict)
     bucket_view: bool = True    # DDP gradient_as_bucket_view
+    bucket_cap_mb: float = DDP_BUCKET_CAP_MB
+    grad_accum_fp32: bool = False  # 16-bit training accumulating gradients in fp32 (data_types)
 
     def z(self, key):
         return float(self.zero.get(key, ZERO_DEFAULTS.get(key, 0)))
@@ -99,6 +125,19 @@ class Batch:
     checkpointing: bool = False
 
 
+@dataclass(frozen=True)
+class Device:
+    """What the planned ranks run on. kind "cuda": bytes allocated on the GPU (the budget is its
+    free memory); "cpu": resident bytes of a process whose device is host RAM. runtime: bytes
+    the process holds before the model exists (CPU: the libraries, ~0.9 GiB; CUDA: 0)."""
+
+    kind: str = "cuda"
+    runtime: int = 0
+
+
+CUDA = Device("cuda", 0)
+
+
 @dataclass
 class Estimate:
     strategy: Strategy
@@ -106,10 +145,14 @@ class Estimate:
     grads: int
     optimizer: int
     activations: Optional[int]  # None: architecture unknown
-    buffers: int
+    buffers: int                # held all along besides the model states
     host: int                   # offloaded bytes per rank (CPU memory)
     comm: Optional[float]       # communication volume per optimizer step, relative to DDP
     pcie: int = 0               # host<->device bytes per step and device (offload)
+    backward_work: int = 0      # transient during forward/backward, besides the activations
+    step_work: int = 0          # transient during the optimizer step
+    runtime: int = 0            # held before the model exists (Device.runtime)
+    device_kind: str = "cuda"
     fits: Optional[bool] = None
     notes: list = field(default_factory=list)
 
@@ -118,15 +161,24 @@ class Estimate:
         return self.params + self.grads + self.optimizer
 
     @property
+    def work(self) -> int:
+        """The larger of the two phases' transients (activations count in the backward one)."""
+        return max((self.activations or 0) + self.backward_work, self.step_work)
+
+    @property
     def device_total(self) -> int:
-        return self.model_states + (self.activations or 0) + self.buffers
+        """Peak bytes per device. On a CPU the offloaded states live in the same memory."""
+        host = self.host if self.device_kind == "cpu" else 0
+        return self.runtime + self.model_states + self.buffers + self.work + host
 
     def to_dict(self) -> dict:
         return {"option": self.strategy.label, "ds_config": self.strategy.path, "stage": self.strategy.stage,
-                "precision": self.strategy.precision,
+                "precision": self.strategy.precision, "device": self.device_kind,
                 "device_bytes": {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                                  "activations": self.activations, "buffers": self.buffers,
-                                 "model_states": self.model_states, "total": self.device_total},
+                                 "backward_work": self.backward_work, "step_work": self.step_work,
+                                 "runtime": self.runtime, "model_states": self.model_states,
+                                 "total": self.device_total},
                 "host_bytes_per_rank": self.host, "comm_vs_ddp": self.comm, "pcie_bytes_per_step": self.pcie,
                 "fits": self.fits, "notes": self.notes}
 
@@ -146,50 +198,65 @@ def gpt_shape(name: str, cfg) -> ModelShape:
     no_decay.append(d)                                        # final norm
     if not cfg.tie_embeddings:
         decay.append(d * cfg.vocab_size)                      # lm_head
-    return ModelShape(name, sum(decay) + sum(no_decay), (tuple(decay), tuple(no_decay)), cfg)
+    return ModelShape(name, sum(decay) + sum(no_decay), (tuple(decay), tuple(no_decay)), cfg, width=d)
 
 
 def count_shape(n: int) -> ModelShape:
     return ModelShape(f"{n / 1e6:.1f}M params", n, ((n,),), None)
 
 
-def module_shape(model, name: str, gpt=None) -> ModelShape:
+def module_shape(model, name: str, gpt=None, width: Optional[int] = None) -> ModelShape:
     """From a built (possibly ZeRO-3-partitioned) model, grouped like the trainer's optimizer."""
     from train.optim import param_groups
     groups = tuple(tuple(int(getattr(p, "ds_numel", p.numel())) for p in g["params"])
                    for g in param_groups(model, 0.1))
-    return ModelShape(name, sum(map(sum, groups)), groups, gpt)
+    frozen = tuple(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if not p.requires_grad)
+    return ModelShape(name, sum(map(sum, groups)) + sum(frozen), groups, gpt,
+                      width=width or (gpt.d_model if gpt is not None else None), frozen=frozen)
 
 
 # ----------------------------------------------------------------------------- strategies
 
-def strategy_from_json(label: str, path: Path, precision: Optional[str] = None) -> Strategy:
+def strategy_from_json(label: str, path: Path, precision: Optional[str] = None,
+                       width: Optional[int] = None) -> Strategy:
     from train.dsconfig import _precision, read_ds_json
     ds = read_ds_json(path)
     prec = precision or _precision(path, ds)
     if "ddp" in ds:
         return Strategy(label, str(path), "ddp", None, prec,
-                        bucket_view=bool(ds["ddp"].get("gradient_as_bucket_view", False)))
+                        bucket_view=bool(ds["ddp"].get("gradient_as_bucket_view", False)),
+                        bucket_cap_mb=float(ds["ddp"].get("bucket_cap_mb", DDP_BUCKET_CAP_MB)))
     zero = dict(ds.get("zero_optimization") or {"stage": 0})
-    return _zero_strategy(label, str(path), prec, zero)
+    return _zero_strategy(label, str(path), prec, zero, ds.get("data_types"), width)
 
 
 def strategy_from_setup(ds) -> Strategy:
-    """From train.dsconfig.DSSetup (the trainer's resolved JSON)."""
+    """From train.dsconfig.DSSetup (the trainer's resolved JSON: no "auto" left)."""
     if not ds.is_deepspeed:
         return Strategy(ds.describe(), ds.path, "ddp", None, ds.precision,
-                        bucket_view=bool(ds.ddp_kwargs.get("gradient_as_bucket_view", False)))
-    return _zero_strategy(ds.describe(), ds.path, ds.precision, dict(ds.resolved.get("zero_optimization", {})))
+                        bucket_view=bool(ds.ddp_kwargs.get("gradient_as_bucket_view", False)),
+                        bucket_cap_mb=float(ds.ddp_kwargs.get("bucket_cap_mb", DDP_BUCKET_CAP_MB)))
+    return _zero_strategy(ds.describe(), ds.path, ds.precision, dict(ds.resolved.get("zero_optimization", {})),
+                          ds.resolved.get("data_types"))
 
 
-def _zero_strategy(label, path, precision, zero) -> Strategy:
+def _zero_strategy(label, path, precision, zero, data_types=None, width=None) -> Strategy:
+    from train.dsconfig import ACCUM_DTYPES, AUTO_SIZES
+
     def on(block):
         return (zero.get(block) or {}).get("device") not in (None, "none")
     for k, v in list(zero.items()):
         if isinstance(v, str) and v.lower() == "auto":
-            zero.pop(k)   # no hidden size here: DeepSpeed's default stands in
-    return Strategy(label, path, "deepspeed", int(zero.get("stage", 0)), precision,
-                    on("offload_optimizer"), on("offload_param"), zero)
+            if width and k in AUTO_SIZES:
+                zero[k] = AUTO_SIZES[k](width)   # what train/dsconfig.py fills for this model
+            else:
+                zero.pop(k)                      # no width known: DeepSpeed's default stands in
+    stage = int(zero.get("stage", 0))
+    accum = (data_types or {}).get("grad_accum_dtype")
+    # train/dsconfig.py fills fp32 accumulation for bf16 from stage 1 when the JSON is silent.
+    fp32_accum = (ACCUM_DTYPES.get(str(accum).lower()) == "fp32") if accum else (precision == "bf16" and stage >= 1)
+    return Strategy(label, path, "deepspeed", stage, precision, on("offload_optimizer"), on("offload_param"), zero,
+                    grad_accum_fp32=fp32_accum and precision != "fp32")
 
 
 # ----------------------------------------------------------------------------- the arithmetic
@@ -231,77 +298,116 @@ def activation_bytes(cfg, batch: Batch, elem: int) -> int:
     return tokens * (cfg.n_layer * layer + head)
 
 
-def estimate(shape: ModelShape, s: Strategy, world: int, batch: Batch, rank: Optional[int] = None) -> Estimate:
-    """Per-device bytes for one rank (`rank`), or the largest over all ranks (None)."""
+def _adam_work(device: Device, largest: int, total: int, fused: bool = False) -> int:
+    """torch AdamW's temporaries for one step() over tensors of `total` elements, the largest
+    `largest`: on CPU the single-tensor path builds sqrt(v) and its quotient for one tensor at a
+    time (2 copies of the largest); on CUDA the foreach path one copy of everything; fused none."""
+    if device.kind == "cpu":
+        return 8 * largest
+    return 0 if fused else 4 * total
+
+
+def estimate(shape: ModelShape, s: Strategy, world: int, batch: Batch, rank: Optional[int] = None,
+             device: Device = CUDA) -> Estimate:
+    """Peak bytes per device for one rank (`rank`), or the largest over all ranks (None)."""
     b = 4 if s.precision == "fp32" else 2
+    acc = 4 if s.grad_accum_fp32 else b          # bytes of an accumulated gradient element
     psi, n = shape.num_params, world
+    trained = sum(shape.tensors)
+    cpu = device.kind == "cpu"
     act = activation_bytes(shape.gpt, batch, b) if shape.gpt is not None else None
     notes = [] if shape.gpt is not None else ["activations unknown (parameter count only)"]
     # Without real shapes: no straddling tensors, no single tensor larger than a bucket.
     largest = max(shape.tensors) if shape.shapes_known else 0
+    if not shape.shapes_known:
+        notes.append("transients of single tensors unknown (parameter count only)")
+
+    def finish(**kw) -> Estimate:
+        e = Estimate(s, activations=act, runtime=device.runtime, device_kind=device.kind, notes=notes, **kw)
+        for k in ("params", "grads", "optimizer", "buffers", "host", "backward_work", "step_work"):
+            setattr(e, k, int(getattr(e, k)))
+        return e
 
     if s.backend == "ddp":
-        # Accelerate autocast: fp32 params and grads; bf16 copies of the weights live until backward.
-        grads = 4 * psi * (1 if s.bucket_view else 2)
-        buffers = 2 * psi if s.precision != "fp32" else 0
-        return _finish(Estimate(s, 4 * psi, grads, 8 * psi, act, buffers, 0, 1.0 if n > 1 else None, notes=notes))
+        # Accelerate autocast: fp32 params and grads; 16-bit weight copies live until backward.
+        # gloo all-reduces a bucket through its own send/receive copies; zerotrain's DDP AdamW is fused on CUDA.
+        return finish(params=4 * psi, grads=4 * trained * (1 if s.bucket_view else 2), optimizer=8 * trained,
+                      buffers=2 * s.bucket_cap_mb * MiB if cpu and n > 1 else 0, host=0,
+                      comm=1.0 if n > 1 else None, backward_work=2 * psi if b == 2 else 0,
+                      step_work=_adam_work(device, largest, trained, fused=True))
 
+    comm_ws = DS_CPU_COMM_WORKSPACE if cpu and n > 1 else 0
     if s.stage == 0:
-        flatten = min(psi, ALLREDUCE_BUCKET) * b if n > 1 else 0
+        flatten = b * min(trained, ALLREDUCE_BUCKET) if n > 1 else 0
         if b == 4:   # the torch optimizer steps the fp32 params directly
-            return _finish(Estimate(s, 4 * psi, 4 * psi, 8 * psi, act, flatten, 0, 1.0 if n > 1 else None,
-                                    notes=notes))
-        # FP16_Optimizer: 16-bit params and grads + a flat fp32 master copy; fp32 grads at the step.
-        return _finish(Estimate(s, b * psi, b * psi, 12 * psi, act, max(flatten, 4 * psi), 0,
-                                1.0 if n > 1 else None, notes=notes))
+            return finish(params=4 * psi, grads=4 * trained, optimizer=8 * trained, buffers=comm_ws, host=0,
+                          comm=1.0 if n > 1 else None, backward_work=flatten,
+                          step_work=_adam_work(device, largest, trained))
+        # FP16_UnfusedOptimizer: 16-bit params and grads, fp32 master copies; fp32 gradients made at the step.
+        return finish(params=b * psi, grads=b * trained, optimizer=12 * trained, buffers=comm_ws, host=0,
+                      comm=1.0 if n > 1 else None, backward_work=flatten,
+                      step_work=4 * trained + _adam_work(device, largest, trained))
 
     rbs = s.z("reduce_bucket_size")
     if s.stage in (1, 2):
         ranks = range(n) if rank is None else [rank]
         owned, held = max((_zero12_partition(shape.groups, n, r) for r in ranks), key=lambda oh: oh[1])
+        group_part = max(math.ceil(sum(g) / (2 * n)) * 2 for g in shape.groups)  # largest flat partition stepped
         if not shape.shapes_known:
             held = owned
-        if s.stage == 1 and batch.accum > 1:
-            held = psi       # full gradients wait for the accumulation boundary
-        buckets = int(rbs) * b * (2 if s.overlap_comm else 1)
         comm = (1.0 if s.stage == 1 else (batch.accum + 1) / 2) if n > 1 else None
+        # Reduce buckets (doubled by overlap_comm): allocated whole on CUDA, written up to what fills them on CPU.
+        bucket = int(min(rbs, trained) if cpu else rbs) * b * (2 if s.overlap_comm else 1)
+        if s.stage == 1 and s.precision == "bf16" and s.grad_accum_fp32 and not s.offload_optimizer:
+            # DeepSpeed's BF16_Optimizer: bf16 params and their bf16 grads, fp32 gradient accumulators
+            # for every parameter (the partition AdamW steps is a view of them).
+            return finish(params=2 * psi, grads=(2 + 4) * trained, optimizer=12 * owned, buffers=comm_ws, host=0,
+                          comm=comm, step_work=_adam_work(device, group_part, owned))
+        grads = acc * (trained if s.stage == 1 and batch.accum > 1 else held)
         if s.offload_optimizer:
             # Host: fp32 master + fp32 grads + moments + a 16-bit staging copy of the partition, a
             # largest-tensor bounce buffer, and (accumulating) per-tensor gradient accumulators.
             host = (4 + 4 + 8 + b) * owned + b * largest + (b * held if batch.accum > 1 else 0)
-            est = Estimate(s, b * psi, 0, 0, act, buckets + b * largest, host, comm,
-                           pcie=b * owned * (batch.accum + 1), notes=notes)
-        else:
-            est = Estimate(s, b * psi, b * held, 12 * owned, act, max(buckets, 4 * owned), 0, comm, notes=notes)
-        return _finish(est)
+            # DeepSpeedCPUAdam steps in place; around it the host holds an fp32 gradient partition and a
+            # copy of the updated partition in the training dtype (measured on CPU: 2 x 4 x owned in fp32).
+            return finish(params=b * psi, grads=0, optimizer=0, buffers=bucket + b * largest + comm_ws, host=host,
+                          comm=comm, pcie=b * owned * (batch.accum + 1), backward_work=b * largest,
+                          step_work=(4 + b) * owned if cpu else 0)
+        # The step hands AdamW an fp32 copy of the gradient partition.
+        return finish(params=b * psi, grads=grads, optimizer=12 * owned, buffers=bucket + comm_ws, host=0, comm=comm,
+                      backward_work=b * largest, step_work=4 * owned + _adam_work(device, group_part, owned))
 
     # ZeRO-3: every tensor split into ceil(numel / N) pieces; small ones also kept whole.
+    threshold = s.z("stage3_param_persistence_threshold")
+    tensors = list(shape.tensors) + list(shape.frozen)
     part = sum(math.ceil(t / n) for t in shape.tensors)
-    persistent = sum(t for t in shape.tensors if t <= s.z("stage3_param_persistence_threshold"))
-    gathered = b * int(min(psi, s.z("stage3_max_live_parameters"), largest + s.z("stage3_prefetch_bucket_size")))
-    step_grad = 4 * int(min(part, s.z("sub_group_size")))
-    buffers = int(rbs) * b + max(gathered, 0 if s.offload_optimizer else step_grad)
+    frozen_part = sum(math.ceil(t / n) for t in shape.frozen)
+    persistent = sum(t for t in tensors if t <= threshold)
+    partitioned = sum(t for t in tensors if t > threshold)
+    group_part = max(sum(math.ceil(t / n) for t in g) for g in shape.groups)
+    sub_group = int(min(s.z("sub_group_size"), group_part))          # one optimizer sub-group
+    gathered = b * int(min(partitioned, s.z("stage3_max_live_parameters")))
+    ipg = int(min(rbs, largest or trained) if cpu else rbs) * b
     comm = 1.5 * batch.accum if n > 1 else None
-    host = 0
-    params_dev, grads_dev, opt_dev = b * part + b * persistent, b * part, 12 * part
-    pcie = 0
+    params_dev, grads_dev, opt_dev = b * (part + frozen_part) + b * persistent, acc * part, 12 * part
+    host = pcie = 0
+    # stage3.py initialize_optimizer_states: an fp32 gradient buffer of the largest sub-group, kept.
+    step_buffer = 4 * sub_group
+    step_work = 4 * sub_group + _adam_work(device, sub_group, sub_group)
     if s.offload_optimizer:
-        # + the fp32 gradient partition Adam reads, kept allocated on the host between steps
+        # + the fp32 gradient partition Adam reads, kept allocated on the host between steps; the
+        # CPU optimizer steps in place.
         host += grads_dev + opt_dev + 4 * part
-        grads_dev = opt_dev = 0
+        grads_dev = opt_dev = step_buffer = step_work = 0
         pcie += b * part * (batch.accum + 1)
     if s.offload_param:
-        host += b * part
-        params_dev -= b * part
+        host += b * (part + frozen_part)
+        params_dev -= b * (part + frozen_part)
         pcie += 2 * b * part * batch.accum
     if not shape.shapes_known:
         notes.append("ZeRO-3 persistence not modelled (parameter count only)")
-    return _finish(Estimate(s, params_dev, grads_dev, opt_dev, act, buffers, host, comm, pcie=pcie, notes=notes))
-
-
-def _finish(e: Estimate) -> Estimate:
-    e.params, e.grads, e.optimizer, e.buffers, e.host = map(int, (e.params, e.grads, e.optimizer, e.buffers, e.host))
-    return e
+    return finish(params=params_dev, grads=grads_dev, optimizer=opt_dev, buffers=step_buffer + ipg + comm_ws,
+                  host=host, comm=comm, pcie=pcie, backward_work=gathered + b * largest, step_work=step_work)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -326,32 +432,41 @@ class Plan:
     safety: float
     rows: list
     recommended: Optional[Estimate]
+    device: Device = CUDA
 
     def to_dict(self) -> dict:
         return {"model": self.shape.name, "num_params": self.shape.num_params,
                 "cluster": vars(self.cluster), "world": self.cluster.world, "batch": vars(self.batch),
-                "safety": self.safety, "options": [r.to_dict() for r in self.rows],
+                "device": vars(self.device), "safety": self.safety, "options": [r.to_dict() for r in self.rows],
                 "recommended": self.recommended.strategy.label if self.recommended else None,
                 "recommended_ds_config": self.recommended.strategy.path if self.recommended else None}
 
 
 def make_plan(shape: ModelShape, cluster: Cluster, batch: Batch, precision: str = "bf16", safety: float = 0.1,
-              configs_dir: Path = REPO / "ds_configs") -> Plan:
+              configs_dir: Path = REPO / "ds_configs", device: Device = CUDA) -> Plan:
+    """Every option of OPTIONS (the JSONs in `configs_dir`) for this model and cluster. An
+    option `fits` when its predicted peak is at most the device memory; the recommendation is
+    the fastest one that also leaves `safety` of it free (estimation error, allocator cache)."""
     rows = []
     for label, fname in OPTIONS:
-        path = configs_dir / fname
-        s = (strategy_from_json(label, path, precision) if path.is_file()
+        path = Path(configs_dir) / fname
+        s = (strategy_from_json(label, path, precision, shape.width) if path.is_file()
              else _fallback_strategy(label, fname, precision))
-        e = estimate(shape, s, cluster.world, batch)
-        device_ok = e.device_total <= (1 - safety) * cluster.device_mem
-        host_ok = (cluster.cpu_mem is None
-                   or e.host * cluster.devices_per_node <= (1 - safety) * cluster.cpu_mem)
-        e.fits = device_ok and host_ok
-        if device_ok and not host_ok:
-            e.notes.append("offloaded states exceed the CPU memory")
-        rows.append(e)
-    best = next((r for r in rows if r.fits), None)
-    return Plan(shape, cluster, batch, safety, rows, best)
+        rows.append(judge(estimate(shape, s, cluster.world, batch, device=device), cluster, safety))
+    best = next((r for r in rows if r.fits and r.device_total <= (1 - safety) * cluster.device_mem), None)
+    return Plan(shape, cluster, batch, safety, rows, best, device)
+
+
+def judge(e: Estimate, cluster: Cluster, safety: float) -> Estimate:
+    """Set e.fits (peak within the device memory, offloaded states within the host's) and say
+    when it fits without the headroom."""
+    device_ok = e.device_total <= cluster.device_mem
+    host_ok = (cluster.cpu_mem is None or e.device_kind == "cpu"
+               or e.host * cluster.devices_per_node <= (1 - safety) * cluster.cpu_mem)
+    e.fits = device_ok and host_ok
+    if device_ok and not host_ok:
+        e.notes.append("offloaded states exceed the CPU memory")
+    return e
 
 
 def _fallback_strategy(label, fname, precision) -> Strategy:
@@ -370,17 +485,19 @@ def _fallback_strategy(label, fname, precision) -> Strategy:
 # ----------------------------------------------------------------------------- the trainer's banner
 
 def banner_estimate(model, cfg, ds, batch, world: int, gpt=None, seq_len: Optional[int] = None,
-                    rank: Optional[int] = None) -> tuple[str, Estimate]:
+                    rank: Optional[int] = None, device: Device = CUDA,
+                    width: Optional[int] = None) -> tuple[str, Estimate]:
     """One line for the start-up banner (and the numbers) for the strategy in use."""
     from train.report import human_bytes
-    shape = module_shape(model, cfg.model.name, gpt)
+    shape = module_shape(model, cfg.model.name, gpt, width)
     e = estimate(shape, strategy_from_setup(ds), world,
-                 Batch(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing), rank)
+                 Batch(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing), rank, device)
     # report.banner prints "model states <text> per rank (estimated)".
     text = (f"{human_bytes(e.model_states)} (params {human_bytes(e.params)}, grads {human_bytes(e.grads)}, "
             f"optimizer {human_bytes(e.optimizer)})"
             + (f" + activations {human_bytes(e.activations)}" if e.activations is not None else "")
-            + f" + buffers {human_bytes(e.buffers)}" + (f", host {human_bytes(e.host)}" if e.host else ""))
+            + f" + buffers {human_bytes(e.buffers)}" + (f", host {human_bytes(e.host)}" if e.host else "")
+            + f"; peak {human_bytes(e.device_total)}" + (" incl. the runtime" if e.runtime else ""))
     return text, e
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from train.errors import ConfigError
-from train.plan import GiB, Batch, Cluster, ModelShape, Plan, count_shape, gpt_shape, make_plan
+from train.plan import GiB, Batch, Cluster, Device, ModelShape, Plan, count_shape, gpt_shape, make_plan
 
 
 def parse_count(text: str) -> Optional[int]:
@@ -39,35 +39,44 @@ def _gib(n: Optional[int]) -> str:
 
 
 def render(plan: Plan) -> str:
-    c, b = plan.cluster, plan.batch
+    c, b, dev = plan.cluster, plan.batch, plan.device
     head = (f"zerotrain plan: {plan.shape.name} ({plan.shape.num_params / 1e6:,.1f}M params), "
-            f"{c.nodes} node(s) x {c.devices_per_node} device(s) = {c.world}, {c.device_mem / GiB:.1f} GiB/device"
+            f"{c.nodes} node(s) x {c.devices_per_node} {'CPU rank' if dev.kind == 'cpu' else 'device'}(s) = {c.world}, "
+            f"{c.device_mem / GiB:.2f} GiB/{'rank' if dev.kind == 'cpu' else 'device'}"
             + (f", {c.cpu_mem / GiB:.0f} GiB CPU/node" if c.cpu_mem else "")
             + f"\n  batch: micro {b.micro} x seq {b.seq_len} x accum {b.accum}, activation checkpointing "
-            + ("on" if b.checkpointing else "off") + f", {plan.rows[0].strategy.precision}")
-    cols = ("option", "params", "grads", "optim", "activ", "buffers", "device", "host/node", "comm", "fits")
+            + ("on" if b.checkpointing else "off") + f", {plan.rows[0].strategy.precision}"
+            + (f"\n  device: CPU (host RAM); runtime (libraries) {dev.runtime / GiB:.2f} GiB per rank"
+               if dev.kind == "cpu" else ""))
+    cols = ("option", "params", "grads", "optim", "buffers", "activ", "bwd+", "step+", "peak", "host/node", "comm",
+            "fits")
     table = [cols]
+    usable = (1 - plan.safety) * c.device_mem
     for r in plan.rows:
-        table.append((r.strategy.label, _gib(r.params), _gib(r.grads), _gib(r.optimizer), _gib(r.activations),
-                      _gib(r.buffers), _gib(r.device_total), _gib(r.host * c.devices_per_node) if r.host else "-",
-                      f"{r.comm:.1f}x" if r.comm is not None else "-", "yes" if r.fits else "NO"))
+        fit = "NO" if not r.fits else ("yes" if r.device_total <= usable else "tight")
+        table.append((r.strategy.label, _gib(r.params), _gib(r.grads), _gib(r.optimizer), _gib(r.buffers),
+                      _gib(r.activations), _gib(r.backward_work), _gib(r.step_work), _gib(r.device_total),
+                      _gib(r.host * c.devices_per_node) if r.host else "-",
+                      f"{r.comm:.1f}x" if r.comm is not None else "-", fit))
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     lines = [head, "", "  GiB per device (host/node: offloaded states per node)"]
     for i, row in enumerate(table):
         lines.append("  " + "  ".join(v.ljust(w) if j == 0 else v.rjust(w) for j, (v, w) in enumerate(zip(row, widths))))
         if i == 0:
             lines.append("  " + "  ".join("-" * w for w in widths))
-    usable = (1 - plan.safety) * c.device_mem / GiB
     if plan.recommended:
         r = plan.recommended
         lines.append(f"\nrecommended: {r.strategy.label}  (--ds-config {_rel(r.strategy.path)}): the fastest option "
-                     f"whose {r.device_total / GiB:.2f} GiB fits in {usable:.1f} GiB ({plan.safety:.0%} headroom)")
+                     f"whose {r.device_total / GiB:.2f} GiB fits in {usable / GiB:.2f} GiB ({plan.safety:.0%} headroom)")
     else:
-        lines.append(f"\nnothing fits in {usable:.1f} GiB per device ({plan.safety:.0%} headroom): "
+        lines.append(f"\nnothing fits in {usable / GiB:.2f} GiB per device ({plan.safety:.0%} headroom): "
                      + _advice(plan))
     notes = sorted({n for r in plan.rows for n in r.notes})
-    lines.append("\ncomm = volume per optimizer step relative to DDP's all-reduce (ZeRO paper); offload adds "
-                 "PCIe traffic. buffers = reduce buckets, step-time fp32 gradients, gathered ZeRO-3 params.")
+    lines.append("\npeak = " + ("runtime + " if dev.runtime else "") + "params + grads + optim + buffers + the larger of "
+                 "(activ + bwd+) and step+; bwd+: gathered ZeRO-3 params, flattened gradients, autocast copies; "
+                 "step+: the optimizer step's temporaries. fits: peak within the memory (tight: within the "
+                 "headroom). comm = volume per optimizer step relative to DDP's all-reduce (ZeRO paper); offload "
+                 "adds PCIe traffic.")
     lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)
 
@@ -94,17 +103,36 @@ def _rel(path: Optional[str]) -> str:
 
 USAGE = """usage: zerotrain plan MODEL [--nodes N] [--gpus-per-node G] [--device-mem SIZE] [--cpu-mem SIZE]
                       [--micro-batch B] [--seq-len T] [--grad-accum K] [--activation-checkpointing]
-                      [--precision bf16|fp16|fp32] [--safety 0.1] [--json]
+                      [--precision bf16|fp16|fp32] [--safety 0.1] [--device cuda|cpu] [--runtime SIZE] [--json]
 
 MODEL is a GPT preset (gpt-tiny ... gpt-7b), a run file (.yaml/.json; its model, batch and
 sequence length are used), or a parameter count (124M, 1.3B, 7e9). Sizes: 80GB (decimal,
 as on datasheets), 80GiB or 80G (binary). Defaults: this machine's GPUs if it has any,
-else 1 node x 8 devices x 80GB. Prints per-device memory of DDP, ZeRO-1/2/3 and the two
-offload options (from ds_configs/*.json) and recommends the fastest that fits.
+else 1 node x 8 devices x 80GB. Prints the peak memory per device of DDP, ZeRO-1/2/3 and the
+two offload options (from ds_configs/*.json) and recommends the fastest that fits.
+
+--device cpu plans CPU ranks (device memory = host RAM, e.g. a memory cgroup limit per rank;
+--gpus-per-node then counts ranks per node): the peak includes the libraries a rank holds
+before the model exists, measured by importing them once here (~10 s), or --runtime SIZE.
 """
 
 FLAGS = {"--nodes": int, "--gpus-per-node": int, "--device-mem": str, "--cpu-mem": str, "--micro-batch": int,
-         "--seq-len": int, "--grad-accum": int, "--precision": str, "--safety": float}
+         "--seq-len": int, "--grad-accum": int, "--precision": str, "--safety": float, "--device": str,
+         "--runtime": str}
+
+
+def measure_cpu_runtime() -> int:
+    """Resident bytes of a fresh process holding what a CPU rank imports before its model exists."""
+    import subprocess
+    code = ("import torch, torch._dynamo, deepspeed, accelerate, transformers\n"
+            "from train.device_memory import rss_bytes\nprint('RSS', rss_bytes())")
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RSS ")), None)
+    if proc.returncode != 0 or line is None:
+        raise ConfigError(f"--device cpu: could not measure a rank's runtime memory ({proc.stderr.strip()[-300:]}); "
+                          f"pass --runtime SIZE (e.g. --runtime 0.9GiB)")
+    return int(line.split()[1])
 
 
 def parse_args(argv: list[str]) -> dict:
@@ -206,7 +234,15 @@ def main(argv: list[str]) -> int:
         safety = a.get("safety", 0.1)
         if not 0 <= safety < 1:
             raise ConfigError(f"--safety is a fraction of device memory kept free, in [0, 1) (got {safety})")
-        plan = make_plan(shape, cluster, batch, precision, safety)
+        kind = a.get("device", "cuda")
+        if kind not in ("cuda", "cpu"):
+            raise ConfigError(f"--device must be cuda or cpu (got {kind!r})")
+        if kind == "cpu":
+            runtime = parse_bytes(a["runtime"], "--runtime") if a.get("runtime") else measure_cpu_runtime()
+            device = Device("cpu", runtime)
+        else:
+            device = Device("cuda", parse_bytes(a["runtime"], "--runtime") if a.get("runtime") else 0)
+        plan = make_plan(shape, cluster, batch, precision, safety, device=device)
         print(json.dumps(plan.to_dict(), indent=1) if a["json"] else render(plan))
     return 0
 

@@ -1,0 +1,193 @@
+"""The fit frontier (issue 11): a GPT whose DDP training state does not fit a per-rank memory
+limit the kernel enforces trains under ZeRO-3; the planner says so before anything is
+allocated, --ds-config auto chooses accordingly, and the losses are those of an uncapped run.
+
+The cap is a memory cgroup per rank (bench/memcap.py). It sits halfway between the planner's
+peak for DDP and for ZeRO-3 plus the headroom, computed on this machine from the uncapped run's
+own measurements, so the test means the same on any machine where the two are apart."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, MAIN, REPO, free_port, rank_infos, test_env as _env, train_losses
+
+sys.path.insert(0, str(REPO / "bench"))
+import memcap  # noqa: E402
+
+GiB = 2 ** 30
+# 186M parameters in fp32: DDP holds 16 bytes each (2.8 GiB) + ~0.9 GiB of libraries per rank;
+# ZeRO-3 over 2 ranks 10 bytes each. One token sequence per step keeps activations small.
+FRONTIER = ["--model.name", "gpt-small-cpu", "--model.d_model", "1024", "--model.n_layer", "16",
+            "--data.seq_len", "64", "--data.max_bytes", "300000", "--train.micro_batch_size", "1",
+            "--train.max_steps", "3", "--train.eval_every", "0", "--train.eval_batches", "1",
+            "--train.progress", "false", "--train.sample_tokens", "0", "--logging.every_steps", "1",
+            "--optim.warmup_steps", "1", "--checkpoint.save_at_end", "false", "--checkpoint.export", "false"]
+
+
+def frontier_config():
+    from train.config import load_config
+    return load_config(None, [(k[2:], v) for k, v in zip(FRONTIER[::2], FRONTIER[1::2])])
+
+
+def launch(args: list[str], cap: int | None = None, peak_dir: Path | None = None, timeout: int = 600):
+    """torchrun, 2 ranks; each under its own memory cgroup of `cap` bytes when given."""
+    wrap = [str(REPO / "bench" / "memcap.py"), "--limit", f"{cap}B", "--"] if cap else []
+    peak = [str(REPO / "bench" / "rank_peak.py")] if peak_dir else []
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), *wrap, *peak, MAIN,
+           *args]
+    env = _env({"ZT_PEAK_DIR": str(peak_dir)} if peak_dir else {})
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def fp32_family(d: Path) -> str:
+    """The shipped JSONs under their own names with bf16 off: what `auto:<dir>` chooses among."""
+    d.mkdir(parents=True, exist_ok=True)
+    for p in (REPO / "ds_configs").glob("*.json"):
+        data = json.loads(p.read_text())
+        if "bf16" in data:
+            data["bf16"] = {"enabled": False}
+        (d / p.name).write_text(json.dumps(data, indent=1))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def frontier(tmp_path_factory):
+    why = memcap.can_cap()
+    if why is not None:
+        pytest.skip(f"cannot create a memory cgroup here ({why}): the fit frontier needs a kernel-enforced limit")
+    from models import _gpt_config
+    from train.plan import Batch, Device, estimate, gpt_shape, strategy_from_json
+    work = tmp_path_factory.mktemp("frontier")
+    family = fp32_family(work / "fp32")
+    out = {"family": family, "work": work}
+    # 1. No cap: auto takes the fastest option (DDP); its run records the budget and the plan.
+    free = work / "free"
+    out["free_proc"] = launch([*FRONTIER, "--ds-config", f"auto:{family}", "--train.run_dir", str(free)])
+    assert out["free_proc"].returncode == 0, out["free_proc"].stderr[-4000:]
+    out["free"] = free
+    resolved = json.loads((free / "config.json").read_text())["resolved"]
+    runtime = resolved["memory_budget"]["runtime_bytes"]
+    # 2. The cap: halfway between DDP's plan and ZeRO-3's plan plus the 10% headroom auto keeps.
+    cfg = frontier_config()
+    shape = gpt_shape("frontier", _gpt_config(cfg.model, vocab_size=256))
+    batch, device = Batch(1, 64), Device("cpu", runtime)
+    peak = {name: estimate(shape, strategy_from_json(name, Path(family) / f"{name}.json", None, shape.width), 2,
+                           batch, device=device).device_total for name in ("ddp", "zero3")}
+    assert peak["zero3"] / 0.9 < 0.95 * peak["ddp"], f"DDP and ZeRO-3 are too close on this machine: {peak}"
+    out["cap"] = cap = int((peak["ddp"] + peak["zero3"] / 0.9) / 2)
+    out["peak"] = peak
+    # 3. DDP under the cap: refused before the model exists.
+    out["ddp_proc"] = launch([*FRONTIER, "--ds-config", str(Path(family) / "ddp.json"),
+                              "--train.run_dir", str(work / "ddp")], cap=cap)
+    # 4. auto under the cap: a partitioned stage, trained under the kernel's limit, peaks recorded.
+    capped = work / "capped"
+    out["capped_proc"] = launch([*FRONTIER, "--ds-config", f"auto:{family}", "--train.run_dir", str(capped)],
+                                cap=cap, peak_dir=work / "peaks")
+    out["capped"] = capped
+    return out
+
+
+@pytest.mark.multiproc
+def test_ddp_over_the_cap_stops_before_training_naming_the_limit_and_the_stage_that_fits(frontier):
+    p = frontier["ddp_proc"]
+    assert p.returncode != 0
+    err = p.stderr
+    assert "zerotrain: error: DDP (fp32)" in err and "needs about" in err and "memory cgroup limit" in err, err[-3000:]
+    assert "ZeRO-3 is the fastest option that fits" in err and "--ds-config auto" in err
+    assert f'File "{REPO}/train/' not in err                      # our ranks: one line each, no stack frames
+    assert "memcap: the kernel killed" not in err               # refused, not killed
+    assert not (frontier["work"] / "ddp" / "metrics.jsonl").exists()
+
+
+@pytest.mark.multiproc
+def test_auto_under_the_cap_trains_partitioned_within_the_planned_peak(frontier):
+    p = frontier["capped_proc"]
+    assert p.returncode == 0, p.stderr[-4000:]
+    resolved = json.loads((frontier["capped"] / "config.json").read_text())["resolved"]
+    auto = resolved["auto_ds_config"]
+    assert auto["option"] == "ZeRO-3" and auto["next_faster"]["option"] in ("ZeRO-1", "ZeRO-2")
+    assert "--ds-config auto: ZeRO-3" in p.stdout and "memory cgroup limit" in auto["budget_source"]
+    assert abs(auto["budget_bytes"] - frontier["cap"]) < 4096  # the kernel rounds limits to pages
+    # Partitioned for real: each rank holds half of every big tensor.
+    for info in rank_infos(frontier["capped"]):
+        z = info["zero3"]
+        assert z["partitioned_elements"] > 0.99 * z["elements"]
+        assert abs(z["held_elements"] - z["partitioned_elements"] / 2) <= z["partitioned_tensors"]
+    # The kernel's limit held, and the planner's peak is what the ranks really reached.
+    planned = resolved["memory_plan"]["device_bytes"]["total"]
+    peaks = [json.loads(f.read_text())["max_rss_bytes"] for f in sorted((frontier["work"] / "peaks").glob("rank*.json"))]
+    assert len(peaks) == 2 and max(peaks) < frontier["cap"]
+    assert all(abs(planned - m) / m < 0.10 for m in peaks), (planned, peaks)
+
+
+@pytest.mark.multiproc
+def test_auto_without_a_cap_takes_ddp_and_both_runs_train_the_same_model(frontier):
+    assert "--ds-config auto: DDP" in frontier["free_proc"].stdout
+    free = json.loads((frontier["free"] / "config.json").read_text())["resolved"]
+    assert free["auto_ds_config"]["option"] == "DDP" and free["auto_ds_config"]["next_faster"] is None
+    ref, capped = train_losses(frontier["free"]), train_losses(frontier["capped"])
+    assert sorted(ref) == [1, 2, 3]
+    assert capped == pytest.approx(ref, rel=2e-5, abs=1e-5)  # DDP and ZeRO-3 in fp32: the same mathematics
+
+
+def test_cgroup_limit_is_the_tightest_ancestor(tmp_path, monkeypatch):
+    from train import device_memory as dm
+    root = tmp_path / "cg"
+    leaf = root / "memory" / "job" / "rank0"
+    leaf.mkdir(parents=True)
+    (root / "memory" / "memory.limit_in_bytes").write_text(str(2 ** 63 - 4096))      # v1 "unlimited"
+    (root / "memory" / "job" / "memory.limit_in_bytes").write_text(str(8 * GiB))
+    (leaf / "memory.limit_in_bytes").write_text(str(3 * GiB))
+    monkeypatch.setattr(dm, "CGROUP_ROOT", root)
+    got = dm.cgroup_limit("4:memory:/job/rank0\n0::/\n")
+    assert got.bytes == 3 * GiB and got.path.endswith("rank0")
+    (leaf / "memory.limit_in_bytes").write_text(str(16 * GiB))
+    assert dm.cgroup_limit("4:memory:/job/rank0\n").bytes == 8 * GiB
+    assert dm.cgroup_limit("0::/\n") is None                                           # no v2 hierarchy here
+
+
+def test_auto_and_the_check_pick_by_the_plan(tmp_path):
+    """In-process: the same arithmetic the launches use, on chosen budgets."""
+    from train import fit
+    from train.data import build_data
+    from train.device_memory import Budget
+    from train.dsconfig import resolve
+    family = fp32_family(tmp_path / "fp32")
+    cfg = frontier_config()
+    data = build_data(cfg.data, 64, cfg.train.seed)
+    batch = cfg.train.batch(2)
+
+    def budget(gib):
+        return Budget(int(gib * GiB), "a test budget", "cpu", int(0.9 * GiB))
+
+    assert fit.choose(f"auto:{family}", cfg, data, batch, 64, 2, budget(8)).label == "DDP"
+    pick = fit.choose(f"auto:{family}", cfg, data, batch, 64, 2, budget(3.6))
+    assert pick.label == "ZeRO-3" and "the faster ZeRO-2 would need" in pick.line
+    with pytest.raises(fit.DoesNotFit, match="no option fits"):
+        fit.choose(f"auto:{family}", cfg, data, batch, 64, 2, budget(1.5))
+    ds = resolve(str(Path(family) / "ddp.json"), cfg, batch, 3, cuda=False)
+    with pytest.raises(fit.DoesNotFit, match=r"ZeRO-3 is the fastest option that fits .*--ds-config auto"):
+        fit.check(cfg, ds, data, batch, 64, 2, budget(3.6))
+    est, warning = fit.check(cfg, ds, data, batch, 64, 2, budget(8))
+    assert warning is None and est.strategy.backend == "ddp"
+    with pytest.raises(Exception, match="not a directory"):
+        fit.auto_dir("auto:/nonexistent")
+
+
+def test_memcap_kills_over_the_limit_and_says_so():
+    if memcap.can_cap() is not None:
+        pytest.skip("no memory cgroup here")
+    touch_400mib = [sys.executable, "-c",
+                    "x = bytearray(400 * 2**20)\nfor i in range(0, len(x), 4096): x[i] = 1\nprint('survived')"]
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "memcap.py"), "--limit", "200MiB", "--", *touch_400mib],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 137 and "over its memory limit of 0.20 GiB" in p.stderr
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "memcap.py"), "--limit", "1GiB", "--", *touch_400mib],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "survived" in p.stdout
