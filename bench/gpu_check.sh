@@ -70,6 +70,7 @@ cat > "$OUT/fp16_json.py" <<'PYEOF'
 import json, sys
 d = json.load(open(sys.argv[1]))
 d["bf16"] = {"enabled": False}
+d.pop("data_types", None)  # fp32 gradient accumulation is the bf16 files' setting
 d["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 100,
              "hysteresis": 2, "min_loss_scale": 1}
 json.dump(d, open(sys.argv[2], "w"), indent=1)

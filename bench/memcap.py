@@ -3,7 +3,11 @@ under this process's cgroup (v1 memory.limit_in_bytes, or v2 memory.max where th
 delegates the controller). A process over the limit is killed by the kernel (SIGKILL).
 
     python bench/memcap.py --limit 3.5GiB -- python train/main.py ...
-    torchrun --nproc_per_node 2 bench/memcap.py --limit 3.5GiB -- train/main.py ...   # one cgroup per rank
+    torchrun --nproc_per_node 2 bench/memcap.py --limit 3.5GiB --report-dir out -- train/main.py ...
+
+One cgroup per rank under torchrun; --report-dir records each rank's peak as the kernel counts
+it against the limit (anonymous and shared memory, page cache the rank read first; not the
+shared library code other processes loaded before it, which its RSS includes).
 
 The command runs in a child process that joins the new cgroup before it execs; this parent
 stays outside (a few MiB), forwards SIGTERM/SIGINT, waits, removes the cgroup and exits with
@@ -77,6 +81,14 @@ class Cgroup:
             return False
         return bool(m) and int(m.group(1)) > 0
 
+    def peak_usage(self) -> int | None:
+        """The most memory the kernel charged to this cgroup (v1 max_usage_in_bytes, v2 memory.peak)."""
+        try:
+            return int((self.path / ("memory.max_usage_in_bytes" if self.version == "v1" else "memory.peak"))
+                       .read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
     def close(self):
         try:
             self.path.rmdir()
@@ -98,6 +110,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--limit", help="memory limit, e.g. 3.5GiB")
     p.add_argument("--check", action="store_true", help="only say whether a limit can be set here")
+    p.add_argument("--report-dir", help="write rank<RANK>.json there: limit, the cgroup's peak usage, exit, OOM kill")
     p.add_argument("command", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     if a.check:
@@ -132,14 +145,18 @@ def main(argv=None) -> int:
             continue
     killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     oom = killed and group.oom_killed()
+    code = 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    if a.report_dir:
+        import json
+        Path(a.report_dir).mkdir(parents=True, exist_ok=True)
+        (Path(a.report_dir) / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(
+            {"limit_bytes": limit, "peak_usage_bytes": group.peak_usage(), "exit": code, "oom_killed": oom}) + "\n")
     group.close()
     if oom:
         what = next((c for c in cmd if c.endswith(".py")), cmd[0])
         print(f"memcap: the kernel killed {what} (rank {os.environ.get('RANK', '?')}): over its memory limit of "
               f"{limit / 2**30:.2f} GiB", file=sys.stderr, flush=True)
-    if os.WIFSIGNALED(status):
-        return 128 + os.WTERMSIG(status)
-    return os.WEXITSTATUS(status)
+    return code
 
 
 if __name__ == "__main__":

@@ -136,6 +136,10 @@ def main(argv=None) -> int:
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif "ddp" not in json.loads(Path(args.ds_config).read_text()):
+        # the trainer's allocator setting for DeepSpeed on CPU (train.host_malloc auto), so both loops allocate alike
+        from train.device_memory import compact_host_malloc
+        compact_host_malloc()
     cfg, batch, gcfg, seq, data, ds = setup(args)
     if ds.is_deepspeed:
         step = build_deepspeed(cfg, gcfg, ds, device)

@@ -110,6 +110,7 @@ def launch(a, script: str, args: list[str], peak_dir: Path, log: Path) -> float:
     # The venv's ninja first: a different ninja version elsewhere on PATH discards the other's
     # .ninja_log, and DeepSpeed's JIT ops (shm comm, CPUAdam) then rebuild from scratch.
     env["PATH"] = str(BIN) + os.pathsep + env.get("PATH", "")
+    env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # what train/main.py sets for itself; the minimal loop too
     env.update(ZT_PEAK_DIR=str(peak_dir), PYTHONUNBUFFERED="1", WANDB_MODE="disabled", PYTHONWARNINGS="ignore",
                OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // a.nproc))))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -197,10 +198,10 @@ def trainer_result(run_dir: Path, peak_dir: Path, a) -> dict:
            "measured": {k[4:]: v for k, v in mem.items() if k.startswith("mem/") and not k.endswith("per_rank")},
            "planned": {k[5:]: v for k, v in mem.items() if k.startswith("plan/") and not k.endswith("per_rank")},
            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
-    planned = out["planned"]
-    if planned:  # the planner's whole per-device figure: states + activations + buffers (rank 0)
-        out["planned_peak_bytes"] = sum(planned.get(f"{k}_bytes") or 0 for k in
-                                        ("params", "grads", "optimizer", "activations", "buffers"))
+    cfg = run_dir / "config.json"
+    if cfg.is_file():  # the planner's peak per rank that the run's memory check used (train/fit.py)
+        plan = json.loads(cfg.read_text())["resolved"].get("memory_plan") or {}
+        out["planned_peak_bytes"] = (plan.get("device_bytes") or {}).get("total")
     mfu = [r["mfu"] for r in rows if "mfu" in r and r["step"] > a.warmup]
     if mfu:
         out["mfu"] = statistics.median(mfu)

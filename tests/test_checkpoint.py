@@ -11,7 +11,12 @@ Launches are shared through module-scoped fixtures (each costs ~20-45 s on 2 bus
     z2_exact   2 procs ZeRO-2 bf16 --resume step 2                     -> bit-identical losses
     z2_to_z3   1 proc ZeRO-3 bf16 --resume step 4, unpickling forbidden -> matches ref closely
     z2_fresh   the same with checkpoint.load_optimizer false           -> clearly off
-  + init_from (1 proc).
+    z2_to_z1   1 proc ZeRO-1 bf16 (DeepSpeed's BF16_Optimizer fragments) --resume step 4
+  init_from  1 proc ZeRO-2 fp32 from ref_z3's export, 4 steps, checkpoint every 2
+    one_to_two 2 procs ZeRO-1 fp32 --resume its step 2                  -> continues it
+
+ZeRO-3 partitions every matrix and the tied embedding here (the shipped JSON's "auto"
+persistence threshold is 10 x d_model = 640 elements): the checkpoints hold real shards.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO, TINY, ds_variant, metrics, run_train
+from conftest import REPO, TINY, ds_variant, metrics, rank_infos, run_train
 
 STEPS = 10
 BASE = [*TINY, "--data.max_bytes", "2000", "--train.max_steps", str(STEPS), "--optim.schedule", "constant",
@@ -117,6 +122,11 @@ def ddp_crash(work, ref_z3):
 @pytest.mark.multiproc
 def test_zero3_resume_is_bit_identical_with_dropout_across_epochs(work, ref_z3):
     assert "--resume auto: no checkpoint" in ref_z3.proc.stdout  # a first run starts from scratch
+    for info in rank_infos(ref_z3.dir):  # the checkpoint is made of shards, not whole replicated tensors
+        z = info["zero3"]
+        assert z["partitioned_tensors"] == 1 + 4 * 2 and z["held_elements"] <= z["partitioned_elements"] / 2 + 9
+    meta2 = json.loads((ckpt(ref_z3.dir, 2) / "meta.json").read_text())
+    assert meta2["holder"] == "zero3" and meta2["world_size"] == 2
     meta = json.loads((ckpt(ref_z3.dir, 2) / "meta.json").read_text())
     assert meta["data"]["steps_per_epoch"] == 3 and meta["train_state"]["offset"] == 16  # mid-epoch
     d = work / "z3_exact"
@@ -258,15 +268,46 @@ def test_zero2_bf16_export_ties_once_and_matches_offline_export(work, ref_z2):
     assert isinstance(load_weights(untied, live), GPT) and untied.lm_head.weight is untied.tok_emb.weight
 
 
-@pytest.mark.multiproc
-def test_init_from_exported_weights_trains_on_from_there(work, ref_z3):
+@pytest.fixture(scope="module")
+def init_from(work, ref_z3):
+    """1 process, ZeRO-2 fp32, starting from ref_z3's exported weights; checkpoints at steps 2, 4."""
     d = work / "init_from"
-    launch(1, ds_json(work, "zero2", bf16=False), d, *ONE_PROC_SAME_BATCH, "--train.max_steps", "2",
+    launch(1, ds_json(work, "zero2", bf16=False), d, *ONE_PROC_SAME_BATCH, "--train.max_steps", "4",
            "--model.init_from", str(ref_z3.dir / "export"))
-    losses = loss_runs(d)[0]
+    return SimpleNamespace(dir=d, losses=loss_runs(d)[0])
+
+
+@pytest.mark.multiproc
+def test_init_from_exported_weights_trains_on_from_there(init_from, ref_z3):
+    losses = init_from.losses
     # From scratch the first loss is ~ln(256) = 5.5; the exported weights had reached ~3.9. The
     # second step shows the fp32 master weights were loaded too (not only the module's copy).
     assert ref_z3.losses[1] > 5.3 and losses[1] < 4.3 and losses[2] < 4.3, losses
+
+
+@pytest.mark.multiproc
+def test_one_process_checkpoint_resumes_on_two_into_zero1_fragments(work, init_from):
+    """1 -> 2 processes, ZeRO-2 -> ZeRO-1: each rank reads only its own fragment of every
+    flat partition; the continuation is the 1-process run's, up to summation order (fp32)."""
+    d = work / "one_to_two"
+    p = launch(2, ds_json(work, "zero1", bf16=False), d, "--train.max_steps", "4", "--resume",
+               str(ckpt(init_from.dir, 2)))
+    assert "saved by 1 process(es) [fragments]" in p.stdout
+    got = loss_runs(d)[0]
+    assert sorted(got) == [3, 4]
+    assert max_diff(got, init_from.losses, (3, 4)) < 1e-4, (got, init_from.losses)
+
+
+@pytest.mark.multiproc
+def test_two_process_zero2_checkpoint_resumes_on_one_into_bf16_zero1(work, ref_z2):
+    """2 -> 1 process, ZeRO-2 -> ZeRO-1 with bf16 (fp32 accumulation: DeepSpeed's BF16_Optimizer,
+    whose fp32 partition is one fragment per parameter at world size 1), moments kept."""
+    d = work / "z2_to_z1"
+    p = launch(1, ds_json(work, "zero1", bf16=True), d, *ONE_PROC_SAME_BATCH, "--resume", str(ckpt(ref_z2.dir, 4)))
+    assert "[fragments]" in p.stdout
+    got = loss_runs(d)[0]
+    assert sorted(got) == list(range(5, STEPS + 1))
+    assert max_diff(got, ref_z2.losses, got) < 2e-3, (got, ref_z2.losses)
 
 
 # ---------------------------------------------------------------------------- damaged checkpoints

@@ -169,6 +169,10 @@ def test_shipped_configs_resolve(tmp_path):
     ({"scheduler": {"type": "WarmupLR"}}, 'means schedule "constant"'),
     ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}, "no hidden size"),
     ({"zero_optimization": {"stage": 2, "foo": "auto"}}, 'cannot fill "auto" for zero_optimization.foo'),
+    ({"zero_optimization": {"stage": 2, "sub_group_size": 1000}}, "only apply to ZeRO-3"),
+    ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 0}, "data_types": {"grad_accum_dtype": "fp32"}},
+     "needs ZeRO stage 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 2}, "data_types": {"grad_accum_dtype": "fp64"}}, "is not a dtype"),
 ])
 def test_ds_json_contradictions_are_errors(tmp_path, ds, needle):
     with pytest.raises(ConfigError) as e:
@@ -182,6 +186,33 @@ def test_fp16_on_cpu_is_refused_with_advice(tmp_path):
     # The same file is fine where CUDA exists (the check is about the device, not the file).
     ds = _resolve(tmp_path, {"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}, cuda=True)
     assert ds.precision == "fp16"
+
+
+def test_fp32_accumulation_is_for_bf16(tmp_path):
+    # Filled for bf16 from stage 1 when the JSON is silent, kept when it says otherwise.
+    ds = _resolve(tmp_path, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}})
+    assert ds.resolved["data_types"] == {"grad_accum_dtype": "fp32"}
+    ds = _resolve(tmp_path, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+                             "data_types": {"grad_accum_dtype": "bf16"}})
+    assert ds.resolved["data_types"] == {"grad_accum_dtype": "bf16"}
+    assert "data_types" not in _resolve(tmp_path, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}).resolved
+    with pytest.raises(ConfigError, match='is for bf16.*remove "data_types"'):
+        _resolve(tmp_path, {"fp16": {"enabled": True}, "zero_optimization": {"stage": 2},
+                            "data_types": {"grad_accum_dtype": "fp32"}}, cuda=True)
+
+
+def test_auto_zero_sizes_scale_with_the_model_width(tmp_path):
+    cfg = load_config(None)
+    path = write(tmp_path, "z3.json", json.dumps({"zero_optimization": {"stage": 3, **{k: "auto" for k in (
+        "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+        "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size")}}}))
+    for h in (64, 4096):
+        z = resolve(path, cfg, cfg.train.batch(2), 10, cuda=False, hidden_size=h).resolved["zero_optimization"]
+        assert z["reduce_bucket_size"] == h * h and z["stage3_param_persistence_threshold"] == 10 * h
+        assert z["stage3_max_live_parameters"] == z["stage3_max_reuse_distance"] == z["sub_group_size"] == 24 * h * h
+    # `zerotrain check` validates before any data exists: the sizes are left for the run.
+    z = resolve(path, cfg, cfg.train.batch(2), 10, cuda=False, sizes_later=True).resolved["zero_optimization"]
+    assert z["reduce_bucket_size"] == "auto"
 
 
 def test_matching_concrete_values_are_accepted(tmp_path):

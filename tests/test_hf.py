@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import accelerate_yaml, fp32, metrics, run_train
+from conftest import accelerate_yaml, fp32, metrics, rank_infos, run_train
 from models import build_workload
 from test_tokens import make_tokenizer, random_text, write_texts
 from train.config import DataConfig, ModelConfig
@@ -152,15 +152,22 @@ def test_finetune_and_export_loads_back_with_identical_outputs(tmp_path, corpus,
             "--optim.warmup_steps", "2", "--train.progress", "false", "--logging.every_steps", "1",
             "--checkpoint.save_at_end", "false", "--checkpoint.export", "true", "--checkpoint.export_dtype", "fp32",
             "--train.run_dir", str(run_dir)]
+    if stage == "zero3":  # transformers' own (non-reentrant) checkpointing, with partitioned layers
+        args += ["--model.activation_checkpointing", "true"]
     if launcher == "accelerate":
         proc = run_train(launcher, 2, args, accelerate_config=accelerate_yaml(tmp_path, ds),
                          env={"HF_HUB_OFFLINE": "1"})
     else:
         proc = run_train(launcher, 2, ["--ds-config", ds, *args], env={"HF_HUB_OFFLINE": "1"})
     if stage == "zero3":
-        # from_pretrained built the model inside deepspeed.zero.Init: every parameter a shard.
+        # from_pretrained built the model inside deepspeed.zero.Init: every parameter a shard, and
+        # every matrix stays one ("auto" persistence threshold: 10 x hidden size = 320 elements).
         assert "model built partitioned by deepspeed.zero.Init" in proc.stdout
         assert "built whole" not in proc.stdout
+        for info in rank_infos(run_dir):
+            z = info["zero3"]
+            assert z["partitioned_tensors"] == 2 + 7 * 2, z  # embeddings, lm_head, 7 matrices a layer
+            assert z["held_elements"] <= z["partitioned_elements"] / 2 + z["partitioned_tensors"]
     rows = metrics(run_dir)
     losses = [r["loss"] for r in rows if "loss" in r]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses

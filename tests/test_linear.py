@@ -3,10 +3,13 @@ true weights by ZeRO-3 training on 2 processes (read back from the exported weig
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
-from conftest import fp32, metrics, run_train
+from conftest import fp32, metrics, rank_infos, run_train
 from models import build_workload
 from train.config import DataConfig, ModelConfig
 from train.data import build_data
@@ -46,14 +49,20 @@ def test_model_shape_and_task_check():
 def test_zero3_on_two_processes_recovers_the_true_weights(tmp_path):
     from safetensors.torch import load_file
     run_dir = tmp_path / "run"
+    # Persistence threshold 0: even the 10-element weight and the 1-element bias are split over the
+    # 2 ranks (the shipped "auto" threshold would keep a model this small whole).
+    ds = json.loads(Path(fp32(tmp_path, "zero3")).read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    (tmp_path / "zero3_p0.json").write_text(json.dumps(ds))
     proc = run_train("torchrun", 2, [
-        "--ds-config", fp32(tmp_path, "zero3"), "--model.name", "linear", "--data.kind", "regression",
+        "--ds-config", str(tmp_path / "zero3_p0.json"), "--model.name", "linear", "--data.kind", "regression",
         "--data.num_samples", "2048", "--data.noise", "0.01", "--train.micro_batch_size", "16",
         "--train.max_steps", "150", "--train.eval_every", "0", "--train.eval_batches", "null",
         "--optim.lr", "0.05", "--optim.min_lr", "0.001", "--optim.warmup_steps", "5", "--optim.weight_decay", "0",
         "--train.progress", "false", "--logging.every_steps", "10", "--checkpoint.save_at_end", "false",
         "--checkpoint.export", "true", "--checkpoint.export_dtype", "fp32", "--train.run_dir", str(run_dir)])
     assert "model built partitioned by deepspeed.zero.Init" in proc.stdout
+    assert [i["zero3"]["held_elements"] for i in rank_infos(run_dir)] == [5 + 1, 5 + 1]  # ceil(10/2) + ceil(1/2)
     weights = load_file(str(run_dir / "export" / "model.safetensors"))
     w, b = true_params(10, 1234)
     assert weights["linear.weight"].shape == (1, 10)

@@ -1,9 +1,9 @@
 """ZeRO-3 for real (issue 11): parameters partitioned from construction on, buffers that do not
 depend on the dtype construction happens under, gradients accumulated in fp32 under bf16, and
-bf16 ZeRO-1/2/3 training the same long-context model.
+bf16 ZeRO-2 and ZeRO-3 training the same long-context model.
 
 One torchrun launch runs tests/zero3_checks.py (construction, RoPE, buffers, accumulation: no
-training); three short bf16 runs at 1024 tokens compare the stages."""
+training); two short bf16 runs at 1024 tokens compare the stages."""
 
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ LONG = ["--model.seq_len", "1024", "--data.seq_len", "1024", "--data.max_bytes",
 
 @pytest.fixture(scope="module")
 def long_runs(tmp_path_factory) -> dict:
-    """bf16 ZeRO-1, ZeRO-2 and ZeRO-3 (shipped JSONs) from the same trained-like weights."""
+    """bf16 ZeRO-2 and ZeRO-3 (shipped JSONs) from the same trained-like weights. (bf16 ZeRO-1 is
+    launched by tests/test_checkpoint.py's resume into BF16_Optimizer fragments.)"""
     from models.gpt import GPT, preset
     from train.export import write_weights
     work = tmp_path_factory.mktemp("long")
@@ -94,7 +95,7 @@ def long_runs(tmp_path_factory) -> dict:
                   dtype=torch.float32, max_shard_size="10MB", tied=[("lm_head.weight", "tok_emb.weight")],
                   family="gpt", model_config={"family": "gpt", **cfg.to_dict()})
     runs = {}
-    for stage in ("zero1", "zero2", "zero3"):
+    for stage in ("zero2", "zero3"):
         d = work / stage
         run_train("torchrun", 2, [*TINY, *LONG, "--ds-config", str(REPO / "ds_configs" / f"{stage}.json"),
                                   "--model.init_from", str(work / "init"), "--train.run_dir", str(d)])
@@ -102,15 +103,15 @@ def long_runs(tmp_path_factory) -> dict:
     return runs
 
 
-def test_bf16_zero3_tracks_zero1_and_zero2_at_1024_tokens(long_runs):
-    z1, z2, z3 = (train_losses(long_runs[s]) for s in ("zero1", "zero2", "zero3"))
+def test_bf16_zero3_tracks_zero2_at_1024_tokens(long_runs):
+    z2, z3 = (train_losses(long_runs[s]) for s in ("zero2", "zero3"))
     assert sorted(z3) == [1, 2, 3]
-    # Same bf16 weights, tables and data: the first forward is the same computation under every
-    # stage (measured: equal to the last bit; with bf16 RoPE tables ZeRO-3 was off by ~1e-3), then
+    # Same bf16 weights, tables and data: the first forward is the same computation under both
+    # stages (measured: equal to the last bit; with bf16 RoPE tables ZeRO-3 was off by 1.4e-4), then
     # the reduction order differs (measured 1.4e-5 at step 3).
-    assert z1[1] == z2[1] == z3[1], (z1, z2, z3)
-    assert z3 == pytest.approx(z2, abs=1e-3) and z1 == pytest.approx(z2, abs=1e-3), (z1, z2, z3)
+    assert z2[1] == z3[1], (z2, z3)
+    assert z3 == pytest.approx(z2, abs=1e-3), (z2, z3)
     for info in rank_infos(long_runs["zero3"]):   # parameters partitioned for real, tied embedding included
         z = info["zero3"]
         assert z["partitioned_elements"] >= 0.99 * z["elements"] and z["held_elements"] < 0.51 * z["elements"]
-    assert [i["strategy"] for i in rank_infos(long_runs["zero1"])] == ["ZeRO-1 (bf16)"] * 2
+    assert [i["strategy"] for i in rank_infos(long_runs["zero3"])] == ["ZeRO-3 (bf16)"] * 2

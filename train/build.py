@@ -102,10 +102,6 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     launcher = dist_.normalize_env()
     world = int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()
-    if not cuda:
-        # The device is host RAM: freed tensors go back to the OS, so memory follows live tensors.
-        from train.device_memory import compact_host_malloc
-        compact_host_malloc()
     run_dir = Path(cfg.train.run_dir)
     _check_run_dir(run_dir)
     batch = cfg.train.batch(world)
@@ -137,6 +133,10 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     from models import hidden_size_of
     ds = resolve(ds_path, cfg, batch, max_steps, cuda=cuda, hidden_size=hidden_size_of(cfg.model, data))
     dist_.check_accelerate_precision(ds)
+    if cfg.train.host_malloc == "compact" or (cfg.train.host_malloc == "auto" and not cuda and ds.is_deepspeed):
+        # DeepSpeed on a CPU: freed tensors go back to the OS, so memory follows live tensors (train.host_malloc).
+        from train.device_memory import compact_host_malloc
+        compact_host_malloc()
 
     from train import wandb_logger
     acc = dist_.build_accelerator(ds, batch, cfg.distributed.timeout_s, log_with=wandb_logger.log_with(cfg))
@@ -209,6 +209,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
                       optimizer=optimizer, raw_optimizer=raw_optimizer, train_loader=train_loader, sampler=sampler,
                       val_loader=val_loader, max_steps=max_steps, run_dir=run_dir, loggers=loggers)
     trainer.resolved_config = resolved
+    trainer.memory_budget = budget
     from train.plan import attach_estimate
     attach_estimate(trainer)  # the banner's "model states" line; compared with mem/* at step 2
     _restore(trainer, cfg)

@@ -33,6 +33,19 @@ def rss_bytes() -> int:
         return 0
 
 
+def owned_bytes() -> int:
+    """The resident memory this process alone holds and cannot give back: anonymous pages and
+    shared memory it created (RssAnon + RssShmem). Its file-backed pages (the libraries' code,
+    ~0.5 GiB of a rank's 0.9 GiB RSS) are shared with every process that maps them, charged to
+    the cgroup that read them first and dropped under memory pressure: neither a cgroup limit
+    nor the RAM pays for them per rank. Falls back to the RSS where /proc has no breakdown."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
+    except (OSError, KeyError, ValueError):
+        return rss_bytes()
+
+
 def mem_available() -> int | None:
     try:
         text = Path("/proc/meminfo").read_text()
@@ -105,24 +118,24 @@ class Budget:
     bytes: int
     source: str        # e.g. "the memory cgroup limit of /sys/fs/cgroup/memory/x (1 rank in it)"
     device: str        # "cpu" | "cuda"
-    runtime: int       # bytes this rank holds before the model exists (its RSS on CPU; 0 on CUDA)
+    runtime: int       # bytes this rank holds before the model exists (owned_bytes() on CPU; 0 on CUDA)
 
 
 def local_budget() -> tuple[int, str, str | None, int]:
     """This rank's own view, before agreeing with the others: (bytes, why, the cgroup that
-    limits it or None, runtime bytes the process holds now: its RSS on CPU, 0 on CUDA)."""
+    limits it or None, runtime bytes the process holds now: owned_bytes() on CPU, 0 on CUDA)."""
     import torch
     from train.report import human_bytes
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         return free, f"the free memory of {torch.cuda.get_device_name()} (of {human_bytes(total)})", None, 0
-    rss = rss_bytes()
+    owned = owned_bytes()
     avail = mem_available()
-    ram = rss + (avail // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if avail is not None else 1 << 60)
+    ram = owned + (avail // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if avail is not None else 1 << 60)
     limit = cgroup_limit()
     if limit is not None and limit.bytes < ram:
-        return limit.bytes, f"the memory cgroup limit of {limit.path}", limit.path, rss
-    return ram, "this rank's share of the available RAM (what it holds + MemAvailable / local ranks)", None, rss
+        return limit.bytes, f"the memory cgroup limit of {limit.path}", limit.path, owned
+    return ram, "this rank's share of the available RAM (what it holds + MemAvailable / local ranks)", None, owned
 
 
 def compact_host_malloc() -> bool:
@@ -130,12 +143,11 @@ def compact_host_malloc() -> bool:
 
     By default glibc raises its mmap threshold as blocks are freed (up to 32 MiB), so most
     tensors come from the heap, and freed ones stay resident wherever live ones sit above
-    them: measured peak RSS of a ZeRO-3 rank 1.6x its live tensors (4.1 vs 2.7 GiB for a
-    139M-parameter GPT in fp32; BENCHMARKS.md). With a fixed 1 MiB threshold resident
-    memory follows live tensors. Fresh pages cost page faults, which huge pages
-    (THP_MEM_ALLOC_ENABLE, set by train/main.py) mostly remove: 4.1 s per step vs 4.6 s with
-    neither setting and 7.8 s with the threshold alone. A threshold the user set
-    (MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES) is left alone. Returns True if applied."""
+    them: a ZeRO-3 rank (139M-parameter GPT, fp32, 2 ranks) peaked at 3.2 GiB with 2.2 GiB of
+    live tensors (BENCHMARKS.md, host allocator). With a fixed 1 MiB threshold memory follows
+    live tensors. Fresh pages cost page faults, which huge pages (THP_MEM_ALLOC_ENABLE, set by
+    train/main.py) mostly remove: ZeRO-3's step +10% with them, +62% without. A threshold the
+    user set (MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES) is left alone. Returns True if applied."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:

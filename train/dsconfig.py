@@ -278,6 +278,9 @@ def _grad_accum_dtype(path, ds: dict, stage: int, precision: str):
     have = dt.get("grad_accum_dtype")
     if have is not None and ACCUM_DTYPES.get(str(have).lower()) is None:
         raise ConfigError(f'{path}: "data_types.grad_accum_dtype" {have!r} is not a dtype; use "fp32" or "bf16"')
+    if precision == "fp16" and have is not None and ACCUM_DTYPES[str(have).lower()] == "fp32":
+        raise ConfigError(f'{path}: "data_types.grad_accum_dtype": "fp32" is for bf16 (as in the shipped JSONs); '
+                          f'with fp16 DeepSpeed accumulates loss-scaled fp16 gradients: remove "data_types"')
     if precision != "bf16":
         return
     if have is None and stage >= 1:

@@ -45,9 +45,9 @@ def auto_dir(ds_config: str) -> Path:
     return d
 
 
-# Resident growth of a CPU rank between a bare process group and the Accelerator with DeepSpeed's
-# communication set up (measured 54 MiB): --ds-config auto decides before them.
-STARTUP_ALLOWANCE = 64 * 2 ** 20
+# Growth of a CPU rank's memory between a bare process group and the Accelerator with DeepSpeed's
+# communication set up (measured 42 MiB): --ds-config auto decides before them.
+STARTUP_ALLOWANCE = 48 * 2 ** 20
 
 
 def agreed_budget(before_accelerator: bool = False) -> Budget:
@@ -165,13 +165,13 @@ def _advice(cfg) -> str:
     return "try " + ", ".join(tips)
 
 
-def check(cfg, ds, data, batch, seq_len, world: int, budget: Budget, rank: int | None = None):
+def check(cfg, ds, data, batch, seq_len, world: int, budget: Budget):
     """The plan for the chosen strategy against the budget: (its Estimate, None) when it fits
     with the margin, (Estimate, a warning line) when it fits without, DoesNotFit otherwise."""
     from train.plan import estimate, strategy_from_setup
     shape = model_shape(cfg, data)
     pb, device = _plan_batch(cfg, batch, seq_len), _device(budget)
-    e = estimate(shape, strategy_from_setup(ds), world, pb, rank, device)
+    e = estimate(shape, strategy_from_setup(ds), world, pb, device=device)  # the largest rank
     margin = cfg.distributed.memory_margin
     if e.device_total <= (1 - margin) * budget.bytes:
         return e, None
@@ -182,9 +182,10 @@ def check(cfg, ds, data, batch, seq_len, world: int, budget: Budget, rank: int |
     fits = [r for r in _rows(shape, pb, world, device, REPO / "ds_configs", ds.precision)
             if r.device_total <= budget.bytes]
     if fits:
+        from train.plan import strategy_from_json
         best = fits[0]
         name = Path(best.strategy.path).name
-        same = best.strategy.precision == ds.precision
+        same = strategy_from_json(best.strategy.label, Path(best.strategy.path)).precision == ds.precision
         how = (f"use --ds-config {_rel(best.strategy.path)}" if same else
                f"use a {best.strategy.label} JSON with this run's {ds.precision} (like ds_configs/{name} with "
                f"{'bf16 and fp16 disabled' if ds.precision == 'fp32' else ds.precision + ' enabled'})")

@@ -10,8 +10,9 @@ A rank's peak is
     runtime + model states + buffers + max(activations + backward work, optimizer-step work)
 
 * runtime: what the process holds before the model exists. On CUDA the device's free memory is
-  read after the context exists, so 0; on a CPU (the device is host RAM) the resident libraries
-  (torch, DeepSpeed, Accelerate, transformers, torch._dynamo: ~0.9 GiB), measured, not assumed.
+  read after the context exists, so 0; on a CPU (the device is host RAM) the memory a rank owns
+  once torch, DeepSpeed, Accelerate, transformers and torch._dynamo are imported (~0.45 GiB of
+  anonymous pages; their ~0.5 GiB of shared library code is charged to no rank), measured.
 * model states (params, grads, optimizer) follow what DeepSpeed 0.19 really allocates (read from
   its source, checked to the byte against train/memory.py's measurement), not only the ZeRO
   paper's 16Ψ / 4Ψ+12Ψ/N / 2Ψ+14Ψ/N / 16Ψ/N for mixed-precision Adam:
@@ -35,9 +36,10 @@ A rank's peak is
   largest tensor it steps, which under ZeRO-1/2 is a whole flat partition; foreach on CUDA: one
   copy of everything; fused: none), the fp32 gradient partition ZeRO hands to it.
 
-Checked against measured peak RSS on CPU in BENCHMARKS.md (fit frontier): within a few percent
-when RSS tracks live tensors, which zerotrain arranges on CPU (train/host_memory.py). On CUDA it
-predicts torch.cuda.max_memory_allocated; the allocator's cache comes on top (the headroom).
+On CPU it predicts what the kernel charges a rank's memory cgroup at its peak (memory.max_usage
+of bench/memcap.py's cgroups; BENCHMARKS.md, fit frontier), which follows live tensors because
+zerotrain makes glibc return freed blocks (train/device_memory.py). On CUDA it predicts
+torch.cuda.max_memory_allocated; the allocator's cache comes on top (the headroom).
 
 Where this differs from DeepSpeed's own estimators (estimate_zero2_model_states_mem_needs /
 estimate_zero3_model_states_mem_needs): they assume 16-bit params always (wrong for fp32
@@ -68,8 +70,8 @@ ZERO_DEFAULTS = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "conti
 ALLREDUCE_BUCKET = 5e8        # engine.allreduce_gradients' flatten size under ZeRO-0
 DDP_BUCKET_CAP_MB = 25        # torch DDP's default bucket_cap_mb
 # DeepSpeed's CPU all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp): a shared-memory workspace of
-# 2 x 32 MiB per rank, plus the pages of the peers' workspaces a rank reads (measured 40-85 MiB).
-DS_CPU_COMM_WORKSPACE = 96 * MiB
+# 2 x 32 MiB per rank (+ small-message buffers), charged to the rank that creates it.
+DS_CPU_COMM_WORKSPACE = 64 * MiB
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -108,6 +110,7 @@ class Strategy:
     bucket_view: bool = True    # DDP gradient_as_bucket_view
     bucket_cap_mb: float = DDP_BUCKET_CAP_MB
     grad_accum_fp32: bool = False  # 16-bit training accumulating gradients in fp32 (data_types)
+    notes: tuple = ()
 
     def z(self, key):
         return float(self.zero.get(key, ZERO_DEFAULTS.get(key, 0)))
@@ -245,18 +248,21 @@ def _zero_strategy(label, path, precision, zero, data_types=None, width=None) ->
 
     def on(block):
         return (zero.get(block) or {}).get("device") not in (None, "none")
+    notes = []
     for k, v in list(zero.items()):
         if isinstance(v, str) and v.lower() == "auto":
             if width and k in AUTO_SIZES:
                 zero[k] = AUTO_SIZES[k](width)   # what train/dsconfig.py fills for this model
             else:
                 zero.pop(k)                      # no width known: DeepSpeed's default stands in
+                notes.append('"auto" ZeRO sizes need the model width: DeepSpeed\'s defaults shown '
+                             '(5e8-element buckets; a run sizes them from its model)')
     stage = int(zero.get("stage", 0))
     accum = (data_types or {}).get("grad_accum_dtype")
     # train/dsconfig.py fills fp32 accumulation for bf16 from stage 1 when the JSON is silent.
     fp32_accum = (ACCUM_DTYPES.get(str(accum).lower()) == "fp32") if accum else (precision == "bf16" and stage >= 1)
     return Strategy(label, path, "deepspeed", stage, precision, on("offload_optimizer"), on("offload_param"), zero,
-                    grad_accum_fp32=fp32_accum and precision != "fp32")
+                    grad_accum_fp32=fp32_accum and precision != "fp32", notes=tuple(dict.fromkeys(notes)))
 
 
 # ----------------------------------------------------------------------------- the arithmetic
@@ -316,7 +322,7 @@ def estimate(shape: ModelShape, s: Strategy, world: int, batch: Batch, rank: Opt
     trained = sum(shape.tensors)
     cpu = device.kind == "cpu"
     act = activation_bytes(shape.gpt, batch, b) if shape.gpt is not None else None
-    notes = [] if shape.gpt is not None else ["activations unknown (parameter count only)"]
+    notes = list(s.notes) + ([] if shape.gpt is not None else ["activations unknown (parameter count only)"])
     # Without real shapes: no straddling tensors, no single tensor larger than a bucket.
     largest = max(shape.tensors) if shape.shapes_known else 0
     if not shape.shapes_known:
@@ -508,10 +514,14 @@ def attach_estimate(trainer) -> None:
     from models.gpt import GPTConfig
     wc = trainer.workload.model_config
     gpt = GPTConfig.from_dict({k: v for k, v in wc.items() if k != "family"}) if wc.get("family") == "gpt" else None
+    budget = getattr(trainer, "memory_budget", None)  # train/fit.py's, when the memory check ran
+    device = Device(budget.device, budget.runtime) if budget is not None else \
+        Device("cuda" if trainer.topo.device == "cuda" else "cpu", 0)
     try:
         model = trainer.acc.unwrap_model(trainer.model)
         text, est = banner_estimate(model, trainer.cfg, trainer.ds, trainer.batch, trainer.topo.world_size, gpt,
-                                    trainer.data.seq_len, rank=trainer.topo.rank)
+                                    trainer.data.seq_len, rank=trainer.topo.rank, device=device,
+                                    width=trainer.workload.hidden_size)
     except Exception as e:  # noqa: BLE001 - the estimate is advisory; the run goes on
         trainer.memory_estimate, trainer.memory_plan = f"estimate unavailable ({type(e).__name__}: {e})", None
         return

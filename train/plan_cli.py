@@ -112,8 +112,9 @@ else 1 node x 8 devices x 80GB. Prints the peak memory per device of DDP, ZeRO-1
 two offload options (from ds_configs/*.json) and recommends the fastest that fits.
 
 --device cpu plans CPU ranks (device memory = host RAM, e.g. a memory cgroup limit per rank;
---gpus-per-node then counts ranks per node): the peak includes the libraries a rank holds
-before the model exists, measured by importing them once here (~10 s), or --runtime SIZE.
+--gpus-per-node then counts ranks per node): the peak includes the memory a rank owns before
+its model exists (anonymous pages of the imported libraries; their shared code pages are not
+charged per rank), measured by importing them once here (~10 s), or --runtime SIZE.
 """
 
 FLAGS = {"--nodes": int, "--gpus-per-node": int, "--device-mem": str, "--cpu-mem": str, "--micro-batch": int,
@@ -122,10 +123,11 @@ FLAGS = {"--nodes": int, "--gpus-per-node": int, "--device-mem": str, "--cpu-mem
 
 
 def measure_cpu_runtime() -> int:
-    """Resident bytes of a fresh process holding what a CPU rank imports before its model exists."""
+    """Bytes a fresh process owns (train/device_memory.owned_bytes) once it holds what a CPU
+    rank imports before its model exists."""
     import subprocess
     code = ("import torch, torch._dynamo, deepspeed, accelerate, transformers\n"
-            "from train.device_memory import rss_bytes\nprint('RSS', rss_bytes())")
+            "from train.device_memory import owned_bytes\nprint('RSS', owned_bytes())")
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RSS ")), None)
