@@ -169,17 +169,21 @@ def build_hf(cfg, data, init_context):
                     hidden_size=width, flops_per_item=flops, tied=tied_names(model))
 
 
+def _reference_build(config):
+    """The architecture with its parameters on the meta device and real buffers, built outside
+    any zero.Init and without touching the global RNG."""
+    from accelerate import init_empty_weights
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+
+
 def _restore_buffers(model, config, d: Path, files: list[str]):
     """Buffers as an ordinary construction (and the weight files) make them, not as zero.Init's
     bf16 tensor constructors did (transformers protects RoPE tables, not every buffer)."""
-    from accelerate import init_empty_weights
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     from models import restore_buffers
-    with init_empty_weights(include_buffers=False):
-        reference = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)  # parameters on meta, real buffers
     in_files = _checkpoint_keys(d, files)
-    restore_buffers(model, reference, keep=lambda name: name in in_files)
+    restore_buffers(model, _reference_build(config), keep=lambda name: name in in_files)
 
 
 def _checkpoint_keys(d: Path, files: list[str]) -> set[str]:
@@ -196,12 +200,8 @@ def _checkpoint_keys(d: Path, files: list[str]) -> set[str]:
 
 def meta_hf(cfg) -> tuple:
     """The causal LM build_hf would make, parameters on the meta device (for sizing)."""
-    from accelerate import init_empty_weights
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     config = load_config(cfg.name[3:])
-    with init_empty_weights(include_buffers=False):
-        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
-    return model, {"family": "hf", "model_type": config.model_type}
+    return _reference_build(config), {"family": "hf", "model_type": config.model_type}
 
 
 def save_hf_config(model_config: dict, out_dir: str | os.PathLike, dtype: Optional[str] = None) -> list[str]:

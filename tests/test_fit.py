@@ -192,3 +192,11 @@ def test_memcap_kills_over_the_limit_and_says_so():
     p = subprocess.run([sys.executable, str(REPO / "bench" / "memcap.py"), "--limit", "1GiB", "--", *touch_400mib],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "survived" in p.stdout
+
+
+def test_zerotrain_check_validates_every_candidate_of_auto(capsys):
+    from train.check import main
+    assert main(["--ds-config", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "--ds-config auto: chooses at start-up among ddp.json, zero1.json, zero2.json, zero3.json" in out
+    assert all(f"ds_configs/{n}.json: " in out for n in ("ddp", "zero1", "zero2", "zero3", "zero3_offload"))

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from train.config import RunConfig
-from train.errors import ConfigError, UserError
+from train.errors import ConfigError
 
 
 def _init_context(ds):
@@ -120,16 +120,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
 
     from train import fit
     ds_path = dist_.resolve_ds_config_path(ds_config_cli or cfg.distributed.ds_config, launcher)
-    budget = choice = None
-    if fit.is_auto(ds_path):
-        # Every rank must choose the same JSON: agree on the budget over a process group made
-        # now (Accelerate and DeepSpeed then use it).
-        dist_.init_process_group(cfg.distributed.timeout_s)
-        auto_budget = fit.agreed_budget(before_accelerator=True)
-        choice = fit.choose(ds_path, cfg, data, batch, seq_len, world, auto_budget)
-        if int(os.environ["RANK"]) == 0:
-            print(f"zerotrain: {choice.line}", flush=True)
-        ds_path = choice.path
+    ds_path, choice = fit.resolve_auto(ds_path, cfg, data, batch, seq_len, world)  # --ds-config auto
     from models import hidden_size_of
     ds = resolve(ds_path, cfg, batch, max_steps, cuda=cuda, hidden_size=hidden_size_of(cfg.model, data))
     dist_.check_accelerate_precision(ds)
@@ -144,17 +135,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     dist_.check_world(acc, topo)
     wandb_logger.preflight(acc, cfg)  # W&B online without credentials: every rank stops here
     _write_rank_info(run_dir, acc, topo, ds)
-    planned = None
-    if cfg.distributed.memory_check:  # before the model exists: a plan that does not fit stops here
-        budget = fit.agreed_budget()
-        try:
-            planned, warning = fit.check(cfg, ds, data, batch, seq_len, world, budget)
-        except UserError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a model the planner cannot size still trains
-            planned, warning = None, f"note: memory check skipped, the planner cannot size this model ({e})"
-        if warning and acc.is_main_process:
-            print(f"zerotrain: {warning}", flush=True)
+    # Before the model exists: a plan that does not fit the device memory stops here.
+    planned, budget = fit.preflight(cfg, ds, data, batch, seq_len, world, acc.is_main_process)
 
     from accelerate.utils import set_seed
     set_seed(cfg.train.seed)  # identical initial weights on every rank
@@ -197,7 +179,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     if planned is not None:
         resolved["resolved"]["memory_plan"] = planned.to_dict()  # the peak the check compared with the budget
     if choice is not None:
-        resolved["resolved"]["auto_ds_config"] = choice.record(auto_budget, cfg.distributed.memory_margin)
+        resolved["resolved"]["auto_ds_config"] = choice.record()
     sinks = []
     if acc.is_main_process:
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")

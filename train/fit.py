@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from train.device_memory import Budget, local_budget
-from train.errors import ConfigError
+from train.errors import ConfigError, UserError
 from train.report import human_bytes as hb
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,11 +111,14 @@ class Choice:
     estimate: object
     next_faster: object | None
     line: str
+    budget: Budget
+    margin: float
 
-    def record(self, budget: Budget, margin: float) -> dict:
-        nf = self.next_faster
+    def record(self) -> dict:
+        """What config.json keeps of the choice."""
+        nf, budget = self.next_faster, self.budget
         return {"ds_config": self.path, "option": self.label, "predicted_peak_bytes": self.estimate.device_total,
-                "budget_bytes": budget.bytes, "budget_source": budget.source, "margin": margin,
+                "budget_bytes": budget.bytes, "budget_source": budget.source, "margin": self.margin,
                 "next_faster": None if nf is None else {"option": nf.strategy.label, "ds_config": nf.strategy.path,
                                                         "predicted_peak_bytes": nf.device_total}}
 
@@ -148,11 +151,44 @@ def choose(ds_config: str, cfg, data, batch, seq_len, world: int, budget: Budget
                     f"({hb(usable)} usable)"
                     + (f"; the faster {nf.strategy.label} would need {hb(nf.device_total)}" if nf else
                        "; it is the fastest option"))
-            return Choice(e.strategy.path, e.strategy.label, e, nf, line)
+            return Choice(e.strategy.path, e.strategy.label, e, nf, line, budget, margin)
     least = min(rows, key=lambda r: r.device_total)
     raise DoesNotFit(f"--ds-config auto: no option fits {hb(budget.bytes)} ({budget.source}): the smallest, "
                      f"{least.strategy.label}, needs "
                      f"{hb(least.device_total)} per rank ({_why(least)}); {_advice(cfg)}")
+
+
+def resolve_auto(ds_path: str, cfg, data, batch, seq_len, world: int) -> tuple[str, Choice | None]:
+    """(the JSON to use, the Choice when ds_path is auto). Every rank must choose the same JSON,
+    so they agree on the budget first, over a process group made now (Accelerate and DeepSpeed
+    then adopt it). Collective."""
+    if not is_auto(ds_path):
+        return ds_path, None
+    from train.distributed import init_process_group
+    init_process_group(cfg.distributed.timeout_s)
+    choice = choose(ds_path, cfg, data, batch, seq_len, world, agreed_budget(before_accelerator=True))
+    if torch.distributed.get_rank() == 0:
+        print(f"zerotrain: {choice.line}", flush=True)
+    return choice.path, choice
+
+
+def preflight(cfg, ds, data, batch, seq_len, world: int, is_main: bool):
+    """The memory check before the model exists (distributed.memory_check): (the Estimate it
+    compared, the agreed Budget), or (None, None) when it is off. Raises DoesNotFit; prints the
+    warning of a tight fit. A model the planner cannot size trains unchecked, with a note.
+    Collective."""
+    if not cfg.distributed.memory_check:
+        return None, None
+    budget = agreed_budget()
+    try:
+        planned, warning = check(cfg, ds, data, batch, seq_len, world, budget)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the planner is advisory for models it does not know
+        planned, warning = None, f"note: memory check skipped, the planner cannot size this model ({e})"
+    if warning and is_main:
+        print(f"zerotrain: {warning}", flush=True)
+    return planned, budget
 
 
 def _advice(cfg) -> str:

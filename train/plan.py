@@ -12,7 +12,7 @@ A rank's peak is
 * runtime: what the process holds before the model exists. On CUDA the device's free memory is
   read after the context exists, so 0; on a CPU (the device is host RAM) the memory a rank owns
   once torch, DeepSpeed, Accelerate, transformers and torch._dynamo are imported (~0.45 GiB of
-  anonymous pages; their ~0.5 GiB of shared library code is charged to no rank), measured.
+  anonymous pages; their shared library code, ~0.5 GiB, is charged to no rank), measured.
 * model states (params, grads, optimizer) follow what DeepSpeed 0.19 really allocates (read from
   its source, checked to the byte against train/memory.py's measurement), not only the ZeRO
   paper's 16Ψ / 4Ψ+12Ψ/N / 2Ψ+14Ψ/N / 16Ψ/N for mixed-precision Adam:
