@@ -22,6 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from train import device_env  # noqa: E402
+
+device_env.apply()  # as train/main.py does, before torch: huge pages, ZEROTRAIN_DEVICE=cpu
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 

@@ -43,6 +43,16 @@ def _dump():
             info["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
     except ImportError:
         pass
+    # The trainer restarts the peak statistics at every log line (train/metrics.py) and keeps
+    # the largest it saw: the run's peak.
+    metrics = sys.modules.get("train.metrics")
+    if metrics is not None:
+        peak, reserved = metrics.lifetime_peaks()
+        if "cuda_max_allocated_bytes" in info:
+            info["cuda_max_allocated_bytes"] = max(info["cuda_max_allocated_bytes"], peak)
+            info["cuda_max_reserved_bytes"] = max(info["cuda_max_reserved_bytes"], reserved or 0)
+        else:
+            info["max_rss_bytes"] = max(info["max_rss_bytes"], peak)
     info["peak_bytes"] = info.get("cuda_max_allocated_bytes", info["max_rss_bytes"])
     info["cpu_trace"] = _TRACE
     Path(out).mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.losses import cross_entropy, token_losses
 from train.config import ModelConfig
 from train.errors import ConfigError
 
@@ -42,10 +43,13 @@ class Workload:
         return model(batch["x"])
 
     def loss(self, model, batch) -> torch.Tensor:
-        """Mean loss over the micro-batch, in fp32."""
-        out = self.logits(model, batch).float()
+        """Mean loss over the micro-batch, in fp32. LMs: models/losses.py's chunked
+        cross-entropy, the fp32 mathematics of F.cross_entropy(logits.float(), labels) without
+        an fp32 copy of the (B, T, V) logits or a saved fp32 log-softmax (issue 12)."""
+        out = self.logits(model, batch)
         if self.task == "lm":
-            return F.cross_entropy(out.view(-1, out.size(-1)), batch["labels"].reshape(-1))
+            return cross_entropy(out.reshape(-1, out.size(-1)), batch["labels"].reshape(-1))
+        out = out.float()  # classification / regression outputs are small
         if self.task == "classify":
             return F.cross_entropy(out, batch["labels"])
         return F.mse_loss(out, batch["y"].float())
@@ -53,10 +57,12 @@ class Workload:
     @torch.no_grad()
     def eval_stats(self, model, batch) -> dict[str, torch.Tensor]:
         """Per-sample statistics (shape [B]) so that gather_for_metrics can drop padding exactly."""
-        out = self.logits(model, batch).float()
+        out = self.logits(model, batch)
         if self.task == "lm":
-            per_tok = F.cross_entropy(out.transpose(1, 2), batch["labels"], reduction="none")  # (B, T)
+            labels = batch["labels"]
+            per_tok = token_losses(out.reshape(-1, out.size(-1)), labels.reshape(-1)).view(labels.shape)  # (B, T)
             return {"loss": per_tok.mean(1)}
+        out = out.float()
         if self.task == "classify":
             labels = batch["labels"]
             top = out.topk(min(5, out.size(-1)), dim=-1).indices                            # (B, 5)

@@ -156,17 +156,36 @@ def build_hf(cfg, data, init_context):
         # input needs none (frozen embeddings), and the layers' ZeRO-3 hooks run in the recomputation.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = sum(_numel(p) for p in model.parameters())
-    emb = model.get_input_embeddings()
-    n_emb = _numel(emb.weight) if emb is not None else 0
     width = _first(config, _WIDTH_KEYS)
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
-    flops = 6.0 * (n_params - n_emb)  # per token: forward+backward of the matmuls (Kaplan et al.)
-    if width and layers and data.seq_len:
-        flops += 12.0 * layers * width * data.seq_len  # attention scores and weighted sum
+    flops = flops_per_token(model, width, layers, data.seq_len)
     return Workload(model=model, task="lm", family="hf",
                     model_config={"family": "hf", "source": str(d.resolve()), "model_type": config.model_type,
                                   "config": config.to_dict(), "num_params": n_params},
                     hidden_size=width, flops_per_item=flops, tied=tied_names(model))
+
+
+def flops_per_token(model, width: Optional[int], layers: Optional[int], seq_len: Optional[int]) -> float:
+    """Training (fwd+bwd) FLOPs per token, the convention of models/gpt.py flops_per_token:
+
+        6 * N + 12 * L * D * T
+
+    N = every weight that takes part in a matmul: all parameters except embedding tables
+    (token and learned position embeddings: lookups, no compute), plus the lm_head weight
+    counted once whether or not it is tied to the token embedding (the V x D output matmul is
+    real compute either way; model.parameters() lists a tied weight only once, so it must be
+    added back). 12 * L * D * T: attention scores and weighted sum (full T x T), when the
+    width, depth and sequence length are known."""
+    out_emb = model.get_output_embeddings()
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = out_emb.weight if out_emb is not None and getattr(out_emb, "weight", None) is not None else None
+    n = sum(_numel(p) for p in model.parameters() if id(p) not in lookups and p is not head)
+    if head is not None:
+        n += _numel(head)
+    flops = 6.0 * n
+    if width and layers and seq_len:
+        flops += 12.0 * layers * width * seq_len
+    return flops
 
 
 def _reference_build(config):

@@ -21,6 +21,13 @@ BIN = Path(sys.executable).parent
 MAIN = str(REPO / "train" / "main.py")
 sys.path.insert(0, str(REPO))
 
+# The suite runs on CPU everywhere, GPU machines included: its 2-rank launches would put rank 1
+# on a second GPU that a 1-GPU machine lacks. Hidden before anything here imports torch, and
+# for every launched process (test_env; train/device_env.py re-applies it inside each rank,
+# since the deepspeed launcher rewrites CUDA_VISIBLE_DEVICES for its workers).
+CPU_ONLY = {"ZEROTRAIN_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+os.environ.update(CPU_ONLY)
+
 # Small and fast: a 115k-parameter GPT on 300 kB of text, 64-token sequences.
 TINY = ["--model.name", "gpt-tiny", "--data.seq_len", "64", "--data.max_bytes", "300000",
         "--train.micro_batch_size", "4", "--train.progress", "false", "--train.sample_tokens", "0",
@@ -38,13 +45,16 @@ def test_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE=env.get("WANDB_MODE", "disabled"),
-               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", **CPU_ONLY)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
         env.pop(k, None)
     # The venv's tools first (its ninja builds DeepSpeed's JIT ops; Debian's would rebuild them).
     env["PATH"] = os.pathsep.join([str(BIN), *[p for p in env.get("PATH", "").split(os.pathsep) if p != str(BIN)]])
     env.update(extra or {})
     return env
+
+
+test_env.__test__ = False  # a helper, not a test, wherever a test module imports it
 
 
 def launch_cmd(launcher: str, nproc: int, args: list[str], accelerate_config: str | None = None) -> list[str]:

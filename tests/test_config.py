@@ -126,9 +126,10 @@ def _resolve(tmp_path, ds: dict, cuda=False, **run):
 def test_shipped_configs_resolve(tmp_path):
     cfg = load_config(None)
     stages = {}
-    for name in ("ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero2_fp32"):
-        ds = resolve(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100, cuda=False,
-                     hidden_size=128)
+    for name in ("ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero2_fp32",
+                 "zero2_fp16"):
+        ds = resolve(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100,
+                     cuda=name.endswith("fp16"), hidden_size=128)
         stages[name] = (ds.backend, ds.stage, ds.precision, ds.offload_optimizer, ds.offload_param)
         if ds.is_deepspeed:
             r = ds.resolved
@@ -148,7 +149,8 @@ def test_shipped_configs_resolve(tmp_path):
         "ddp": ("ddp", None, "bf16", None, None), "zero0": ("deepspeed", 0, "bf16", None, None),
         "zero1": ("deepspeed", 1, "bf16", None, None), "zero2": ("deepspeed", 2, "bf16", None, None),
         "zero3": ("deepspeed", 3, "bf16", None, None), "zero2_offload": ("deepspeed", 2, "bf16", "cpu", None),
-        "zero3_offload": ("deepspeed", 3, "bf16", "cpu", "cpu"), "zero2_fp32": ("deepspeed", 2, "fp32", None, None)}
+        "zero3_offload": ("deepspeed", 3, "bf16", "cpu", "cpu"), "zero2_fp32": ("deepspeed", 2, "fp32", None, None),
+        "zero2_fp16": ("deepspeed", 2, "fp16", None, None)}
 
 
 @pytest.mark.parametrize("ds,needle", [

@@ -92,6 +92,41 @@ def test_config_only_directory_trains_from_random_init(tmp_path, corpus, capsys)
     assert sum(p.numel() for p in wl.model.parameters()) > 0
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_flops_count_the_lm_head_matmul_tied_or_not(tmp_path, kind):
+    """MFU's FLOPs: 6 * (non-embedding parameters + the V x D lm_head, counted once even when
+    tied to the token embedding) + 12 * L * D * T, as models/gpt.py counts them. Tying shares
+    storage, not compute: tied and untied models of the same shapes do the same FLOPs."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from models import gpt
+    V, D, L, P, FFN, KV = 96, 32, 2, 64, 64, 16  # vocab, width, layers, positions, Llama MLP, Llama k/v width
+    flops = {}
+    for tied in (True, False):
+        if kind == "gpt2":  # learned position embeddings (a lookup too), 4x GELU MLP, biases, LayerNorms
+            cfg = GPT2Config(vocab_size=V, n_positions=P, n_embd=D, n_layer=L, n_head=2, tie_word_embeddings=tied)
+            model = GPT2LMHeadModel(cfg)
+            non_emb = L * (12 * D * D + 13 * D) + 2 * D
+        else:  # GQA (4 heads, 2 k/v heads), SwiGLU, RMSNorm, no biases
+            cfg = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=FFN, num_hidden_layers=L,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=P,
+                              tie_word_embeddings=tied)
+            model = LlamaForCausalLM(cfg)
+            non_emb = L * (2 * D * D + 2 * D * KV + 3 * D * FFN + 2 * D) + D
+        model.save_pretrained(str(tmp_path / f"{kind}-{tied}"))
+        wl = build_workload(ModelConfig(name=f"hf:{tmp_path / f'{kind}-{tied}'}"), lm_bundle(V))
+        assert bool(wl.tied) == tied
+        emb_tables = V * D + (P * D if kind == "gpt2" else 0)
+        assert wl.model_config["num_params"] == non_emb + emb_tables + (0 if tied else V * D)
+        assert wl.flops_per_item == 6.0 * (non_emb + V * D) + 12.0 * L * D * SEQ
+        flops[tied] = wl.flops_per_item
+        if kind == "llama":  # the same architecture as zerotrain's own GPT: the same count
+            g = gpt.GPTConfig(vocab_size=V, seq_len=P, n_layer=L, n_head=4, n_kv_head=2, d_model=D,
+                              ffn_hidden=FFN, tie_embeddings=tied)
+            assert wl.flops_per_item == g.flops_per_token(SEQ)
+    assert flops[True] == flops[False]
+
+
 def test_bad_directories_and_vocabularies_are_user_errors(tmp_path, corpus):
     with pytest.raises(ConfigError, match="is not a directory"):
         build_workload(ModelConfig(name=f"hf:{tmp_path / 'nope'}"), lm_bundle(10))

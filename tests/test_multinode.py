@@ -269,6 +269,24 @@ def test_shipped_hostfile_runs_two_local_ranks(two_nodes, fp32_configs, tmp_path
     assert_same_training(run_dir, ref)
 
 
+# ---------------------------------------------------------------------------------------- zerotrain check
+@pytest.mark.multinode
+def test_zerotrain_check_probes_the_hosts_over_ssh(two_nodes, tmp_path):
+    """`zerotrain check --hostfile` (issue 12) from node0: both nodes answer passwordless ssh and
+    pdsh is there; node0's own localhost too (the shipped hostfile). No launch: ssh only."""
+    rig = two_nodes
+    cmd = [sys.executable, "-m", "train.cli", "check", "--cuda", "--hostfile"]
+    p = rig.run(rig.nodes[0], [*cmd, str(hostfile(tmp_path, rig))], timeout=120, check=False, cwd=REPO,
+                env=base_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    for node in rig.nodes:
+        assert f"ok  ssh {node.name}  ok (no prompt; {REPO} and {sys.executable} exist there)" in p.stdout, p.stdout
+    assert "ok  pdsh: installed, with its ssh module" in p.stdout
+    probe = "from train.hostcheck import *; print(check_hosts(parse_hostfile('hostfile'), 'hostfile'))"
+    p = rig.run(rig.nodes[0], [sys.executable, "-c", probe], timeout=60, check=False, cwd=REPO, env=base_env())
+    assert p.returncode == 0 and "ssh localhost  ok" in p.stdout, p.stdout + p.stderr
+
+
 # ---------------------------------------------------------------------------------------- no processes
 def test_node_layout_for_each_launcher():
     from train.distributed import node_layout

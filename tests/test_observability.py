@@ -83,11 +83,19 @@ def test_logged_rates_follow_from_step_time_and_model_flops(observed):
 def test_console_banner_progress_and_summary(observed):
     run_dir, proc = observed[0], observed[1]
     out = proc.stdout
-    banner = out[out.index("zerotrain ---"):]
+    # A compact start: the banner's lines and no dump of the resolved config (it is in config.json).
+    start = out.index("zerotrain ---")
+    lines = out[start:].splitlines()
+    banner = "\n".join(lines[:1 + next(i for i, x in enumerate(lines[1:]) if not x.startswith("  "))])
     assert "2 process(es) on 1 node(s), launcher deepspeed, cpu / gloo" in banner
     assert "ZeRO-2 (fp32)" in banner
     assert "global 8 samples = 512 tokens/step" in banner
     assert "115.01k params" in banner
+    assert "per rank (estimated)" in banner and "\n  memory       estimated peak " in banner
+    assert f"\n  run dir      {run_dir}\n  full config: {run_dir / 'config.json'}\n" in banner
+    assert json.loads((run_dir / "config.json").read_text())["resolved"]["world_size"] == 2
+    assert "\n  W&B offline run in " in banner and len(banner.splitlines()) <= 14, banner
+    assert '"deepspeed_config"' not in out[:start] and "resolved config" not in out
     # train.progress false: one plain progress line per logging interval, on rank 0 only.
     progress = [line for line in out.splitlines() if line.startswith("step ") and "/6  loss" in line]
     assert len(progress) == 6 and progress[-1].startswith("step 6/6") and "eta 0.0s" in progress[-1]
@@ -134,6 +142,17 @@ def test_plot_series_keep_the_continued_training_after_a_resume(tmp_path):
     s = read_series(tmp_path)
     assert s["loss"] == ([1, 2, 3, 4], [3.0, 2.5, 2.2, 2.0])
     assert s["lr"] == ([4], [1e-3]) and "val/loss" not in s
+
+
+def test_memory_line_puts_the_planned_peak_against_the_budget():
+    from types import SimpleNamespace as NS
+    budget = NS(bytes=8 * 2**30, source="the memory cgroup limit of /sys/fs/cgroup/job")
+    t = NS(memory_budget=budget, memory_plan=NS(device_total=3 * 2**30))
+    assert report._memory_text(t) == ("estimated peak 3.00 GiB of 8.00 GiB per rank (38%): "
+                                      "the memory cgroup limit of /sys/fs/cgroup/job")
+    assert report._memory_text(NS(memory_budget=budget, memory_plan=None)) == \
+        "budget 8.00 GiB per rank: the memory cgroup limit of /sys/fs/cgroup/job"
+    assert report._memory_text(NS(memory_budget=None)) == "budget not checked (distributed.memory_check false)"
 
 
 def test_progress_line_and_durations():

@@ -1,6 +1,8 @@
 """W&B logging: one offline run per training, read back from its .wandb file (no network),
 matching metrics.jsonl and carrying the resolved config; resume continues the run id;
-mode selection; online without credentials fails early; the API key never leaks."""
+mode selection (auto: online with credentials, offline without, the env's WANDB_MODE /
+WANDB_DISABLED); credential detection; online without credentials fails early; the API key
+never leaks."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from wandb_offline import (FAKE_API_KEY, iter_payloads, observed_run, read_run, 
                            wandb_env)
 
 from train.errors import ConfigError
-from train.wandb_logger import resolve_mode
+from train.wandb_logger import choose, credential_source, resolve_mode
 
 
 # ---------------------------------------------------------------------------- the real 2-process run
@@ -56,8 +58,10 @@ def test_offline_run_matches_metrics_jsonl_and_holds_the_resolved_config(observe
     assert cfg["train"]["global_batch_size"] == 8
 
     # Only rank 0 started W&B: one run dir, and the id is what a checkpoint would store.
-    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
-    assert f"run {run.run_ids[0]}" in proc.stdout  # banner
+    offline = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and offline[0].name.endswith(f"-{run.run_ids[0]}")
+    # The start-up line says where the run went and how to upload it (no note: the mode was asked for).
+    assert f"\n  W&B offline run in {offline[0]}; upload with: wandb sync {offline[0]}\n" in proc.stdout
 
 
 @pytest.mark.multiproc
@@ -159,8 +163,8 @@ def test_start_resumes_the_run_id_kept_in_train_state(tmp_path):
     assert [(r.preempting, r.exit_code) for r in runs] == [(False, 0), (True, 1)]
 
 
-_START_UNREACHABLE = r"""
-import sys
+_START_CASES = r"""
+import os, sys
 from pathlib import Path
 from types import SimpleNamespace
 from accelerate import Accelerator
@@ -169,49 +173,181 @@ from train.errors import ConfigError
 from train.trainer import TrainState
 from train import wandb_logger
 
-cfg = load_config(None, [("logging.wandb.mode", "online")])
-acc = Accelerator(cpu=True, log_with=wandb_logger.log_with(cfg))
-t = SimpleNamespace(acc=acc, cfg=cfg, state=TrainState(), run_dir=Path(sys.argv[1]), resolved_config={})
-try:
-    wandb_logger.start(t)
-    sys.exit("no error")
-except ConfigError as e:
-    print("ERROR:", e)
-acc.end_training()  # the failed tracker must not break clean-up (it would hide the message)
-print("clean exit")
+def start(mode, run_dir, **env):
+    os.environ.update(env)
+    if not os.environ.get("WANDB_MODE"):
+        os.environ.pop("WANDB_MODE", None)
+    cfg = load_config(None, [("logging.wandb.mode", mode)])
+    acc = Accelerator(cpu=True, log_with=wandb_logger.log_with(cfg))
+    t = SimpleNamespace(acc=acc, cfg=cfg, state=TrainState(), run_dir=Path(run_dir), resolved_config={})
+    try:
+        sink = wandb_logger.start(t)
+        print("STATUS:", t.wandb_status)
+        print("ID:", t.state.wandb_run_id)
+        if sink:
+            sink.log({"loss": 1.0}, 1)
+            sink.close()
+    except ConfigError as e:
+        print("ERROR:", e)
+    acc.end_training()  # a failed tracker must not break clean-up (it would hide the message)
+    print("IMPORTED:", "wandb" in sys.modules)
+    print("clean exit")
+
+base = Path(sys.argv[1])
+# auto with WANDB_MODE=disabled (a key set): nothing written, wandb never imported.
+start("auto", base / "disabled", WANDB_MODE="disabled")
+# A key but no reachable server: wandb.init times out.
+unreachable = dict(WANDB_MODE="", WANDB_BASE_URL="http://127.0.0.1:9", WANDB_INIT_TIMEOUT="3")
+start("online", base / "online", **unreachable)  # asked for online: one error
+start("auto", base / "auto", **unreachable)      # auto chose online: an offline run instead
 """
 
 
-def test_online_with_unreachable_server_is_one_clear_error(tmp_path):
-    """A key but no reachable server: wandb.init times out; the user gets one message with the
-    fix (never the key), and clean-up still works."""
-    env = test_env({**wandb_env(tmp_path / "home"), "PYTHONPATH": str(REPO), "WANDB_MODE": "online",
-                    "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_INIT_TIMEOUT": "3", "WANDB_SILENT": "true"})
-    out = subprocess.run([sys.executable, "-c", _START_UNREACHABLE, str(tmp_path)], env=env, capture_output=True,
+@pytest.fixture(scope="module")
+def start_cases(tmp_path_factory):
+    base = tmp_path_factory.mktemp("start")
+    env = test_env({**wandb_env(base / "home"), "PYTHONPATH": str(REPO), "WANDB_SILENT": "true"})
+    out = subprocess.run([sys.executable, "-c", _START_CASES, str(base)], env=env, capture_output=True,
                          text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "ERROR: W&B could not start the run" in out.stdout and "--logging.wandb.mode offline" in out.stdout
-    assert out.stdout.rstrip().endswith("clean exit")
-    assert FAKE_API_KEY not in out.stdout + out.stderr
+    cases = out.stdout.split("clean exit\n")
+    assert len(cases) == 4 and FAKE_API_KEY not in out.stdout + out.stderr, out.stdout + out.stderr[-3000:]
+    return base, cases
+
+
+def test_auto_with_wandb_mode_disabled_writes_nothing(start_cases):
+    base, (disabled, *_) = start_cases
+    assert "STATUS: W&B disabled (WANDB_MODE=disabled)" in disabled
+    assert "IMPORTED: False" in disabled and not (base / "disabled").exists()
+
+
+def test_online_with_unreachable_server_is_one_clear_error(start_cases):
+    """A key but no reachable server: wandb.init times out; the user gets one message with the
+    fix (never the key), and clean-up still works."""
+    online = start_cases[1][1]
+    error = next(line for line in online.splitlines() if line.startswith("ERROR: "))
+    assert error.startswith("ERROR: W&B could not start the run") and "--logging.wandb.mode offline" in error
+
+
+def test_auto_falls_back_to_an_offline_run_when_online_cannot_start(start_cases):
+    """auto chose online (a key is set) but the server is unreachable: the training goes on
+    with an offline run, the line says why, and the state (hence checkpoints) holds its id."""
+    base, auto = start_cases[0], start_cases[1][2]
+    files = run_files(base / "auto" / "wandb")
+    assert len(files) == 1
+    run = read_run(files[0])
+    assert run.history[0]["loss"] == 1.0 and f"ID: {run.run_ids[0]}\n" in auto
+    sync_dir = files[0].parent
+    assert f"STATUS: W&B offline run in {sync_dir}; upload with: wandb sync {sync_dir}  (auto: online failed" in auto
 
 
 # ---------------------------------------------------------------------------- modes and credentials
 
 @pytest.mark.parametrize("configured, env, expected", [
-    (None, {}, "disabled"),
     (None, {"WANDB_MODE": "offline"}, "offline"),
-    (None, {"WANDB_MODE": "ONLINE"}, "online"),
-    (None, {"WANDB_MODE": "dryrun"}, "offline"),
+    ("auto", {"WANDB_MODE": "ONLINE"}, "online"),
+    ("auto", {"WANDB_MODE": "dryrun"}, "offline"),
+    ("auto", {"WANDB_MODE": "disabled", "WANDB_API_KEY": FAKE_API_KEY}, "disabled"),
+    ("auto", {"WANDB_DISABLED": "true", "WANDB_MODE": "online"}, "disabled"),  # transformers' switch
     ("offline", {"WANDB_MODE": "disabled"}, "offline"),   # the run's own setting wins
     ("disabled", {"WANDB_MODE": "online"}, "disabled"),
+    ("online", {"WANDB_DISABLED": "true"}, "online"),
 ])
 def test_mode_resolution(configured, env, expected):
     assert resolve_mode(configured, env) == expected
 
 
+def _no_credentials(home: Path) -> dict:
+    """An environment whose only W&B sources are files under `home` (none yet)."""
+    return {"HOME": str(home), "WANDB_CONFIG_DIR": str(home / ".config" / "wandb")}
+
+
+def test_auto_is_online_with_credentials_offline_without_and_off_without_the_package(tmp_path):
+    env, cwd = _no_credentials(tmp_path), tmp_path / "cwd"
+    got = choose("auto", env, cwd, have_wandb=True)
+    assert (got.mode, got.requested) == ("offline", False) and "wandb login" in got.reason
+    assert choose(None, env, cwd, have_wandb=True) == got  # null in a run file = auto
+    got = choose("auto", {**env, "WANDB_API_KEY": FAKE_API_KEY}, cwd, have_wandb=True)
+    assert (got.mode, got.reason, got.requested) == ("online", "credentials from WANDB_API_KEY", False)
+    got = choose("auto", {**env, "WANDB_API_KEY": FAKE_API_KEY}, cwd, have_wandb=False)
+    assert (got.mode, got.requested) == ("disabled", False) and "not installed" in got.reason
+    # `wandb offline` / `wandb disabled` write mode into ./wandb/settings: honoured by auto.
+    (cwd / "wandb").mkdir(parents=True)
+    (cwd / "wandb" / "settings").write_text("[default]\nmode = offline\n")
+    got = choose("auto", {**env, "WANDB_API_KEY": FAKE_API_KEY}, cwd, have_wandb=True)
+    assert (got.mode, got.requested, got.reason) == ("offline", True, f"mode = offline in {cwd / 'wandb' / 'settings'}")
+    assert choose("auto", {**env, "WANDB_MODE": "online"}, cwd).mode == "online"  # the env var wins over it
+    assert all(FAKE_API_KEY not in c.reason for c in (got, choose("auto", {**env, "WANDB_API_KEY": FAKE_API_KEY})))
+
+
+def _netrc(path: Path, host: str, password: str = FAKE_API_KEY) -> Path:
+    path.write_text(f"machine {host}\n  login user\n  password {password}\n")
+    path.chmod(0o600)
+    return path
+
+
+def test_credential_source_reads_what_wandb_login_writes(tmp_path):
+    home = tmp_path / "home"
+    (home / ".config" / "wandb").mkdir(parents=True)
+    env, cwd = _no_credentials(home), tmp_path
+    assert credential_source(env, cwd) is None
+    assert credential_source({**env, "WANDB_API_KEY": FAKE_API_KEY}, cwd) == "WANDB_API_KEY"
+    assert credential_source({**env, "WANDB_API_KEY": ""}, cwd) is None  # set but empty: no key
+
+    # ~/.netrc from `wandb login`: a password for api.wandb.ai; another host's entry is no W&B key.
+    _netrc(home / ".netrc", "github.com")
+    assert credential_source(env, cwd) is None
+    _netrc(home / ".netrc", "api.wandb.ai")
+    assert credential_source(env, cwd) == "~/.netrc"
+    _netrc(home / ".netrc", "api.forge.coreweave.com")  # wandb 0.31's default server
+    assert credential_source(env, cwd) == "~/.netrc"
+    _netrc(home / ".netrc", "api.wandb.ai", password='""')
+    assert credential_source(env, cwd) is None  # an entry without a key (wandb ignores it too)
+
+    # A self-hosted server ($WANDB_BASE_URL, or base_url in wandb's settings): its host's entry counts.
+    _netrc(home / ".netrc", "wandb.example.com:8080")
+    assert credential_source(env, cwd) is None
+    assert credential_source({**env, "WANDB_BASE_URL": "https://wandb.example.com:8080"}, cwd) == "~/.netrc"
+    (home / ".config" / "wandb" / "settings").write_text("[default]\nbase_url = https://wandb.example.com:8080\n")
+    assert credential_source(env, cwd) == "~/.netrc"
+
+    # $NETRC names another file; a malformed file is ignored, as wandb does.
+    elsewhere = _netrc(tmp_path / "netrc", "api.wandb.ai")
+    (home / ".config" / "wandb" / "settings").unlink()
+    assert credential_source({**env, "NETRC": str(elsewhere)}, cwd) == str(elsewhere)
+    elsewhere.write_text("machine\n")
+    assert credential_source({**env, "NETRC": str(elsewhere)}, cwd) is None
+    # An api_key in wandb's settings file.
+    (home / ".config" / "wandb" / "settings").write_text(f"[default]\napi_key = {FAKE_API_KEY}\n")
+    assert credential_source(env, cwd) == "wandb settings"
+
+
 def test_bad_wandb_mode_env_names_the_variable():
     with pytest.raises(ConfigError, match='WANDB_MODE="sometimes".*--logging.wandb.mode'):
         resolve_mode(None, {"WANDB_MODE": "sometimes"})
+
+
+@pytest.mark.multiproc
+def test_auto_without_credentials_writes_an_offline_run_and_says_how_to_upload(tmp_path):
+    """The default (logging.wandb.mode auto) on a machine without W&B credentials: the metrics
+    still reach W&B, as an offline run in the run directory, and the start-up line gives the
+    `wandb sync` command."""
+    home, run_dir = tmp_path / "home", tmp_path / "run"
+    # An empty WANDB_* variable counts as unset (tests/conftest.py's test_env sets WANDB_MODE).
+    env = {**wandb_env(home), "HOME": str(home), "NETRC": str(home / "no-netrc"), "WANDB_MODE": "",
+           "WANDB_API_KEY": "", "WANDB_IDENTITY_TOKEN_FILE": "", "WANDB_DISABLED": "", "WANDB_SILENT": ""}
+    proc = run_train("python", 1, [*TINY, "--train.max_steps", "3", "--train.eval_every", "0",
+                                   "--train.run_dir", str(run_dir)], env=env, timeout=300)
+    files = run_files(run_dir / "wandb")
+    assert len(files) == 1, proc.stdout[-3000:]
+    run = read_run(files[0])
+    assert {row["_step"]: row["loss"] for row in run.history if "loss" in row} == train_losses(run_dir)
+    assert run.exit_code == 0 and run.config["logging"]["wandb"]["mode"] == "auto"
+    sync_dir = files[0].parent
+    line = next(x for x in proc.stdout.splitlines() if "W&B" in x)
+    assert line == (f"  W&B offline run in {sync_dir}; upload with: wandb sync {sync_dir}  "
+                    f"(auto: no W&B credentials; `wandb login` or WANDB_API_KEY to log online)")
+    assert "Run history:" not in proc.stdout  # wandb's own footer stays quiet
 
 
 def test_online_without_credentials_fails_early_with_a_fix(tmp_path):

@@ -102,6 +102,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     launcher = dist_.normalize_env()
     world = int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()
+    from train import hardware
+    matmul_precision = hardware.apply_tf32(cfg, cuda)
     run_dir = Path(cfg.train.run_dir)
     _check_run_dir(run_dir)
     batch = cfg.train.batch(world)
@@ -120,10 +122,15 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
 
     from train import fit
     ds_path = dist_.resolve_ds_config_path(ds_config_cli or cfg.distributed.ds_config, launcher)
+    if not (ds_config_cli or cfg.distributed.ds_config) and launcher != "accelerate" \
+            and os.environ.get("RANK", "0") == "0":
+        name, why = dist_.default_ds_config()
+        print(f"zerotrain: no --ds-config given: ds_configs/{name} ({why}); pass --ds-config to choose", flush=True)
     ds_path, choice = fit.resolve_auto(ds_path, cfg, data, batch, seq_len, world)  # --ds-config auto
     from models import hidden_size_of
     ds = resolve(ds_path, cfg, batch, max_steps, cuda=cuda, hidden_size=hidden_size_of(cfg.model, data))
     dist_.check_accelerate_precision(ds)
+    hardware.check_compile(cfg, ds)
     if cfg.train.host_malloc == "compact" or (cfg.train.host_malloc == "auto" and not cuda and ds.is_deepspeed):
         # DeepSpeed on a CPU: freed tensors go back to the OS, so memory follows live tensors (train.host_malloc).
         from train.device_memory import compact_host_malloc
@@ -144,11 +151,17 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     if ds.is_deepspeed and ds.stage == 3 and acc.is_main_process:
         from models import partition_summary
         print(f"zerotrain: {partition_summary(workload.model, topo.world_size)}", flush=True)
+    channels_last = hardware.use_channels_last(cfg, ds, workload.family, cuda)
+    if channels_last:
+        workload.model.to(memory_format=torch.channels_last)
+    if cfg.train.compile:
+        workload.model.compile()  # in place: parameter names (checkpoints, exports) stay the same
     raw_optimizer = build_optimizer(workload.model, cfg.optim, ds)
     set_seed(cfg.train.seed + topo.rank)  # dropout etc. differ per rank, deterministically
 
-    pin = cuda
-    train_loader = DataLoader(data.train, batch_sampler=sampler, num_workers=cfg.data.num_workers, pin_memory=pin,
+    pin = cuda  # pinned host batches: the copy to the GPU runs asynchronously (non_blocking)
+    workers = hardware.data_workers(cfg.data, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    train_loader = DataLoader(data.train, batch_sampler=sampler, num_workers=workers, pin_memory=pin,
                               generator=torch.Generator().manual_seed(cfg.train.seed),
                               persistent_workers=False)
     val_loader = None
@@ -160,7 +173,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
             n = min(len(val), cfg.train.eval_batches * batch.micro * world)
             val = torch.utils.data.Subset(val, range(n))
         val_loader = DataLoader(val, batch_sampler=EvalBatchSampler(len(val), batch.micro, world),
-                                num_workers=cfg.data.num_workers, pin_memory=pin)
+                                num_workers=workers, pin_memory=pin)
     if val_loader is not None:
         model, optimizer, train_loader, val_loader = acc.prepare(workload.model, raw_optimizer, train_loader,
                                                                  val_loader)
@@ -180,6 +193,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
         resolved["resolved"]["memory_plan"] = planned.to_dict()  # the peak the check compared with the budget
     if choice is not None:
         resolved["resolved"]["auto_ds_config"] = choice.record()
+    resolved["resolved"]["hardware"] = {"float32_matmul_precision": matmul_precision, "channels_last": channels_last,
+                                        "compile": cfg.train.compile, "data_workers": workers}
     sinks = []
     if acc.is_main_process:
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")

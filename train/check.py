@@ -1,58 +1,27 @@
 """`zerotrain check`: validate a launch before spending cluster time on it.
 
     zerotrain check --config run.yaml --ds-config ds_configs/zero3.json --hostfile hostfile \
-                    [--accelerate-config ds_configs/accelerate/multinode_zero2.yaml] [--cuda]
+                    [--accelerate-config ds_configs/accelerate/multinode_zero2.yaml] [--cuda] \
+                    [--ssh-port N] [--no-ssh-check]
 
 Checks the run file, the DeepSpeed JSON against the run config at the world size the
 hostfile / accelerate YAML implies, the hostfile syntax, and that the accelerate YAML
-agrees with the hostfile. Exit 0 when everything is consistent, 2 with one message per
-problem otherwise. Nothing is launched and no GPU is needed.
+agrees with the hostfile. With a hostfile it also does what `deepspeed --hostfile` needs
+first: passwordless ssh to every host (probed in parallel, never prompting; the launch
+directory and this Python must exist there) and pdsh for several hosts (train/hostcheck.py);
+skipped with --no-ssh-check or when the accelerate YAML's launch uses no ssh. Exit 0 when
+everything is consistent, 2 with one message per problem otherwise. Nothing is launched
+and no GPU is needed.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from train.errors import ConfigError
-
-HOST_LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.\-:\[\]]+)\s+slots\s*=\s*(?P<slots>-?\d+)\s*$")
-
-
-@dataclass
-class Host:
-    name: str
-    slots: int
-
-
-def parse_hostfile(path: str | Path) -> list[Host]:
-    """DeepSpeed hostfile: `<host> slots=<n>` per line; `#` comments and blank lines allowed."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"hostfile {path} not found")
-    hosts, seen = [], {}
-    for n, raw in enumerate(path.read_text().splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        m = HOST_LINE.match(line)
-        if not m:
-            raise ConfigError(f'{path}:{n}: cannot parse "{raw.strip()}"; each line must be '
-                              f'"<hostname> slots=<processes>", e.g. "node0 slots=8"')
-        host, slots = m["host"], int(m["slots"])
-        if slots <= 0:
-            raise ConfigError(f"{path}:{n}: host {host} has slots={slots}; every host needs at least 1 slot "
-                              f"(remove the line to leave the host out)")
-        if host in seen:
-            raise ConfigError(f"{path}:{n}: host {host} is listed twice (first on line {seen[host]})")
-        seen[host] = n
-        hosts.append(Host(host, slots))
-    if not hosts:
-        raise ConfigError(f"{path}: no hosts (expected lines like \"localhost slots=2\")")
-    return hosts
+from train.hostcheck import Host, check_hosts, parse_hostfile  # noqa: F401 (Host, parse_hostfile: API)
 
 
 def check_accelerate_yaml(path: str | Path, hosts: list[Host] | None, ds_config: str | None) -> dict:
@@ -82,6 +51,19 @@ def check_accelerate_yaml(path: str | Path, hosts: list[Host] | None, ds_config:
     return cfg
 
 
+def ssh_not_needed(acc: dict | None) -> str | None:
+    """Why the launch described by the accelerate YAML starts no process over ssh (None: it does,
+    or there is no YAML and the hostfile is for `deepspeed --hostfile`, which always ssh-checks)."""
+    if acc is None:
+        return None
+    launcher = (acc.get("deepspeed_config") or {}).get("deepspeed_multinode_launcher") or "pdsh"
+    if acc.get("distributed_type") != "DEEPSPEED" or acc.get("num_machines", 1) <= 1:
+        return "accelerate starts this launch on each machine itself, without ssh"
+    if launcher in ("standard", "nossh", "slurm"):
+        return f"accelerate's deepspeed_multinode_launcher {launcher} starts every machine's ranks without ssh"
+    return None
+
+
 def run_checks(args) -> list[str]:
     from train.config import load_config
     from train.dsconfig import resolve
@@ -95,6 +77,12 @@ def run_checks(args) -> list[str]:
         acc = check_accelerate_yaml(args.accelerate_config, hosts, args.ds_config)
         ok.append(f"accelerate config {args.accelerate_config}: {acc.get('distributed_type')}, "
                   f"{acc.get('num_processes')} processes on {acc.get('num_machines', 1)} machine(s)")
+    if hosts:
+        why_not = "--no-ssh-check" if args.no_ssh_check else ssh_not_needed(acc)
+        if why_not:
+            ok.append(f"ssh to the hosts not probed: {why_not}")
+        else:
+            ok += check_hosts(hosts, args.hostfile, args.ssh_port)
     world = args.world_size or (sum(h.slots for h in hosts) if hosts else None) or \
         (acc or {}).get("num_processes") or 1
     cfg = load_config(args.config, [])
@@ -122,7 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="zerotrain check", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="run file (YAML/JSON)")
     p.add_argument("--ds-config", help="DeepSpeed JSON")
-    p.add_argument("--hostfile", help="DeepSpeed hostfile")
+    p.add_argument("--hostfile", help="DeepSpeed hostfile; every host is also ssh-probed as deepspeed --hostfile "
+                   "will use it (in parallel, 5 s connect timeout), and pdsh looked for if there are several")
+    p.add_argument("--ssh-port", "--ssh_port", type=int, metavar="N",
+                   help="the port of the hosts' sshd, as deepspeed --ssh_port N (default: ~/.ssh/config's, or 22)")
+    p.add_argument("--no-ssh-check", action="store_true",
+                   help="check the hostfile's syntax only (for launches without ssh: deepspeed --no_ssh, torchrun, "
+                        "or checking a cluster's files from another machine)")
     p.add_argument("--accelerate-config", help="accelerate launch YAML")
     p.add_argument("--world-size", type=int, help="total processes (default: from the hostfile / YAML)")
     p.add_argument("--cuda", action="store_true", help="check for a CUDA cluster (allows fp16) from a CPU machine")

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from train import ckpt_io as io
+from train import loss_scale
 from train.ckpt_state import MOMENTS, make_holder, persistent_buffers
 from train.errors import CheckpointError, ConfigError
 
@@ -385,19 +386,14 @@ class Checkpointer:
         if t.ds.precision != "fp16":
             return None
         if t.ds.is_deepspeed:
-            ls = t.model.optimizer.loss_scaler
-            keys = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
-            return {"kind": "deepspeed", **{k: float(getattr(ls, k)) for k in keys if getattr(ls, k, None) is not None}}
+            return {"kind": "deepspeed", **loss_scale.state(t.model.optimizer)}
         sc = getattr(t.acc, "scaler", None)
         return {"kind": "torch", **{k: float(v) for k, v in sc.state_dict().items()}} if sc is not None else None
 
     def _restore_scaler(self, s: dict):
         t = self.t
         if s["kind"] == "deepspeed" and t.ds.is_deepspeed:
-            ls = t.model.optimizer.loss_scaler
-            for k, v in s.items():
-                if k != "kind" and hasattr(ls, k):
-                    setattr(ls, k, v if k == "cur_scale" else int(v))
+            loss_scale.restore(t.model.optimizer, s)
         elif s["kind"] == "torch" and getattr(t.acc, "scaler", None) is not None:
             state = {k: v for k, v in s.items() if k != "kind"}
             state["_growth_tracker"] = int(state.get("_growth_tracker", 0))

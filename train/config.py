@@ -46,6 +46,10 @@ class ModelConfig:
     """Vision: local weights file (.safetensors, or a torchvision .pth read with weights_only=True)."""
     freeze_backbone: bool = False
     """Vision: train only the new classifier head."""
+    channels_last: Optional[bool] = None
+    """Vision: keep conv weights and input images in NHWC (channels-last) memory layout, which
+    cuDNN's tensor-core convolutions use natively. None = on for torchvision models on a CUDA
+    GPU, off elsewhere (on CPU it brings nothing measurable for these models)."""
     init_from: Optional[str] = None
     """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json."""
 
@@ -85,8 +89,10 @@ class DataConfig:
     """regression: dataset size."""
     num_features: int = 10
     noise: float = 0.01
-    num_workers: int = 0
-    """DataLoader worker processes per rank."""
+    num_workers: Optional[int] = None
+    """DataLoader worker processes per rank. None = auto: imagefolder decodes and augments images
+    in min(8, CPU cores per local rank - 1) workers, off the training loop; token, text and
+    regression data are memory-mapped or in memory and need none (0)."""
 
     def __post_init__(self):
         kinds = ("text", "tokens", "imagefolder", "regression")
@@ -103,7 +109,7 @@ class DataConfig:
         for k in ("max_bytes", "image_size", "num_samples", "num_features"):
             if getattr(self, k) <= 0:
                 raise ConfigError(f"data.{k} must be positive (got {getattr(self, k)})")
-        if self.num_workers < 0:
+        if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0 (got {self.num_workers})")
 
 
@@ -180,10 +186,23 @@ class TrainConfig:
     nan_policy: str = "skip"
     """On a NaN/Inf loss: "skip" the step (counted) or "stop" (checkpoint the last good state)."""
     max_bad_steps: int = 5
-    """Stop after this many consecutive non-finite steps, whatever nan_policy says."""
+    """Stop after this many consecutive non-finite steps, whatever nan_policy says. Both are
+    decided at each log line (logging.every_steps) and before each checkpoint, where the trainer
+    reads the gradient norms it kept on the device: skipped steps never touch the weights, so a
+    stop can come up to logging.every_steps steps after its cause and still saves the last good state."""
     trace_data: bool = False
     """Debug: every rank appends a fingerprint (crc32) of each sample it trains on to
     <run_dir>/ranks/rank<R>.data.jsonl, to verify sharding and resume order."""
+    compile: bool = False
+    """torch.compile the model (TorchInductor) before wrapping it: fused kernels, usually faster
+    steps on GPU after a compile of tens of seconds to minutes at the first step. Off by default
+    (compile time; on CPU it needs a C++ compiler). DDP, ZeRO-0/1/2; refused with ZeRO-3, whose
+    parameter gathering hooks break compiled graphs."""
+    tf32: bool = True
+    """CUDA: fp32 matmuls and convolutions use TensorFloat-32 tensor cores (inputs rounded to a
+    10-bit mantissa, fp32 accumulation; up to 8x the fp32 rate on A100/H100), as PyTorch's
+    "high" float32 matmul precision. Affects fp32 runs only (bf16/fp16 use their own units);
+    false = full fp32. Without a GPU there is nothing to set."""
     host_malloc: str = "auto"
     """Host memory allocator: "compact" returns every freed block of 1 MiB or more to the OS at
     once (resident memory follows live tensors), "glibc" keeps glibc's default (freed blocks stay
@@ -281,9 +300,11 @@ class CheckpointConfig:
 
 @dataclass
 class WandbConfig:
-    mode: Optional[str] = None
-    """online | offline | disabled; None = $WANDB_MODE, else disabled. Set here, it wins over
-    $WANDB_MODE. offline writes <run_dir>/wandb/ (or $WANDB_DIR) for a later `wandb sync`."""
+    mode: Optional[str] = "auto"
+    """auto | online | offline | disabled. auto: $WANDB_MODE if set (WANDB_DISABLED=true: disabled),
+    else online when W&B credentials exist (WANDB_API_KEY, ~/.netrc from `wandb login`), else an
+    offline run; off with a note when the wandb package is missing. online / offline / disabled set
+    here win over $WANDB_MODE. offline writes <run_dir>/wandb/ (or $WANDB_DIR) for a later `wandb sync`."""
     project: str = "zerotrain"
     """W&B project the run is logged to."""
     entity: Optional[str] = None
@@ -296,8 +317,8 @@ class WandbConfig:
     """Groups related runs in the W&B UI (e.g. one sweep or one comparison)."""
 
     def __post_init__(self):
-        if self.mode not in (None, "online", "offline", "disabled"):
-            raise ConfigError(f'logging.wandb.mode must be online, offline or disabled (got "{self.mode}")')
+        if self.mode not in (None, "auto", "online", "offline", "disabled"):
+            raise ConfigError(f'logging.wandb.mode must be auto, online, offline or disabled (got "{self.mode}")')
         bad = [c for c in "/\\#?%:" if c in self.project]
         if not self.project or bad:
             raise ConfigError(f'logging.wandb.project "{self.project}" must be non-empty and free of '

@@ -152,7 +152,18 @@ def resolve_ds_config_path(cli_or_file: str | None, launcher: str) -> str:
             raise ConfigError(f"the accelerate config launches plain DDP (no deepspeed_config) but the run asks for "
                               f"DeepSpeed config {cli_or_file}; use ds_configs/accelerate/zero*.yaml or drop --ds-config")
         return cli_or_file or str(root / "ds_configs" / "ddp.json")
-    return cli_or_file or str(root / "ds_configs" / "zero2.json")
+    return cli_or_file or str(root / "ds_configs" / default_ds_config()[0])
+
+
+def default_ds_config() -> tuple[str, str]:
+    """(file in ds_configs/, why) when the run names none: ZeRO-2 in the fastest precision this
+    hardware has. bf16 on GPUs that compute it (Ampere and newer), fp16 with loss scaling on
+    older GPUs, fp32 on CPUs: without bf16 matmul units they emulate it, ~7x slower (README)."""
+    if torch.cuda.is_available():
+        if torch.cuda.is_bf16_supported():
+            return "zero2.json", "ZeRO-2, bf16: this GPU computes bf16 natively"
+        return "zero2_fp16.json", "ZeRO-2, fp16 with loss scaling: this GPU has no native bf16"
+    return "zero2_fp32.json", "ZeRO-2, fp32: no GPU here, and CPUs emulate bf16 ~7x slower"
 
 
 def check_accelerate_precision(ds: DSSetup):
@@ -167,7 +178,7 @@ def check_accelerate_precision(ds: DSSetup):
 def build_accelerator(ds: DSSetup, batch: Batch, timeout_s: int, log_with: str | None = None):
     from accelerate import Accelerator
     from accelerate.utils import (DataLoaderConfiguration, DeepSpeedPlugin, DistributedDataParallelKwargs,
-                                  GradientAccumulationPlugin, InitProcessGroupKwargs)
+                                  GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs)
 
     cuda = torch.cuda.is_available()
     pg = InitProcessGroupKwargs(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -175,7 +186,8 @@ def build_accelerator(ds: DSSetup, batch: Batch, timeout_s: int, log_with: str |
         mixed_precision=ds.accelerate_mixed_precision,
         # Our batch sampler yields *global* micro-batches (world x micro samples, the same
         # order for any world size); Accelerate hands each rank its own slice.
-        dataloader_config=DataLoaderConfiguration(split_batches=True, even_batches=True),
+        # non_blocking: batches are copied from pinned memory (build.py) while the GPU works.
+        dataloader_config=DataLoaderConfiguration(split_batches=True, even_batches=True, non_blocking=cuda),
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=batch.accum, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,
         log_with=log_with,  # "wandb" or None; trackers start later, on the main process (wandb_logger.py)
@@ -185,8 +197,10 @@ def build_accelerator(ds: DSSetup, batch: Batch, timeout_s: int, log_with: str |
         if ds.is_deepspeed:
             plugin = DeepSpeedPlugin(hf_ds_config=ds.resolved, zero3_init_flag=ds.stage == 3)
             return Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[pg], **common)
-        ddp = DistributedDataParallelKwargs(**ds.ddp_kwargs)
-        return Accelerator(cpu=not cuda, kwargs_handlers=[pg, ddp], **common)
+        handlers = [pg, DistributedDataParallelKwargs(**ds.ddp_kwargs)]
+        if ds.grad_scaler:  # fp16: the JSON's loss-scale settings (train/dsconfig.grad_scaler_args)
+            handlers.append(GradScalerKwargs(**ds.grad_scaler))
+        return Accelerator(cpu=not cuda, kwargs_handlers=handlers, **common)
 
 
 def init_process_group(timeout_s: int):

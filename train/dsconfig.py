@@ -70,6 +70,7 @@ class DSSetup:
     offload_optimizer: str | None     # "cpu" | "nvme" | None
     offload_param: str | None
     ddp_kwargs: dict = field(default_factory=dict)
+    grad_scaler: dict | None = None   # DDP fp16: torch GradScaler arguments from the "fp16" block
     resolved: dict = field(default_factory=dict)   # what DeepSpeed receives, no "auto" left
 
     @property
@@ -126,6 +127,39 @@ def _precision(path, ds: dict) -> str:
     if enabled["bf16"] and enabled["fp16"]:
         raise ConfigError(f'{path}: both "bf16.enabled" and "fp16.enabled" are true; enable one (bf16 recommended)')
     return "bf16" if enabled["bf16"] else "fp16" if enabled["fp16"] else "fp32"
+
+
+# DeepSpeed's fp16 block as torch's GradScaler (what DDP uses): the keys that have a meaning there.
+GRAD_SCALER_KEYS = {"initial_scale_power": "init_scale = 2**initial_scale_power",
+                    "loss_scale_window": "growth_interval"}
+
+
+def grad_scaler_args(path, fp16: dict) -> dict:
+    """GradScaler(init_scale, growth_interval) from a DDP file's "fp16" block. DeepSpeed's other
+    knobs have no GradScaler equivalent (it lowers the scale at every overflow, has no floor and
+    no static mode): refused unless they ask for exactly that behaviour."""
+    out = {"init_scale": 2.0 ** 16, "growth_interval": 2000}  # GradScaler's own defaults but init 2**16
+    for k, v in fp16.items():
+        if k == "enabled":
+            continue
+        if k == "loss_scale":
+            if v not in (0, 0.0):
+                raise ConfigError(f'{path}: "fp16.loss_scale": {v!r}: DDP\'s GradScaler has no static loss scale; '
+                                  f'use 0 (dynamic) or a ds_configs/zero*.json file (DeepSpeed supports static scales)')
+        elif k == "hysteresis":
+            if v != 1:
+                raise ConfigError(f'{path}: "fp16.hysteresis": {v!r}: DDP\'s GradScaler lowers the scale at every '
+                                  f"overflow (hysteresis 1); remove the key or use a ds_configs/zero*.json file")
+        elif k == "initial_scale_power":
+            out["init_scale"] = 2.0 ** int(v)
+        elif k == "loss_scale_window":
+            out["growth_interval"] = int(v)
+        else:
+            supported = ["enabled", "loss_scale", "hysteresis", *GRAD_SCALER_KEYS]
+            raise ConfigError(f'{path}: "fp16.{k}" has no equivalent in DDP\'s GradScaler{did_you_mean(k, supported)}; '
+                              f"supported: {', '.join(supported)} (min_loss_scale and the rest need a "
+                              f"ds_configs/zero*.json file)")
+    return out
 
 
 def _match(path, ds: dict, key: str, want, what: str):
@@ -219,7 +253,8 @@ def resolve(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda: bool,
                 raise ConfigError(f'{path}: "ddp.{k}" is not a DDP option{did_you_mean(k, DDP_KEYS)}; '
                                   f"valid: {', '.join(DDP_KEYS)}")
         return DSSetup(path=str(path), backend="ddp", stage=None, precision=precision, offload_optimizer=None,
-                       offload_param=None, ddp_kwargs=dict(ddp), resolved=ds)
+                       offload_param=None, ddp_kwargs=dict(ddp), resolved=ds,
+                       grad_scaler=grad_scaler_args(path, ds["fp16"]) if precision == "fp16" else None)
 
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     if not isinstance(zero, dict):
@@ -249,6 +284,12 @@ def resolve(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda: bool,
                                   f"to derive it from; set a number")
             zero[k] = rule(hidden_size)
     _grad_accum_dtype(path, ds, stage, precision)
+    gather = zero.get("stage3_gather_16bit_weights_on_model_save")
+    if gather is not None and gather is not True:
+        raise ConfigError(f'{path}: "zero_optimization.stage3_gather_16bit_weights_on_model_save": {gather!r}: zerotrain '
+                          f"never calls DeepSpeed's save_16bit_model; its exports always gather the full ZeRO-3 weights "
+                          f'(checkpoint.export, zerotrain export). Remove the key (or set it true); to skip the '
+                          f"export set checkpoint.export false")
     if off_opt:
         # The optimizer is ours (DeepSpeedCPUAdam); DeepSpeed must not second-guess it.
         ds["zero_force_ds_cpu_optimizer"] = False

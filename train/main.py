@@ -15,14 +15,13 @@ import os
 import sys
 from pathlib import Path
 
-# Large CPU tensors on transparent huge pages (PyTorch's own switch, read once when torch loads:
-# it must be set before the first import of torch). Fewer page faults for the fresh memory that
-# train/device_memory.compact_host_malloc() hands out on CPU (BENCHMARKS.md). THP_MEM_ALLOC_ENABLE=0 opts out.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
 if __package__ in (None, ""):
     # Run as a script: Python put train/ first on sys.path; import from the repo root instead.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from train import device_env  # noqa: E402
+
+device_env.apply()  # before torch is imported: huge pages, ZEROTRAIN_DEVICE=cpu
 
 from train.cli import parse_train_args, user_errors  # noqa: E402
 
@@ -51,7 +50,6 @@ def run_as_script(argv: list[str] | None = None) -> None:
     measured ~1 launch in 6 here ended in SIGABRT ("terminate called without an active
     exception") *after* a complete, successful run, turning exit 0 (or 2, 3) into -6. Every
     file zerotrain writes is closed and synced before main() returns; atexit handlers still run."""
-    import os
     import traceback
     try:
         code = main(argv)

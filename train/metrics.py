@@ -55,25 +55,71 @@ class Loggers:
             s.close(failed=failed)
 
 
-def peak_memory_bytes() -> int:
-    """This rank's peak: CUDA memory allocated by tensors on GPU, the process's max RSS on CPU."""
+_lifetime = [0, 0]  # the largest interval peak and peak reserved read so far (a reset forgets them)
+
+
+def peak_memory() -> tuple[int, int | None]:
+    """This rank's (peak, peak reserved) since the last reset_peak_memory(): CUDA memory
+    allocated by tensors and held by the caching allocator on GPU; the process's peak RSS
+    (VmHWM) on CPU, where nothing is reserved beyond it."""
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
+        peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    else:
+        peak, reserved = _vm_hwm(), None
+    _lifetime[0], _lifetime[1] = max(_lifetime[0], peak), max(_lifetime[1], reserved or 0)
+    return peak, reserved
+
+
+def reset_peak_memory() -> None:
+    """Start a new interval: torch's peak statistics on CUDA; on Linux CPU, writing 5 to
+    /proc/self/clear_refs resets the peak RSS (a kernel without it keeps the process's peak)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def lifetime_peaks() -> tuple[int, int]:
+    """The largest (peak, reserved) any interval saw, for wrappers that want the whole run's
+    (bench/rank_peak.py)."""
+    peak_memory()
+    return _lifetime[0], _lifetime[1]
+
+
+def _vm_hwm() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def reduce_window(acc, loss_sum, micro: int, data_s: float) -> dict:
+def reduce_window(acc, loss_sum: torch.Tensor, micro: int, data_s: float) -> dict:
     """Two tiny all-reduces per logging interval, combined identically on every rank:
     loss = mean over every micro-batch of every rank; data wait and peak memory = the worst
-    rank's (the slowest or fullest rank is the one that limits the step)."""
-    summed = torch.tensor([float(loss_sum), float(micro)], dtype=torch.float64, device=acc.device)
-    worst = torch.tensor([data_s, float(peak_memory_bytes())], dtype=torch.float64, device=acc.device)
+    rank's (the slowest or fullest rank is the one that limits the step). `loss_sum` stays on
+    the device until here: this is the interval's one host read of it. The peaks then restart."""
+    peak, reserved = peak_memory()
+    summed = torch.stack([loss_sum.detach().to(torch.float64).reshape(()),
+                          torch.tensor(float(micro), dtype=torch.float64, device=loss_sum.device)]).to(acc.device)
+    worst = torch.tensor([data_s, float(peak), float(reserved or 0)], dtype=torch.float64, device=acc.device)
     dist = torch.distributed
     if acc.num_processes > 1 and dist.is_available() and dist.is_initialized():
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    (loss, n), (wait, mem) = summed.tolist(), worst.tolist()
-    return {"loss": loss / n, "data_wait_s": wait, "peak_mem_bytes": int(mem)}
+    (loss, n), (wait, mem, res) = summed.tolist(), worst.tolist()
+    reset_peak_memory()
+    out = {"loss": loss / n, "data_wait_s": wait, "peak_mem_bytes": int(mem)}
+    if reserved is not None:
+        out["reserved_mem_bytes"] = int(res)
+    return out
 
 
 def read_jsonl(path) -> list[dict]:

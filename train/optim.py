@@ -40,8 +40,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, ds: DSSetup):
     if ds.offload_optimizer:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # JIT-builds once (~45 s on 2 cores)
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
-    fused = torch.cuda.is_available() and not ds.is_deepspeed
-    return torch.optim.AdamW(groups, fused=fused or None, **kw)
+    # DDP: the fused kernel (CUDA and CPU), which also skips a non-finite step on the device
+    # (found_inf, set by the trainer or the GradScaler) without a host sync. DeepSpeed steps its
+    # own flat partitions with the torch default.
+    return torch.optim.AdamW(groups, fused=True if not ds.is_deepspeed else None, **kw)
 
 
 def set_lr(optimizer, lr: float):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 
 def human(n: float, unit: str = "") -> str:
     for div, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -51,12 +49,30 @@ def banner(t) -> str:
     est = getattr(t, "memory_estimate", None)  # set by the memory planner (train/plan.py)
     if est:
         lines.append(f"  model states {_estimate_text(est)} per rank (estimated)")
+    memory = _memory_text(t)
+    if memory:
+        lines.append(f"  memory       {memory}")
     if t.state.step:
         lines.append(f"  resumed      at step {t.state.step} ({human(t.state.tokens_seen)} tokens seen)")
-    if getattr(t, "wandb", None):
-        lines.append(f"  wandb        {t.wandb.mode}, project {t.cfg.logging.wandb.project}, run {t.state.wandb_run_id}")
     lines.append(f"  run dir      {t.run_dir}")
+    lines.append(f"  full config: {t.run_dir / 'config.json'}")
+    status = getattr(t, "wandb_status", None)  # set on rank 0 by wandb_logger.start()
+    if status:
+        lines.append(f"  {status}")
     return "\n".join(lines)
+
+
+def _memory_text(t) -> str | None:
+    """The planner's peak per rank against the memory check's budget (train/fit.py)."""
+    if not hasattr(t, "memory_budget"):
+        return None
+    budget = t.memory_budget
+    if budget is None:
+        return "budget not checked (distributed.memory_check false)"
+    peak = getattr(getattr(t, "memory_plan", None), "device_total", None)
+    used = (f"estimated peak {human_bytes(peak)} of " if peak is not None else "budget ") + human_bytes(budget.bytes)
+    share = f" ({100 * peak / budget.bytes:.0f}%)" if peak is not None and budget.bytes > 0 else ""
+    return f"{used} per rank{share}: {budget.source}"
 
 
 def _estimate_text(est) -> str:
@@ -111,7 +127,3 @@ def summary(t, result: dict, elapsed: float, sample: str | None, exported: str |
     if sample is not None:
         lines.append("  sample:\n" + "\n".join("    | " + s for s in sample.splitlines()[:12]))
     return "\n".join(lines)
-
-
-def config_text(resolved: dict) -> str:
-    return "resolved config:\n" + json.dumps(resolved, indent=1, default=str)

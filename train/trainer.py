@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from train import faults
+from train import faults, loss_scale
 from train.optim import set_lr
 
 
@@ -61,19 +61,28 @@ class StopVote:
     """Every rank agrees on stopping without a blocking collective per step (measured: ~5% of
     a small model's step on CPU). Each step starts an async all-reduce of this rank's flag and
     reads the one started a step earlier, long finished in the background; so all ranks stop
-    together, one step after the signal."""
+    together, one step after the signal. The flag is a CPU tensor on a gloo group (the default
+    group under gloo, a side group under NCCL): reading it never waits for the accelerator, and
+    gloo's wait() returns at once for a reduction finished a step ago, where NCCL's would only
+    order the streams."""
 
     def __init__(self, acc):
-        self.device = acc.device
         dist = torch.distributed
         self.dist = acc.num_processes > 1 and dist.is_available() and dist.is_initialized()
+        self.group = None
+        if self.dist and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")  # collective: every rank builds its StopVote
+        self.buffers = [torch.zeros(1), torch.zeros(1)]  # one in flight, one being filled
+        self.turn = 0
         self.pending = None  # (work, flag tensor) of the previous step
 
     def __call__(self, flag: bool) -> bool:
         if not self.dist:
             return flag
-        t = torch.tensor([float(flag)], device=self.device)
-        work = torch.distributed.all_reduce(t, async_op=True)
+        t = self.buffers[self.turn]
+        self.turn ^= 1
+        t.fill_(float(flag))
+        work = torch.distributed.all_reduce(t, async_op=True, group=self.group)
         previous, self.pending = self.pending, (work, t)
         return self._read(previous)
 
@@ -87,7 +96,7 @@ class StopVote:
         if vote is None:
             return False
         vote[0].wait()
-        return bool(vote[1][0] > 0)
+        return vote[1].item() > 0  # a CPU tensor: no device sync
 
 
 class Trainer:
@@ -105,6 +114,8 @@ class Trainer:
         self.stop_reason = None       # None | "signal" | "diverged"
         self.diverged_reason = ""
         self._bad_run = 0             # consecutive non-finite steps
+        self._health: list = []       # (step, grad norm, fp16 scale) since the last check, still on the device
+        self.last_grad_norm = None    # float, read at the last check
         self.wandb = None        # rank 0's W&B sink once start() ran with W&B on
         self._finished = False   # finish() completed: close() reports success to W&B
 
@@ -148,7 +159,9 @@ class Trainer:
         lr = self.cfg.optim.lr_at(self.state.step, self.max_steps)
         set_lr(self.raw_optimizer, lr)
         t_data = 0.0
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # Summed where it is computed: reading a loss is a host-device sync, so the trainer reads
+        # its device values only at logging intervals (tests/test_sync_free.py counts).
+        loss_sum = self._zero()
         grad_norm = None
         for _ in range(self.batch.accum):
             t0 = time.perf_counter()
@@ -161,12 +174,15 @@ class Trainer:
                 acc.backward(loss)
                 if acc.sync_gradients:
                     grad_norm = self._clip_and_step()
-            loss_sum += loss.detach().to(torch.float64).cpu()
+            loss_sum += loss.detach().to(torch.float64)
         self._advance_position()
         self.state.step += 1
-        return {"loss_sum": loss_sum, "lr": lr, "grad_norm": grad_norm, "data_s": t_data}
+        self._health.append((self.state.step, grad_norm, self._scale_now()))
+        return {"loss_sum": loss_sum, "lr": lr, "data_s": t_data}
 
     def _clip_and_step(self):
+        """Returns the global gradient norm as the engine has it (a tensor on the device, or a
+        float): it is read at the next health check, not here."""
         clip = self.cfg.train.grad_clip
         if self.ds.is_deepspeed:
             # The engine already unscaled, clipped and stepped inside backward().
@@ -174,28 +190,45 @@ class Trainer:
         else:
             norm = self.acc.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
             # A non-finite global norm is the same on every rank (gradients are all-reduced
-            # first), so every rank skips together. DeepSpeed does the same inside its step.
-            # Under fp16 the GradScaler owns overflow handling (it skips and lowers the scale).
-            if norm is None or math.isfinite(float(norm)) or self.ds.precision == "fp16":
-                self.optimizer.step()
+            # first), so every rank skips together, decided on the device: the fused AdamW
+            # (train/optim.py) applies nothing, moments and step count included, when found_inf
+            # is 1. DeepSpeed does the same inside its step. Under fp16 the GradScaler sets
+            # found_inf itself (it also lowers the scale).
+            if norm is not None and self.ds.precision != "fp16":
+                self.raw_optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return None if norm is None else float(norm)
+        return norm
 
-    def _check_health(self, out) -> bool:
-        """Count skipped non-finite steps; True when the run must stop (nan_policy / max_bad_steps
-        / fp16 loss-scale collapse). A skipped step never touched the weights, so the checkpoint
-        written on stop is the last good state. The decision uses the global gradient norm,
-        which is identical on every rank, so all ranks stop together."""
-        norm = out["grad_norm"]
+    def _check_health(self) -> bool:
+        """Count skipped non-finite steps since the last check; True when the run must stop
+        (nan_policy / max_bad_steps / fp16 loss-scale collapse). Runs at logging intervals and
+        before checkpoints (the norms are read from the device in one transfer there), so a stop
+        comes at most logging.every_steps steps after its cause; a skipped step never touched the
+        weights, so the checkpoint written on stop is the last good state. The decision uses the
+        global gradient norm, identical on every rank, so all ranks stop together."""
+        entries, self._health = self._health, []
+        if not entries:
+            return False
+        norms, scales = _read_numbers([e[1] for e in entries]), _read_numbers([e[2] for e in entries])
+        if norms[-1] is not None:
+            self.last_grad_norm = norms[-1]
+        for (step, _, _), norm, scale in zip(entries, norms, scales):
+            if self._health_step(step, norm, scale):
+                return True
+        return False
+
+    def _health_step(self, step: int, norm, scale) -> bool:
         bad = norm is not None and not math.isfinite(norm)
         t = self.cfg.train
         if self.ds.precision == "fp16":
-            scale, _ = self._loss_scale()
+            if bad and not self.ds.is_deepspeed:
+                self.state.skipped_steps += 1  # the GradScaler skipped it (DeepSpeed counts its own)
             floor = float(self.ds.resolved.get("fp16", {}).get("min_loss_scale", 1)) if self.ds.is_deepspeed else 1.0
             self._bad_run = self._bad_run + 1 if (bad and scale is not None and scale <= floor) else 0
             if self._bad_run >= t.max_bad_steps:
                 self.diverged_reason = (f"fp16 loss scale collapsed to {scale:g} with {self._bad_run} consecutive "
-                                        f"overflowing steps at step {self.state.step}; the model's values exceed "
+                                        f"overflowing steps at step {step}; the model's values exceed "
                                         f"fp16's range: use bf16 (set \"bf16\": {{\"enabled\": true}} in "
                                         f"{self.ds.path}) or lower optim.lr")
                 return True
@@ -206,22 +239,33 @@ class Trainer:
         self._bad_run += 1
         self.state.skipped_steps += 1
         if self.acc.is_main_process:
-            print(f"zerotrain: warning: step {self.state.step}: non-finite gradient norm ({norm}); step skipped, "
+            print(f"zerotrain: warning: step {step}: non-finite gradient norm ({norm}); step skipped, "
                   f"weights unchanged ({self._bad_run} in a row, {self.state.skipped_steps} in total)", flush=True)
         if t.nan_policy == "stop" or self._bad_run >= t.max_bad_steps:
             why = "train.nan_policy is \"stop\"" if t.nan_policy == "stop" else \
                 f"{self._bad_run} consecutive non-finite steps (train.max_bad_steps = {t.max_bad_steps})"
-            self.diverged_reason = (f"training diverged at step {self.state.step}: {why}; the checkpoint holds "
+            self.diverged_reason = (f"training diverged at step {step}: {why}; the checkpoint holds "
                                     f"the last good weights; lower optim.lr, check the data, or raise train.grad_clip")
             return True
         return False
 
+    def _scale_now(self):
+        """This step's fp16 loss scale without a sync: DeepSpeed keeps it as a Python float, the
+        GradScaler as a device tensor (copied, since it changes in place)."""
+        if self.ds.precision != "fp16":
+            return None
+        if self.ds.is_deepspeed:
+            return loss_scale.current(self.model.optimizer)
+        scaler = getattr(self.acc, "scaler", None)
+        return None if scaler is None else scaler._get_scale_async().detach().clone()
+
     def _loss_scale(self):
+        """(scale, DeepSpeed's skipped-step count) for the log line; a sync: log intervals only."""
         if self.ds.precision != "fp16":
             return None, None
         if self.ds.is_deepspeed:
-            return float(self.model.optimizer.cur_scale), int(self.model.skipped_steps)
-        return float(self.acc.scaler.get_scale()), None
+            return loss_scale.current(self.model.optimizer), int(self.model.skipped_steps)
+        return loss_scale.current(scaler=self.acc.scaler), None
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -271,8 +315,7 @@ class Trainer:
             from tqdm.auto import tqdm
             bar = tqdm(total=self.max_steps, initial=st.step, desc="train", unit="step", dynamic_ncols=True)
         # Per logging interval; train_s counts only step time (not eval / checkpoint pauses).
-        window = {"loss": torch.zeros((), dtype=torch.float64), "micro": 0, "data_s": 0.0, "train_s": 0.0,
-                  "steps": 0}
+        window = {"loss": self._zero(), "micro": 0, "data_s": 0.0, "train_s": 0.0, "steps": 0}
         last = {}
         self.model.train()
         if self.checkpointer:
@@ -294,15 +337,19 @@ class Trainer:
                 stopping = vote(stop.flag)
                 window["train_s"] += time.perf_counter() - t_step
                 mem.after_step(st.step)
-                diverged = self._check_health(out)
                 done = st.step >= self.max_steps
-                if st.step % log_every == 0 or done or stopping or diverged:
+                saving = self.checkpointer and ckpt_every and st.step % ckpt_every == 0 and not done
+                logging_now = st.step % log_every == 0 or done or stopping
+                # The interval's one read of device values (also before a checkpoint, whose state
+                # counts the skipped steps).
+                diverged = self._check_health() if (logging_now or saving) else False
+                if logging_now or diverged:
                     last = self._log_window(window, out, bar)
                 if eval_every and st.step % eval_every == 0 and not done:
                     self.last_eval = self.evaluate()
                     if self.last_eval:
                         self.loggers.log(self.last_eval, st.step)
-                if self.checkpointer and ckpt_every and st.step % ckpt_every == 0 and not done:
+                if saving and not diverged:
                     self.checkpointer.save(st)
                 if bar:
                     bar.update(1)
@@ -321,6 +368,10 @@ class Trainer:
             self.checkpointer.save(st)
         return {**last, **self.last_eval}
 
+    def _zero(self) -> torch.Tensor:
+        """A loss accumulator on the device (read at log lines only)."""
+        return torch.zeros((), dtype=torch.float64, device=self.acc.device)
+
     def _log_window(self, w, out, bar) -> dict:
         from train import report
         from train.metrics import reduce_window
@@ -336,8 +387,8 @@ class Trainer:
              "compute_s": (elapsed - red["data_wait_s"]) / steps,
              "samples_seen": self.state.samples_seen, "tokens_seen": self.state.tokens_seen,
              "peak_mem_bytes": red["peak_mem_bytes"]}
-        if out["grad_norm"] is not None:
-            m["grad_norm"] = out["grad_norm"]  # pre-clip, at the last step of the interval
+        if self.last_grad_norm is not None:
+            m["grad_norm"] = self.last_grad_norm  # pre-clip, at the last step of the interval
         scale, skipped = self._loss_scale()
         if scale is not None:
             m["loss_scale"] = scale
@@ -352,7 +403,7 @@ class Trainer:
             bar.set_postfix(post, refresh=False)
         elif self.acc.is_main_process:  # no bar (train.progress false, e.g. log files): one line per interval
             print(report.progress_line(m, self.state.step, self.max_steps), flush=True)
-        w.update(loss=torch.zeros((), dtype=torch.float64), micro=0, data_s=0.0, train_s=0.0, steps=0)
+        w.update(loss=self._zero(), micro=0, data_s=0.0, train_s=0.0, steps=0)
         return m
 
     # ------------------------------------------------------------------ start / finish / close
@@ -365,7 +416,7 @@ class Trainer:
         self._t_start = time.perf_counter()
         self._start_counts = (self.state.step, self.state.samples_seen, self.state.tokens_seen)
         if self.acc.is_main_process:
-            print(report.config_text(self.resolved_config), flush=True)
+            # The full resolved config is <run_dir>/config.json (build.py); the banner names it.
             print(report.banner(self), flush=True)
 
     def finish(self, result: dict):
@@ -393,3 +444,12 @@ class Trainer:
             # Local for gloo (no collective), so safe after a failure on only some ranks too.
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
+
+
+def _read_numbers(values: list) -> list:
+    """Python floats (None kept) for a list of device tensors / numbers, in one device-to-host copy."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if tensors:
+        device = tensors[0].device
+        host = iter(torch.stack([t.detach().to(device, torch.float64).reshape(()) for t in tensors]).tolist())
+    return [None if v is None else next(host) if isinstance(v, torch.Tensor) else float(v) for v in values]

@@ -1,0 +1,177 @@
+"""The GPU-only decisions, checked where CI runs (no GPU): every shipped JSON setting reaches
+what uses it, and each hardware option resolves as documented.
+
+The fp16 optimizers themselves run in tests/test_fp16.py, the sync-free step in
+tests/test_sync_free.py; bench/gpu_check.sh is what runs on a real GPU.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import REPO
+from train import device_env, hardware
+from train.config import load_config
+from train.dsconfig import resolve
+from train.errors import ConfigError
+
+SHIPPED = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json"))
+
+
+def _write(tmp_path, ds: dict) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    return str(path)
+
+
+# ------------------------------------------------------------------ shipped JSONs
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_every_shipped_json_takes_every_schedule(schedule):
+    """The LR schedule is optim.schedule; no shipped file pins one (they used to pin WarmupCosineLR,
+    so --optim.schedule linear failed with every one of them)."""
+    cfg = load_config(None, [("optim.schedule", schedule)])
+    for name in SHIPPED:
+        ds = resolve(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100, cuda=True,
+                     hidden_size=64)
+        assert "scheduler" not in ds.resolved, name
+
+
+def test_no_shipped_key_is_left_unused():
+    """stage3_gather_16bit_weights_on_model_save (DeepSpeed's save_16bit_model, never called)
+    is gone from the shipped files; a "false" in a user's file is refused, "true" is what
+    zerotrain's export does anyway."""
+    for name in SHIPPED:
+        zero = json.loads((REPO / "ds_configs" / f"{name}.json").read_text()).get("zero_optimization", {})
+        assert "stage3_gather_16bit_weights_on_model_save" not in zero, name
+
+
+def test_gather_16bit_on_save_false_is_refused(tmp_path):
+    cfg = load_config(None)
+    zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}
+    with pytest.raises(ConfigError, match="never calls DeepSpeed's save_16bit_model.*checkpoint.export false"):
+        resolve(_write(tmp_path, {"zero_optimization": zero}), cfg, cfg.train.batch(2), 100, cuda=False,
+                hidden_size=64)
+    zero["stage3_gather_16bit_weights_on_model_save"] = True
+    resolve(_write(tmp_path, {"zero_optimization": zero}), cfg, cfg.train.batch(2), 100, cuda=False, hidden_size=64)
+
+
+# ------------------------------------------------------------------ DDP fp16 -> GradScaler
+def test_ddp_fp16_settings_reach_the_grad_scaler(tmp_path):
+    cfg = load_config(None)
+    ddp = json.loads((REPO / "ds_configs" / "ddp.json").read_text())
+    ddp["bf16"], ddp["fp16"]["enabled"] = {"enabled": False}, True
+    ddp["fp16"].update(initial_scale_power=12, loss_scale_window=50)
+    ds = resolve(_write(tmp_path, ddp), cfg, cfg.train.batch(2), 100, cuda=True)
+    assert ds.precision == "fp16" and ds.grad_scaler == {"init_scale": 4096.0, "growth_interval": 50}
+    # ... and Accelerate builds its GradScaler from them (the handler build_accelerator passes).
+    from accelerate.utils import GradScalerKwargs
+    assert GradScalerKwargs(**ds.grad_scaler).to_kwargs() == {"init_scale": 4096.0, "growth_interval": 50}
+    ddp["bf16"] = {"enabled": True}
+    ddp["fp16"]["enabled"] = False
+    assert resolve(_write(tmp_path, ddp), cfg, cfg.train.batch(2), 100, cuda=True).grad_scaler is None
+
+
+@pytest.mark.parametrize("fp16,needle", [
+    ({"loss_scale": 128}, "no static loss scale"),
+    ({"hysteresis": 2}, "lowers the scale at every overflow"),
+    ({"min_loss_scale": 1}, '"fp16.min_loss_scale" has no equivalent in DDP\'s GradScaler'),
+])
+def test_ddp_fp16_settings_without_a_grad_scaler_meaning_are_refused(tmp_path, fp16, needle):
+    cfg = load_config(None)
+    ds = {"ddp": {}, "fp16": {"enabled": True, **fp16}}
+    with pytest.raises(ConfigError, match=needle):
+        resolve(_write(tmp_path, ds), cfg, cfg.train.batch(2), 100, cuda=True)
+
+
+# ------------------------------------------------------------------ hardware options
+def test_default_ds_config_suits_the_hardware(monkeypatch):
+    from train.distributed import default_ds_config
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_ds_config()[0] == "zero2_fp32.json"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert default_ds_config()[0] == "zero2.json"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert default_ds_config()[0] == "zero2_fp16.json"
+    for name in ("zero2.json", "zero2_fp16.json", "zero2_fp32.json"):
+        assert (REPO / "ds_configs" / name).is_file()
+
+
+def test_tf32_is_on_for_cuda_fp32_matmuls_unless_disabled():
+    assert hardware.float32_matmul_precision(load_config(None), cuda=True) == "high"
+    assert hardware.float32_matmul_precision(load_config(None, [("train.tf32", "false")]), cuda=True) == "highest"
+    assert hardware.float32_matmul_precision(load_config(None), cuda=False) is None
+
+
+def _ds(tmp_path, name):
+    cfg = load_config(None)
+    return resolve(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100, cuda=True,
+                   hidden_size=64)
+
+
+def test_channels_last_is_for_vision_under_ddp_on_cuda(tmp_path):
+    ddp, zero2 = _ds(tmp_path, "ddp"), _ds(tmp_path, "zero2")
+    auto = load_config(None, [("model.name", "resnet18")])
+    assert hardware.use_channels_last(auto, ddp, "vision", cuda=True)
+    assert not hardware.use_channels_last(auto, ddp, "vision", cuda=False)
+    assert not hardware.use_channels_last(auto, zero2, "vision", cuda=True)  # DeepSpeed flattens parameters
+    assert not hardware.use_channels_last(load_config(None), ddp, "gpt", cuda=True)
+    on = load_config(None, [("model.name", "resnet18"), ("model.channels_last", "true")])
+    with pytest.raises(ConfigError, match="flat contiguous buffers"):
+        hardware.use_channels_last(on, zero2, "vision", cuda=True)
+    with pytest.raises(ConfigError, match="is for torchvision models"):
+        hardware.use_channels_last(load_config(None, [("model.channels_last", "true")]), ddp, "gpt", cuda=True)
+
+
+def test_compile_is_refused_under_zero3(tmp_path):
+    cfg = load_config(None, [("train.compile", "true")])
+    hardware.check_compile(cfg, _ds(tmp_path, "zero2"))
+    with pytest.raises(ConfigError, match="train.compile with ZeRO-3"):
+        hardware.check_compile(cfg, _ds(tmp_path, "zero3"))
+
+
+def test_image_decoding_gets_worker_processes_by_default(monkeypatch):
+    monkeypatch.setattr(hardware, "cores_per_rank", lambda local_world: 16 // local_world)
+    images = load_config(None, [("data.kind", "imagefolder"), ("data.path", "x")]).data
+    assert hardware.data_workers(images, local_world=1) == 8 and hardware.data_workers(images, local_world=8) == 1
+    assert hardware.data_workers(load_config(None).data, local_world=1) == 0        # bytes in memory
+    assert hardware.data_workers(load_config(None, [("data.num_workers", "3")]).data, local_world=1) == 3
+
+
+def test_zerotrain_device_cpu_hides_the_gpus():
+    env = {"CUDA_VISIBLE_DEVICES": "0,1", "ZEROTRAIN_DEVICE": "cpu"}
+    device_env.apply(env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["DS_ACCELERATOR"] == "cpu"
+    untouched = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    device_env.apply(untouched)
+    assert untouched["CUDA_VISIBLE_DEVICES"] == "0,1" and "DS_ACCELERATOR" not in untouched
+    with pytest.raises(SystemExit, match='ZEROTRAIN_DEVICE="gpu" is not understood'):
+        device_env.apply({"ZEROTRAIN_DEVICE": "gpu"})
+
+
+# ------------------------------------------------------------------ metrics
+def test_peak_memory_restarts_at_each_log_line():
+    """peak_mem_bytes is the peak of the interval it is logged for (it used to be the process's
+    lifetime peak); the run's peak stays available to wrappers (bench/rank_peak.py). In a fresh
+    process: this one's heap already holds freed memory that a new tensor would reuse."""
+    import subprocess
+    import sys
+    script = """
+import torch
+from train import metrics
+metrics.reset_peak_memory()
+big = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched; above glibc's mmap threshold: freed to the OS
+with_big = metrics.peak_memory()[0]
+del big
+metrics.reset_peak_memory()
+after = metrics.peak_memory()[0]
+print(with_big, after, metrics.lifetime_peaks()[0])
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    with_big, after, lifetime = map(int, out.stdout.split())
+    assert with_big - after > 200 * 2**20, (with_big, after)
+    assert lifetime >= with_big
