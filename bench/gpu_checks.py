@@ -358,7 +358,7 @@ def validate_ds(path: Path, train_args: list[str], cuda: bool) -> dict:
     """Resolve a DeepSpeed JSON the way train/build.py does (cuda=True: as on a GPU)."""
     sys.path.insert(0, str(REPO))
     from models import hidden_size_of
-    from train.cli import parse_train_args
+    from train.args import parse_train_args
     from train.config import load_config
     from train.dsconfig import resolve
     targs = parse_train_args(train_args)

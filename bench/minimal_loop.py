@@ -43,7 +43,7 @@ def parse(argv):
 def setup(args):
     """Config, batch, resolved DeepSpeed JSON, data: exactly what train/build.py computes."""
     from models import _gpt_config, hidden_size_of
-    from train.cli import parse_train_args
+    from train.args import parse_train_args
     from train.config import load_config
     from train.data import build_data
     from train.dsconfig import resolve

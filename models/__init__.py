@@ -10,146 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import types
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from models.losses import cross_entropy, token_losses
+from models.workload import Workload
 from train.config import ModelConfig
 from train.errors import ConfigError
-
-
-@dataclass
-class Workload:
-    model: nn.Module
-    task: str                              # "lm" | "classify" | "regress"
-    family: str                            # "gpt" | "hf" | "vision" | "linear"
-    model_config: dict                     # enough to rebuild the architecture (saved with exports)
-    hidden_size: Optional[int] = None
-    flops_per_item: Optional[float] = None  # training FLOPs per token (LM) or per sample
-    tied: list = field(default_factory=list)  # [(alias, source)] parameter names sharing storage
-
-    def logits(self, model, batch):
-        if self.family == "hf":
-            return model(input_ids=batch["input_ids"]).logits
-        if self.task == "lm":
-            return model(batch["input_ids"])
-        if self.task == "classify":
-            return model(batch["pixel_values"])
-        return model(batch["x"])
-
-    def loss(self, model, batch) -> torch.Tensor:
-        """Mean loss over the micro-batch, in fp32. LMs: models/losses.py's chunked
-        cross-entropy, the fp32 mathematics of F.cross_entropy(logits.float(), labels) without
-        an fp32 copy of the (B, T, V) logits or a saved fp32 log-softmax (issue 12)."""
-        out = self.logits(model, batch)
-        if self.task == "lm":
-            return cross_entropy(out.reshape(-1, out.size(-1)), batch["labels"].reshape(-1))
-        out = out.float()  # classification / regression outputs are small
-        if self.task == "classify":
-            return F.cross_entropy(out, batch["labels"])
-        return F.mse_loss(out, batch["y"].float())
-
-    @torch.no_grad()
-    def eval_stats(self, model, batch) -> dict[str, torch.Tensor]:
-        """Per-sample statistics (shape [B]) so that gather_for_metrics can drop padding exactly."""
-        out = self.logits(model, batch)
-        if self.task == "lm":
-            labels = batch["labels"]
-            per_tok = token_losses(out.reshape(-1, out.size(-1)), labels.reshape(-1)).view(labels.shape)  # (B, T)
-            return {"loss": per_tok.mean(1)}
-        out = out.float()
-        if self.task == "classify":
-            labels = batch["labels"]
-            top = out.topk(min(5, out.size(-1)), dim=-1).indices                            # (B, 5)
-            return {"loss": F.cross_entropy(out, labels, reduction="none"),
-                    "top1": (top[:, 0] == labels).float(),
-                    "top5": (top == labels[:, None]).any(-1).float()}
-        return {"loss": ((out - batch["y"].float()) ** 2).mean(-1)}
-
-    @staticmethod
-    def _norm_stats(model) -> list[tuple[nn.Module, str]]:
-        return [(m, name) for m in model.modules()
-                if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
-                for name in ("running_mean", "running_var") if getattr(m, name) is not None]
-
-    @staticmethod
-    def keep_norm_stats_fp32(model) -> int:
-        """DeepSpeed bf16/fp16 casts the parameters, not the buffers, and batch_norm refuses a
-        16-bit weight next to fp32 running statistics. Rounding the statistics to 16 bits (and
-        accumulating their momentum updates there) would change the model; instead each BatchNorm
-        computes with its affine parameters upcast: statistics stay fp32 under every strategy,
-        input and output keep the compute dtype. Returns the number of BatchNorm modules."""
-        n = 0
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm):
-                m.forward = types.MethodType(_batch_norm_fp32_affine, m)
-                n += 1
-        return n
-
-    @torch.no_grad()
-    def sync_norm_stats(self, model):
-        """Average BatchNorm running statistics over ranks before evaluating or exporting.
-        DDP copies rank 0's buffers at each training forward, DeepSpeed never syncs them: without
-        this each rank evaluates with its own statistics and rank 0 exports only its own."""
-        import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return
-        bufs = [getattr(m, name) for m, name in self._norm_stats(model)]
-        if not bufs:
-            return
-        flat = torch.cat([b.float().reshape(-1) for b in bufs])
-        dist.all_reduce(flat)
-        flat /= dist.get_world_size()
-        offset = 0
-        for b in bufs:
-            b.copy_(flat[offset:offset + b.numel()].view_as(b))
-            offset += b.numel()
-
-
-def _batch_norm_fp32_affine(self, x: torch.Tensor) -> torch.Tensor:
-    """torch's _BatchNorm.forward (torch 2.x) with weight and bias in fp32: the mixed-dtype
-    batch_norm kernels (16-bit input, fp32 parameters and statistics) exist on CPU and CUDA."""
-    self._check_input_dim(x)
-    momentum = 0.0 if self.momentum is None else self.momentum
-    if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-        self.num_batches_tracked.add_(1)
-        momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-    bn_training = self.training or (self.running_mean is None and self.running_var is None)
-    use_stats = not self.training or self.track_running_stats
-    return F.batch_norm(x, self.running_mean if use_stats else None, self.running_var if use_stats else None,
-                        None if self.weight is None else self.weight.float(),
-                        None if self.bias is None else self.bias.float(), bn_training, momentum, self.eps)
-
-
-def restore_buffers(model: nn.Module, reference: nn.Module, keep: Callable[[str], bool] = lambda name: False) -> list[str]:
-    """Give a model built inside deepspeed.zero.Init the buffers an ordinary construction makes.
-
-    zero.Init turns every floating tensor created in a constructor into the training dtype
-    (bf16): rotary tables, BatchNorm statistics, masks. Under ZeRO-1/2 and DDP they stay as
-    built (fp32), so without this a ZeRO-3 bf16 run trains a different model. `reference` is the
-    same architecture built with its parameters on the meta device and real buffers
-    (accelerate.init_empty_weights(include_buffers=False): no parameter memory). Buffers for
-    which keep(name) is true (loaded from a checkpoint) only get their dtype back. Returns
-    the names of the buffers replaced."""
-    ref = dict(reference.named_buffers())
-    fixed = []
-    for name, buf in model.named_buffers():
-        r = ref.get(name)
-        if buf is None or r is None or not buf.is_floating_point() or r.device.type == "meta":
-            continue
-        if keep(name):
-            if buf.dtype != r.dtype:
-                buf.data = buf.data.to(r.dtype)
-                fixed.append(name)
-        elif buf.dtype != r.dtype or not torch.equal(buf.data.cpu(), r):
-            buf.data = r.to(buf.device).clone()
-            fixed.append(name)
-    return fixed
 
 
 def lm_context(cfg: ModelConfig) -> tuple[Optional[int], Optional[int]]:

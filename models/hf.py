@@ -22,7 +22,8 @@ from typing import Optional
 
 import torch
 
-from train.errors import CheckpointError, ConfigError
+from models.workload import Workload, restore_buffers
+from train.errors import CheckpointError, ConfigError, DataError
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -108,11 +109,18 @@ def _check_zero3(init_context):
                            f"DeepSpeedPlugin must be created (zero3_init_flag) before the model")
 
 
+def check_vocab(data, model_vocab: int, what: str):
+    """Token ids must index the model's embedding: an id >= vocab would crash (or, on GPU,
+    corrupt memory) deep inside step 1. Raises before any training."""
+    top = data.extra.get("max_token")
+    if top is not None and top >= model_vocab:
+        raise DataError(f"{data.extra.get('token_file')} contains token id {top} but {what} has a vocabulary of "
+                        f"{model_vocab}; prepare the data with the model's tokenizer or raise the model's vocab size")
+
+
 def build_hf(cfg, data, init_context):
     from transformers import AutoModelForCausalLM
 
-    from models import Workload
-    from train.data.tokens import check_vocab
     path = cfg.name[3:]
     if data.task != "lm":
         raise ConfigError(f"model.name {cfg.name} is a causal language model; use data.kind tokens or text "
@@ -200,7 +208,6 @@ def _reference_build(config):
 def _restore_buffers(model, config, d: Path, files: list[str]):
     """Buffers as an ordinary construction (and the weight files) make them, not as zero.Init's
     bf16 tensor constructors did (transformers protects RoPE tables, not every buffer)."""
-    from models import restore_buffers
     in_files = _checkpoint_keys(d, files)
     restore_buffers(model, _reference_build(config), keep=lambda name: name in in_files)
 

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from models.workload import Workload, restore_buffers
 from train.config import ModelConfig
 from train.errors import CheckpointError, ConfigError
 
@@ -294,7 +295,6 @@ def enable_activation_checkpointing(model: nn.Module, name: str) -> int:
 # ----------------------------------------------------------------------------- the workload
 
 def build_vision(cfg: ModelConfig, data, init_context):
-    from models import Workload
     name = cfg.name
     if data.task != "classify":
         raise ConfigError(f'model.name {name} is an image classifier; it needs data.kind = "imagefolder" '
@@ -316,8 +316,7 @@ def build_vision(cfg: ModelConfig, data, init_context):
         model = construct(name, num_classes, image_size)
     if init_context is not contextlib.nullcontext:
         # zero.Init made the BatchNorm statistics bf16; the file's (or fresh) fp32 values go in next.
-        from models import restore_buffers
-        restore_buffers(model, reference_build(name, num_classes, image_size))
+            restore_buffers(model, reference_build(name, num_classes, image_size))
     if weights is not None:
         load_into(model, weights)
     if cfg.freeze_backbone:

@@ -1,173 +1,21 @@
-"""Shared test helpers: launch train/main.py through the real launchers, read results.
+"""pytest fixtures shared by the test modules; the helpers they use are tests/helpers.py.
 
-Multi-process tests start real processes (2 ranks, gloo on CPU). They use gpt-tiny, a
-small slice of the default corpus and fp32 JSON variants where bf16 would only cost time
-(bf16 matmuls are ~80x slower than fp32 on AVX2-only CPUs).
+Importing helpers first hides the GPUs from this process (and every launch) before any test
+module imports torch.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
-MAIN = str(REPO / "train" / "main.py")
-sys.path.insert(0, str(REPO))
-
-# The suite runs on CPU everywhere, GPU machines included: its 2-rank launches would put rank 1
-# on a second GPU that a 1-GPU machine lacks. Hidden before anything here imports torch, and
-# for every launched process (test_env; train/device_env.py re-applies it inside each rank,
-# since the deepspeed launcher rewrites CUDA_VISIBLE_DEVICES for its workers).
-CPU_ONLY = {"ZEROTRAIN_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
-os.environ.update(CPU_ONLY)
-
-# Small and fast: a 115k-parameter GPT on 300 kB of text, 64-token sequences.
-TINY = ["--model.name", "gpt-tiny", "--data.seq_len", "64", "--data.max_bytes", "300000",
-        "--train.micro_batch_size", "4", "--train.progress", "false", "--train.sample_tokens", "0",
-        "--train.eval_batches", "4", "--logging.every_steps", "1", "--optim.warmup_steps", "2",
-        "--optim.lr", "3e-3", "--checkpoint.export", "false", "--checkpoint.save_at_end", "false"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_env(extra: dict | None = None) -> dict:
-    env = dict(os.environ)
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE=env.get("WANDB_MODE", "disabled"),
-               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", **CPU_ONLY)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        env.pop(k, None)
-    # The venv's tools first (its ninja builds DeepSpeed's JIT ops; Debian's would rebuild them).
-    env["PATH"] = os.pathsep.join([str(BIN), *[p for p in env.get("PATH", "").split(os.pathsep) if p != str(BIN)]])
-    env.update(extra or {})
-    return env
-
-
-test_env.__test__ = False  # a helper, not a test, wherever a test module imports it
-
-
-def launch_cmd(launcher: str, nproc: int, args: list[str], accelerate_config: str | None = None) -> list[str]:
-    port = str(free_port())
-    if launcher == "python":
-        assert nproc == 1
-        return [sys.executable, MAIN, *args]
-    if launcher == "torchrun":
-        return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port, MAIN, *args]
-    if launcher == "deepspeed":
-        return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port, MAIN, *args]
-    if launcher == "accelerate":
-        cfg = accelerate_config or str(REPO / "ds_configs" / "accelerate" / "zero2.yaml")
-        return [str(BIN / "accelerate"), "launch", "--config_file", cfg, "--num_processes", str(nproc),
-                "--main_process_port", port, MAIN, *args]
-    raise ValueError(launcher)
-
-
-def run_train(launcher: str, nproc: int, args: list[str], *, timeout: int = 600, env: dict | None = None,
-              check: bool = True, accelerate_config: str | None = None, cwd: str | Path | None = None):
-    cmd = launch_cmd(launcher, nproc, args, accelerate_config)
-    proc = subprocess.run(cmd, cwd=cwd or REPO, env=test_env(env), capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-                             f"--- stderr\n{proc.stderr[-6000:]}")
-    return proc
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
-
-
-def ds_variant(tmp_path: Path, base: str, name: str | None = None, **changes) -> str:
-    """A copy of ds_configs/<base>.json with top-level keys replaced (e.g. bf16={"enabled": False})."""
-    data = json.loads((REPO / "ds_configs" / f"{base}.json").read_text())
-    for k, v in changes.items():
-        if v is None:
-            data.pop(k, None)
-        else:
-            data[k] = v
-    out = tmp_path / f"{name or base}.json"
-    out.write_text(json.dumps(data, indent=1))
-    return str(out)
-
-
-def fp32(tmp_path: Path, base: str) -> str:
-    return ds_variant(tmp_path, base, f"{base}_fp32", bf16={"enabled": False}, fp16={"enabled": False})
+from helpers import REPO, STAGE_ARGS, STAGE_RUNS, cached_run, fp32
 
 
 @pytest.fixture
 def repo() -> Path:
     return REPO
-
-
-def accelerate_yaml(tmp_path: Path, ds_json: str | None, nproc: int = 2) -> str:
-    """An accelerate config like ds_configs/accelerate/*.yaml, pointing at `ds_json` (None = DDP)."""
-    import yaml
-    base = "zero2" if ds_json else "ddp"
-    cfg = yaml.safe_load((REPO / "ds_configs" / "accelerate" / f"{base}.yaml").read_text())
-    cfg["num_processes"] = nproc
-    if ds_json:
-        cfg["deepspeed_config"]["deepspeed_config_file"] = ds_json
-    out = tmp_path / f"accelerate_{Path(ds_json).stem if ds_json else 'ddp'}.yaml"
-    out.write_text(yaml.safe_dump(cfg))
-    return str(out)
-
-
-def rank_infos(run_dir: Path) -> list[dict]:
-    files = sorted((Path(run_dir) / "ranks").glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-    return [json.loads(p.read_text()) for p in files]
-
-
-def data_trace(run_dir: Path, rank: int) -> list[dict]:
-    path = Path(run_dir) / "ranks" / f"rank{rank}.data.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-_RUNS: dict = {}
-
-
-def cached_run(tmp_path_factory, launcher: str, nproc: int, args: list[str], **kw) -> Path:
-    """Run once per session for identical (launcher, nproc, args); returns the run dir (the
-    launcher's stdout is kept in <run_dir>/launcher.out). Lets several test modules assert on
-    the same real launch instead of relaunching: a launch costs ~15-20 s on 2 cores."""
-    key = (launcher, nproc, tuple(args), tuple(sorted((k, str(v)) for k, v in kw.items())))
-    if key not in _RUNS:
-        run_dir = tmp_path_factory.mktemp(f"{launcher}{nproc}")
-        proc = run_train(launcher, nproc, [*args, "--train.run_dir", str(run_dir)], **kw)
-        (run_dir / "launcher.out").write_text(proc.stdout)
-        _RUNS[key] = run_dir
-    return _RUNS[key]
-
-
-def small_run_args(ds_json: str, steps: int = 4) -> list[str]:
-    """The tiny GPT for a few steps with every rank's data recorded: the launcher, multi-node
-    and bf16 tests share these launches (same args = one launch per session)."""
-    return [*TINY, "--ds-config", ds_json, "--train.max_steps", str(steps), "--train.eval_every", "0",
-            "--train.trace_data", "true"]
-
-
-# d_model 256: every matrix and the tied embedding exceed ZeRO-3's persistence threshold ("auto":
-# 10 x d_model) and are partitioned; accumulation 2 shows ZeRO-1's full gradients.
-STAGE_STEPS = 6
-STAGE_ARGS = [*TINY, "--model.d_model", "256", "--model.n_layer", "2", "--train.grad_accum_steps", "2",
-              "--train.max_steps", str(STAGE_STEPS), "--train.eval_every", "0", "--train.eval_batches", "1"]
-
-
-STAGE_RUNS = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero3_offload")
 
 
 @pytest.fixture(scope="session")

@@ -11,13 +11,13 @@ import sys
 
 import pytest
 
-from conftest import REPO, test_env
+from helpers import REPO, subprocess_env
 
 
 @pytest.mark.multiproc
 def test_quick_benchmark_reports_throughput_memory_and_planner_error(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "stages.py"), "--quick", "--out", str(tmp_path)],
-                          cwd=REPO, env=test_env(), capture_output=True, text=True, timeout=900)
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(next(tmp_path.glob("stages-*.json")).read_text())
     assert result["meta"]["machine"]["cpu_cores"] and result["meta"]["command"].startswith("python")
@@ -37,6 +37,6 @@ def test_quick_benchmark_reports_throughput_memory_and_planner_error(tmp_path):
 
 def test_bench_rejects_unknown_configs(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "stages.py"), "--quick", "--configs", "zero9",
-                           "--out", str(tmp_path)], cwd=REPO, env=test_env(), capture_output=True, text=True,
+                           "--out", str(tmp_path)], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode != 0 and "zero9" in proc.stderr and "zero2" in proc.stderr

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO, TINY, ds_variant, metrics, rank_infos, run_train
+from helpers import REPO, TINY, ds_variant, metrics, rank_infos, run_train
 
 STEPS = 10
 BASE = [*TINY, "--data.max_bytes", "2000", "--train.max_steps", str(STEPS), "--optim.schedule", "constant",

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from conftest import REPO
-from train.cli import parse_train_args
+from helpers import REPO
+from train.args import parse_train_args
 from train.config import RunConfig, load_config
 from train.dsconfig import resolve
 from train.errors import ConfigError

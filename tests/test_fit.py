@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, MAIN, REPO, free_port, rank_infos, test_env as _env, train_losses
+from helpers import BIN, MAIN, REPO, free_port, rank_infos, subprocess_env as _env, train_losses
 
 sys.path.insert(0, str(REPO / "bench"))
 import memcap  # noqa: E402

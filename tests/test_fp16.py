@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, ds_variant, metrics, test_env
+from helpers import REPO, ds_variant, metrics, subprocess_env
 
 FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 3, "hysteresis": 1,
         "min_loss_scale": 1}
@@ -27,7 +27,7 @@ ARGS = ["--model.name", "gpt-tiny", "--data.max_bytes", "100000", "--train.max_s
 
 def _run(args, env=None):
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "fp16_on_cpu.py"), *ARGS, *args], cwd=REPO,
-                          env=test_env(env), capture_output=True, text=True, timeout=300)
+                          env=subprocess_env(env), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

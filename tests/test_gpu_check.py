@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, test_env
+from helpers import REPO, subprocess_env
 
 CHECKS = REPO / "bench" / "gpu_checks.py"
 sys.path.insert(0, str(REPO / "bench"))
@@ -23,7 +23,7 @@ import gpu_checks  # noqa: E402
 
 def checker(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """bench/gpu_checks.py as gpu_check.sh calls it, recording into tmp_path/gpu_check.json."""
-    env = test_env({"GPU_CHECK_JSON": str(tmp_path / "gpu_check.json")})
+    env = subprocess_env({"GPU_CHECK_JSON": str(tmp_path / "gpu_check.json")})
     return subprocess.run([sys.executable, str(CHECKS), *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
 
@@ -170,7 +170,7 @@ def test_token_file_is_what_training_reads(tmp_path):
 @pytest.mark.multiproc
 def test_dry_run(tmp_path):
     out = tmp_path / "out"
-    env = test_env({"OUT": str(out), "PYTHON": sys.executable})
+    env = subprocess_env({"OUT": str(out), "PYTHON": sys.executable})
     p = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=900)
     lines = [ln for ln in p.stdout.splitlines() if re.match(r"(PASS|FAIL) ", ln)]

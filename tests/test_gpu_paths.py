@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from conftest import REPO
+from helpers import REPO
 from train import device_env, hardware
 from train.config import load_config
 from train.dsconfig import resolve

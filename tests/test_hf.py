@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import accelerate_yaml, fp32, metrics, rank_infos, run_train
+from helpers import accelerate_yaml, fp32, metrics, rank_infos, run_train
 from models import build_workload
 from test_tokens import make_tokenizer, random_text, write_texts
 from train.config import DataConfig, ModelConfig

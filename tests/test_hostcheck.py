@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, test_env
+from helpers import REPO, free_port, subprocess_env
 from train.errors import ConfigError
 from train.hostcheck import parse_hostfile
 
@@ -25,7 +25,7 @@ from train.hostcheck import parse_hostfile
 def check(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """`zerotrain check` as a user runs it. --cuda only skips probing for a GPU (importing torch,
     ~4 s here); the hostfile checks do not depend on it."""
-    return subprocess.run([sys.executable, "-m", "train.cli", "check", "--cuda", *args], cwd=REPO, env=test_env(),
+    return subprocess.run([sys.executable, "-m", "train.cli", "check", "--cuda", *args], cwd=REPO, env=subprocess_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from conftest import accelerate_yaml, cached_run, data_trace, rank_infos, small_run_args, train_losses
+from helpers import accelerate_yaml, cached_run, data_trace, rank_infos, small_run_args, train_losses
 from train.config import DataConfig
 from train.data import build_data
 from train.data.sampler import GlobalBatchSampler

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import fp32, metrics, rank_infos, run_train
+from helpers import fp32, metrics, rank_infos, run_train
 from models import build_workload
 from train.config import DataConfig, ModelConfig
 from train.data import build_data

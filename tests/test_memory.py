@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import metrics
+from helpers import metrics
 from train.memory import StepProbe, measure
 
 
@@ -58,7 +58,7 @@ STAGES = ("ddp", "zero1", "zero2", "zero3")
 
 @pytest.fixture(scope="module")
 def runs(fp32_stage_runs):
-    """The stage tests' launches (tests/conftest.py STAGE_ARGS): the first metrics row with the
+    """The stage tests' launches (tests/helpers.py STAGE_ARGS): the first metrics row with the
     measurement, and the launcher's stdout."""
     out = {}
     for stage in STAGES:

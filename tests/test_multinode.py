@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import MAIN, REPO, cached_run, data_trace, metrics, rank_infos, small_run_args, train_losses
-from conftest import test_env as base_env  # (aliased: pytest would collect a test_* name)
+from helpers import MAIN, REPO, cached_run, data_trace, metrics, rank_infos, small_run_args, train_losses
+from helpers import subprocess_env as base_env
 from multinode.fixture import BIN, finish, logs, node_env, start, two_nodes, zerotrain  # noqa: F401 (fixture)
 
 STEPS = 4

@@ -7,7 +7,7 @@ import json
 import shutil
 
 import pytest
-from conftest import metrics
+from helpers import metrics
 from wandb_offline import PEAK_FLOPS, observed_run
 
 from models.gpt import preset

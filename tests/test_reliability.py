@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import MAIN, REPO, TINY, test_env
+from helpers import MAIN, REPO, TINY, subprocess_env
 from train.check import main as check_main
 from train.main import main as train_main
 
@@ -100,11 +100,11 @@ def test_bad_configuration_gives_one_clear_line_and_exit_2(case, tmp_path, capsy
 
 def test_bad_input_from_a_real_process_has_no_traceback_unless_debug(tmp_path):
     base = [sys.executable, MAIN, "--optim.lrr", "1"]
-    p = subprocess.run(base, capture_output=True, text=True, env=test_env(), timeout=120)
+    p = subprocess.run(base, capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         'zerotrain: error: unknown option "--optim.lrr" (did you mean "lr"?); valid keys under optim: '
         'lr, min_lr, warmup_steps, schedule, weight_decay, betas, eps']
-    p = subprocess.run(base + ["--debug"], capture_output=True, text=True, env=test_env(), timeout=120)
+    p = subprocess.run(base + ["--debug"], capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert p.returncode != 0 and "Traceback" in p.stderr
 
 
@@ -147,7 +147,7 @@ def test_nan_steps_are_skipped_then_the_run_stops_with_the_last_good_state(strat
     """Rank 0's loss is NaN at step 3, then at 5 and 6: step 3 is skipped on every rank (the
     weights stay as they were), training goes on; two in a row hit train.max_bad_steps=2, and
     the run stops with exit 3, a message, and a checkpoint of the last good weights."""
-    from conftest import metrics, run_train
+    from helpers import metrics, run_train
     run = tmp_path / "run"
     proc = run_train("torchrun", 2, [*TINY, "--ds-config", fp32_configs[strategy], "--train.max_steps", "10",
                                      "--train.eval_every", "0", "--train.max_bad_steps", "2",
@@ -176,14 +176,14 @@ def test_nan_steps_are_skipped_then_the_run_stops_with_the_last_good_state(strat
 # ---------------------------------------------------------------------------- process faults
 
 def _start(args, env=None):
-    from conftest import launch_cmd
-    return subprocess.Popen(launch_cmd("torchrun", 2, args), cwd=REPO, env=test_env(env), stdout=subprocess.PIPE,
+    from helpers import launch_cmd
+    return subprocess.Popen(launch_cmd("torchrun", 2, args), cwd=REPO, env=subprocess_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _wait_for_step(run, step, proc, timeout=300):
     import time
-    from conftest import metrics
+    from helpers import metrics
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc.poll() is not None:
@@ -198,7 +198,7 @@ def _wait_for_step(run, step, proc, timeout=300):
 
 
 def _rank_pids(run):
-    from conftest import rank_infos
+    from helpers import rank_infos
     return [i["pid"] for i in rank_infos(run)]
 
 
@@ -207,7 +207,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0(tmp_path, fp32_config
     """A scheduler's preemption signal to the ranks: they agree on a step, save, exit 0, and
     --resume auto continues from exactly that step."""
     import signal
-    from conftest import metrics, run_train
+    from helpers import metrics, run_train
     run = tmp_path / "run"
     args = [*TINY, "--ds-config", fp32_configs["zero2"], "--train.max_steps", "100000", "--train.eval_every", "0",
             "--logging.every_steps", "1", "--train.run_dir", str(run)]
@@ -233,7 +233,7 @@ def test_disk_full_while_saving_says_so_and_keeps_the_previous_checkpoint(tmp_pa
     The error names the problem, the partial save is cleaned up, and the first checkpoint
     still loads (copied to a roomy disk and resumed)."""
     import shutil
-    from conftest import run_train
+    from helpers import run_train
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs to fill needs root")
     mnt = tmp_path / "small"
@@ -269,7 +269,7 @@ def test_soak_kill_one_rank_then_resume_matches_an_uninterrupted_run(tmp_path, f
     hanging, `--resume auto` continues from step 120, and every loss after that - and the
     final validation loss - equals the uninterrupted run's exactly."""
     import signal
-    from conftest import metrics, run_train
+    from helpers import metrics, run_train
     common = [*TINY, "--ds-config", fp32_configs["zero2"], "--data.max_bytes", "100000", "--train.max_steps", "240",
               "--train.eval_every", "60", "--checkpoint.every_steps", "60", "--checkpoint.keep_last", "2",
               "--logging.every_steps", "1", "--model.dropout", "0.1", "--distributed.timeout_s", "60"]

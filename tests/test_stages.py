@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO, STAGE_STEPS, cached_run, rank_infos, small_run_args, train_losses
+from helpers import REPO, STAGE_STEPS, cached_run, rank_infos, small_run_args, train_losses
 
 pytestmark = pytest.mark.multiproc
 

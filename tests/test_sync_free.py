@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from conftest import BIN, REPO, TINY, ds_variant, free_port, test_env
+from helpers import BIN, REPO, TINY, ds_variant, free_port, subprocess_env
 
 
 @pytest.mark.multiproc
@@ -28,7 +28,7 @@ def test_steps_between_log_lines_read_nothing_from_the_device(base, launcher, tm
               else [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, script])
     args = [*TINY, "--ds-config", ds, "--train.max_steps", "12", "--logging.every_steps", "4",
             "--train.eval_every", "0", "--train.run_dir", str(tmp_path / "run")]
-    proc = subprocess.run([*launch, *args], cwd=REPO, env=test_env({"ZT_SYNC_PROBE_DIR": str(probe)}),
+    proc = subprocess.run([*launch, *args], cwd=REPO, env=subprocess_env({"ZT_SYNC_PROBE_DIR": str(probe)}),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):

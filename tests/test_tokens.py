@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import data_trace, fp32, metrics, run_train
+from helpers import data_trace, fp32, metrics, run_train
 from models import build_workload
 from train.config import DataConfig, ModelConfig
 from train.data import build_data

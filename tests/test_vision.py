@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, fp32, metrics, run_train
+from helpers import REPO, fp32, metrics, run_train
 from models import build_workload
 from train.config import DataConfig, ModelConfig
 from train.data import build_data

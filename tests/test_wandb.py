@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, run_train, test_env, train_losses
+from helpers import REPO, TINY, run_train, subprocess_env, train_losses
 from wandb_offline import (FAKE_API_KEY, iter_payloads, observed_run, read_run, run_files,
                            wandb_env)
 
@@ -142,7 +142,7 @@ print(json.dumps(ids))
 def test_start_resumes_the_run_id_kept_in_train_state(tmp_path):
     """What a resumed training does: TrainState.wandb_run_id (from the checkpoint) goes back
     to wandb with resume="allow"; the new id is stored in the state for the next checkpoint."""
-    env = test_env({**wandb_env(tmp_path / "home"), "PYTHONPATH": str(REPO)})
+    env = subprocess_env({**wandb_env(tmp_path / "home"), "PYTHONPATH": str(REPO)})
     out = subprocess.run([sys.executable, "-c", _START_TWICE, str(tmp_path)], env=env, capture_output=True,
                          text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -206,7 +206,7 @@ start("auto", base / "auto", **unreachable)      # auto chose online: an offline
 @pytest.fixture(scope="module")
 def start_cases(tmp_path_factory):
     base = tmp_path_factory.mktemp("start")
-    env = test_env({**wandb_env(base / "home"), "PYTHONPATH": str(REPO), "WANDB_SILENT": "true"})
+    env = subprocess_env({**wandb_env(base / "home"), "PYTHONPATH": str(REPO), "WANDB_SILENT": "true"})
     out = subprocess.run([sys.executable, "-c", _START_CASES, str(base)], env=env, capture_output=True,
                          text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -333,7 +333,7 @@ def test_auto_without_credentials_writes_an_offline_run_and_says_how_to_upload(t
     still reach W&B, as an offline run in the run directory, and the start-up line gives the
     `wandb sync` command."""
     home, run_dir = tmp_path / "home", tmp_path / "run"
-    # An empty WANDB_* variable counts as unset (tests/conftest.py's test_env sets WANDB_MODE).
+    # An empty WANDB_* variable counts as unset (tests/helpers.py's subprocess_env sets WANDB_MODE).
     env = {**wandb_env(home), "HOME": str(home), "NETRC": str(home / "no-netrc"), "WANDB_MODE": "",
            "WANDB_API_KEY": "", "WANDB_IDENTITY_TOKEN_FILE": "", "WANDB_DISABLED": "", "WANDB_SILENT": ""}
     proc = run_train("python", 1, [*TINY, "--train.max_steps", "3", "--train.eval_every", "0",

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import BIN, REPO, TINY, free_port, rank_infos, run_train, test_env, train_losses
+from helpers import BIN, REPO, TINY, free_port, rank_infos, run_train, subprocess_env, train_losses
 
 pytestmark = pytest.mark.multiproc
 
@@ -23,7 +23,7 @@ def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("zero3_checks")
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(REPO / "tests" / "zero3_checks.py")]
-    proc = subprocess.run(cmd, env=test_env({"REPO": str(REPO), "OUT": str(out)}), capture_output=True, text=True,
+    proc = subprocess.run(cmd, env=subprocess_env({"REPO": str(REPO), "OUT": str(out)}), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("REPORT "))[7:])

@@ -156,7 +156,7 @@ def observed_run(tmp_path_factory):
     """(run_dir, CompletedProcess) of a 2-process ZeRO-2 fp32 run under the deepspeed launcher
     with W&B offline; W&B files default to <run_dir>/wandb (WANDB_DIR unset)."""
     if "run" not in _OBSERVED:
-        from conftest import TINY, fp32, run_train
+        from helpers import TINY, fp32, run_train
         base = tmp_path_factory.mktemp("observed")
         run_dir, home = base / "run", base / "home"
         home.mkdir()

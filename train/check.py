@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from train.errors import ConfigError
+from train.errors import ConfigError, user_errors
 from train.hostcheck import Host, check_hosts, parse_hostfile  # noqa: F401 (Host, parse_hostfile: API)
 
 
@@ -106,7 +106,6 @@ def run_checks(args) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from train.cli import user_errors
     p = argparse.ArgumentParser(prog="zerotrain check", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="run file (YAML/JSON)")
     p.add_argument("--ds-config", help="DeepSpeed JSON")

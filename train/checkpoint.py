@@ -28,22 +28,8 @@ KILL_ENV = "ZEROTRAIN_INJECT_KILL_IN_SAVE"  # "<step>": SIGKILL each rank after 
 
 # ---------------------------------------------------------------------------- collectives (no-ops alone)
 
-def _pg():
-    d = torch.distributed
-    return d if d.is_available() and d.is_initialized() else None
-
-
-def _reduce_max(t: torch.Tensor, device) -> torch.Tensor:
-    d = _pg()
-    if d is None:
-        return t
-    t = t.to(device)
-    d.all_reduce(t, op=d.ReduceOp.MAX)
-    return t.cpu()
-
-
 def _barrier():
-    d = _pg()
+    d = io.process_group()
     if d is not None:
         d.barrier()
 
@@ -69,25 +55,6 @@ def shape_mismatch(expected: dict, found: dict, what_expected: str, what_found: 
     if shapes:
         parts.append(lines("different shapes", shapes))
     return "\n".join(parts)
-
-
-def verify(ckpt: Path, manifest: dict, rank: int = 0, world: int = 1, device="cpu"):
-    """Check every file against the manifest (size, sha256) before anything is loaded. Ranks
-    split the hashing, then agree on which files are damaged; the error names them."""
-    names = sorted(manifest["files"])
-    if io.META not in names:
-        raise io.damaged_error(ckpt, [f"{io.MANIFEST} does not list {io.META}"])
-    bad, why = torch.zeros(len(names), dtype=torch.int32), {}
-    for i, n in enumerate(names):
-        if i % world == rank:
-            problem = io.check_file(ckpt, n, manifest["files"][n])
-            if problem:
-                bad[i], why[i] = 1, problem
-    bad = _reduce_max(bad, device) if world > 1 else bad
-    problems = [why.get(i, f"{ckpt / names[i]} failed verification (size or checksum)")
-                for i in range(len(names)) if bad[i]]
-    if problems:
-        raise io.damaged_error(ckpt, problems)
 
 
 class Checkpointer:
@@ -156,7 +123,7 @@ class Checkpointer:
             out = fn()
         except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
             err = e
-        failed = _reduce_max(torch.tensor([int(err is not None)]), self.t.acc.device)
+        failed = io.reduce_max(torch.tensor([int(err is not None)]), self.t.acc.device)
         if err is not None:
             # safetensors reports ENOSPC as SafetensorError("... No space left on device (os error 28)").
             if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "(os error 28)" in str(err):
@@ -286,7 +253,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         ckpt = io.resolve_checkpoint(path)
         manifest = io.read_manifest(ckpt)
-        verify(ckpt, manifest, self.rank, self.world, self.t.acc.device)
+        io.verify(ckpt, manifest, self.rank, self.world, self.t.acc.device)
         meta = io.read_json(ckpt / io.META, "checkpoint metadata")
         self._check_fits(ckpt, meta)
         reader = io.PieceReader([ckpt / f for f in manifest["files"] if f.endswith(".safetensors")])

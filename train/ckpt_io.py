@@ -281,3 +281,38 @@ def set_rng_state(s: dict):
         states = [_unb64(x) for x in s["cuda"]]
         if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states)
+
+
+# ---------------------------------------------------------------------------- verification (collective when world > 1)
+
+def process_group():
+    d = torch.distributed
+    return d if d.is_available() and d.is_initialized() else None
+
+
+def reduce_max(t: torch.Tensor, device) -> torch.Tensor:
+    d = process_group()
+    if d is None:
+        return t
+    t = t.to(device)
+    d.all_reduce(t, op=d.ReduceOp.MAX)
+    return t.cpu()
+
+
+def verify(ckpt: Path, manifest: dict, rank: int = 0, world: int = 1, device="cpu"):
+    """Check every file against the manifest (size, sha256) before anything is loaded. Ranks
+    split the hashing, then agree on which files are damaged; the error names them."""
+    names = sorted(manifest["files"])
+    if META not in names:
+        raise damaged_error(ckpt, [f"{MANIFEST} does not list {META}"])
+    bad, why = torch.zeros(len(names), dtype=torch.int32), {}
+    for i, n in enumerate(names):
+        if i % world == rank:
+            problem = check_file(ckpt, n, manifest["files"][n])
+            if problem:
+                bad[i], why[i] = 1, problem
+    bad = reduce_max(bad, device) if world > 1 else bad
+    problems = [why.get(i, f"{ckpt / names[i]} failed verification (size or checksum)")
+                for i in range(len(names)) if bad[i]]
+    if problems:
+        raise damaged_error(ckpt, problems)

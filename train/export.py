@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 
 from train import ckpt_io as io
-from train.checkpoint import verify
-from train.errors import CheckpointError, ConfigError
+from train.errors import CheckpointError, ConfigError, user_errors
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 INDEX = "model.safetensors.index.json"
@@ -174,7 +173,7 @@ def export_checkpoint(ckpt_path, out_dir, dtype: str | None = None, max_shard_si
     each tensor is assembled from the pieces all ranks wrote."""
     ckpt = io.resolve_checkpoint(ckpt_path)
     manifest = io.read_manifest(ckpt)
-    verify(ckpt, manifest)  # the same check a resume runs (here one process hashes every file)
+    io.verify(ckpt, manifest)  # the same check a resume runs (here one process hashes every file)
     meta = io.read_json(ckpt / io.META, "checkpoint metadata")
     ck_cfg = ((meta.get("config") or {}).get("checkpoint") or {})
     dtype = dtype or ck_cfg.get("export_dtype", "bf16")
@@ -200,7 +199,6 @@ def export_checkpoint(ckpt_path, out_dir, dtype: str | None = None, max_shard_si
 
 
 def main(argv: list[str]) -> int:
-    from train.cli import user_errors
     ap = argparse.ArgumentParser(prog="zerotrain export",
                                  description="Consolidate a resumable checkpoint (any world size, any ZeRO stage) into "
                                              "Hugging Face safetensors weights. Runs on CPU, one process.")

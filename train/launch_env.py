@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-from train.errors import ConfigError
+from train.errors import ConfigError, user_errors
 
 USAGE = """usage: zerotrain deepspeed-env [--output FILE] [--set KEY=VALUE ...] [--add KEY ...] [--print]
        zerotrain deepspeed-env --check FILE
@@ -172,7 +172,6 @@ def parse(argv: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from train.cli import user_errors
     with user_errors():
         opts = parse(argv)
         if opts["check"]:

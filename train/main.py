@@ -23,7 +23,8 @@ from train import device_env  # noqa: E402
 
 device_env.apply()  # before torch is imported: huge pages, ZEROTRAIN_DEVICE=cpu
 
-from train.cli import parse_train_args, user_errors  # noqa: E402
+from train.args import parse_train_args  # noqa: E402
+from train.errors import user_errors  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

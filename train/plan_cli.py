@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from train.errors import ConfigError
+from train.errors import ConfigError, user_errors
 from train.plan import GiB, Batch, Cluster, Device, ModelShape, Plan, count_shape, gpt_shape, make_plan
 
 
@@ -211,7 +211,6 @@ def _local_defaults() -> tuple[int, Optional[int]]:
 
 
 def main(argv: list[str]) -> int:
-    from train.cli import user_errors
     with user_errors():
         a = parse_args(argv)
         shape, run = resolve_model(a["model"])

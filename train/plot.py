@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from train.errors import ConfigError, DataError
+from train.errors import ConfigError, DataError, user_errors
 
 PANELS = (  # (title, y-axis keys in order of preference); a panel no run has is left out
     ("loss", ("loss",)),
@@ -87,7 +87,6 @@ def _colors(n: int) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from train.cli import user_errors
     p = argparse.ArgumentParser(prog="zerotrain plot", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="train.run_dir of each run")
     p.add_argument("-o", "--output", type=Path, default=None,

@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from train.data.tokens import FORMAT, sidecar_path, val_path
-from train.errors import ConfigError, DataError
+from train.errors import ConfigError, DataError, user_errors
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".html", ".tex", ".c", ".h", ".js")
 PIECE_BYTES = 4 << 20
@@ -162,7 +162,6 @@ def write_tokens(files: Iterable[Path], tokenizer, out: Path, progress: Callable
 
 
 def main(argv: list[str] | None = None) -> int:
-    from train.cli import user_errors
     p = argparse.ArgumentParser(prog="zerotrain prepare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))

@@ -40,17 +40,17 @@ def private_jit_ops(dest: Path) -> Path:
     rebuilt here only if stale) keeps other test runs on the machine out of the rig's way."""
     import shutil
     import torch
-    from conftest import test_env
+    from helpers import subprocess_env
     if torch.cuda.is_available():
         return dest
-    shared = Path(test_env()["TORCH_EXTENSIONS_DIR"])
+    shared = Path(subprocess_env()["TORCH_EXTENSIONS_DIR"])
     if (shared / "deepspeed_shm_comm").is_dir():  # not its lock files: a build may be running
         shutil.copytree(shared / "deepspeed_shm_comm", dest / "deepspeed_shm_comm",
                         ignore=shutil.ignore_patterns("lock", ".ninja_lock"))
     code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from train.distributed import _venv_tools_first; "
             "_venv_tools_first(os.environ); from deepspeed.accelerator import get_accelerator as g; "
             "g().create_op_builder('ShareMemCommBuilder').load()")
-    proc = subprocess.run([sys.executable, "-c", code, str(REPO)], env=test_env({"TORCH_EXTENSIONS_DIR": str(dest)}),
+    proc = subprocess.run([sys.executable, "-c", code, str(REPO)], env=subprocess_env({"TORCH_EXTENSIONS_DIR": str(dest)}),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"building DeepSpeed's shm comm op failed:\n{proc.stderr[-3000:]}"
     return dest
@@ -71,8 +71,8 @@ class Launch:
 def node_env(rig: Rig, extra: dict | None = None, ifname: bool = True) -> dict:
     """The environment of a launch on the rig. Each node resolves its own hostname to
     127.0.1.1, so gloo binds loopback unless GLOO_SOCKET_IFNAME names the interface."""
-    from conftest import test_env
-    return test_env({"TORCH_EXTENSIONS_DIR": str(rig.ext_dir), **({"GLOO_SOCKET_IFNAME": IFACE} if ifname else {}),
+    from helpers import subprocess_env
+    return subprocess_env({"TORCH_EXTENSIONS_DIR": str(rig.ext_dir), **({"GLOO_SOCKET_IFNAME": IFACE} if ifname else {}),
                      **(extra or {})})
 
 

@@ -2,28 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Optional
-
-from torch.utils.data import Dataset
+from typing import Optional
 
 from train.config import DataConfig
-
-
-@dataclass
-class DataBundle:
-    train: Dataset
-    val: Optional[Dataset]
-    task: str                               # "lm" | "classify" | "regress"
-    describe: str
-    items_per_sample: int = 1               # tokens per sample for LMs (throughput), else 1
-    vocab_size: Optional[int] = None
-    seq_len: Optional[int] = None
-    num_classes: Optional[int] = None
-    class_names: Optional[list[str]] = None
-    num_features: Optional[int] = None
-    decode: Optional[Callable] = None       # token ids -> text, for samples
-    extra: dict = field(default_factory=dict)
+from train.data.bundle import DataBundle  # noqa: F401 (what every builder returns; importable from here)
 
 
 def build_data(cfg: DataConfig, seq_len: Optional[int], seed: int) -> DataBundle:

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from train.config import DataConfig
+from train.data.bundle import DataBundle
 from train.errors import DataError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -131,7 +132,6 @@ def transforms(image_size: int):
 
 
 def build_imagefolder(cfg: DataConfig):
-    from train.data import DataBundle
     if cfg.path is None:
         raise DataError("data.kind = imagefolder needs data.path (the root holding train/ and val/); "
                         "`zerotrain make-shapes data/shapes` writes a small generated set")

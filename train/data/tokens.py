@@ -27,6 +27,7 @@ from typing import Optional
 import numpy as np
 
 from train.config import DataConfig
+from train.data.bundle import DataBundle
 from train.errors import DataError
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -102,7 +103,6 @@ class TokenFile:
 
 
 def build_tokens(cfg: DataConfig, seq_len: Optional[int]):
-    from train.data import DataBundle
     from train.data.text import TokenSequences
     if cfg.path is None:
         raise DataError("data.kind = tokens needs data.path (a .bin token file from `zerotrain prepare`)")
@@ -141,12 +141,3 @@ def _decoder(meta: dict):
         from train.data.text import decode
         return decode
     return None
-
-
-def check_vocab(data, model_vocab: int, what: str):
-    """Token ids must index the model's embedding: an id >= vocab would crash (or, on GPU,
-    corrupt memory) deep inside step 1. Raises before any training."""
-    top = data.extra.get("max_token")
-    if top is not None and top >= model_vocab:
-        raise DataError(f"{data.extra.get('token_file')} contains token id {top} but {what} has a vocabulary of "
-                        f"{model_vocab}; prepare the data with the model's tokenizer or raise the model's vocab size")

@@ -1,0 +1,99 @@
+"""The code's shape, enforced: no import cycles, and models/ independent of training.
+
+Reads every module under train/ and models/ with `ast` (nothing is imported) and builds the
+graph of their imports of each other, in-function imports included (an import deferred into a
+function is still a dependency: hiding a cycle that way is what this test forbids).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("train", "models")
+
+# What models/ may use from train/ today: the run config's model section and the user-error
+# classes. Nothing else (data, launch, training, checkpoints) - models build nn.Modules.
+MODELS_MAY_IMPORT = {"train.config", "train.errors"}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)  # `from train import x` imports train.x
+    return {m for m in out if m in known}
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {name: _imports(path, set(mods)) - {name} for name, path in mods.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_check_finds_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_models_do_not_depend_on_training():
+    graph = _graph()
+    bad = {f"{m} imports {d}" for m, deps in graph.items() if m.split(".")[0] == "models"
+           for d in deps if d.split(".")[0] == "train" and d not in MODELS_MAY_IMPORT}
+    assert not bad, sorted(bad)
+
+
+def test_library_code_does_not_import_the_commands():
+    """train/main.py and train/cli.py are entry points: nothing below them imports them."""
+    graph = _graph()
+    entry = {"train.main", "train.cli"}
+    bad = {f"{m} imports {d}" for m, deps in graph.items() if m not in entry for d in deps & entry}
+    assert not bad, sorted(bad)

@@ -1,0 +1,24 @@
+"""What a dataset builder returns: the splits plus what the model and the trainer need to know."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from torch.utils.data import Dataset
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    val: Optional[Dataset]
+    task: str                               # "lm" | "classify" | "regress"
+    describe: str
+    items_per_sample: int = 1               # tokens per sample for LMs (throughput), else 1
+    vocab_size: Optional[int] = None
+    seq_len: Optional[int] = None
+    num_classes: Optional[int] = None
+    class_names: Optional[list[str]] = None
+    num_features: Optional[int] = None
+    decode: Optional[Callable] = None       # token ids -> text, for samples
+    extra: dict = field(default_factory=dict)
