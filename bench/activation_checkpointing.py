@@ -4,7 +4,7 @@ it, and that it changes nothing else (losses).
 An activation-heavy GPT setting (long sequences, small weights) is trained for a few steps on N
 processes with model.activation_checkpointing off and on, under one DeepSpeed JSON (fp32 copy of
 ds_configs/zero3.json by default). Peak per rank: the peak usage of the rank's memory cgroup
-(bench/memcap.py; no limit); predicted: the peak in each run's config.json (train/plan.py).
+(bench/memcap.py; no limit); predicted: the peak in each run's config.json (train/plan/estimate.py).
 
     python bench/activation_checkpointing.py                       # the BENCHMARKS.md figures (~2 min)
     python bench/activation_checkpointing.py --config zero2 --micro-batch 4

@@ -355,7 +355,7 @@ def ds_json(src: Path, dst: Path, precision: str, initial_scale_power: int | Non
 
 
 def validate_ds(path: Path, train_args: list[str], cuda: bool) -> dict:
-    """Resolve a DeepSpeed JSON the way train/build.py does (cuda=True: as on a GPU)."""
+    """Resolve a DeepSpeed JSON the way train/training/build.py does (cuda=True: as on a GPU)."""
     sys.path.insert(0, str(REPO))
     from models import hidden_size_of
     from train.args import parse_train_args
@@ -421,7 +421,7 @@ def env_check(expect_cuda: bool, note: str, site: str | None = None) -> int:
             fig.update(device=torch.cuda.get_device_name(0), device_count=torch.cuda.device_count(),
                        device_mem_bytes=p.total_memory, capability=f"{p.major}.{p.minor}")
             sys.path.insert(0, str(REPO))
-            from train.perf import device_peak_flops
+            from train.observe.perf import device_peak_flops
             fig["peak_flops"] = device_peak_flops()
     except Exception as e:  # noqa: BLE001 - reported, not raised
         return record("env", False, f"import torch failed: {e}", fig)
@@ -504,7 +504,7 @@ def main(argv=None) -> int:
     s.add_argument("--precision", choices=("fp16", "bf16", "fp32"), required=True)
     s.add_argument("--initial-scale-power", type=int); s.add_argument("--loss-scale-window", type=int)
     sub.add_parser("validate-ds", help="[--cuda] JSON... -- TRAINER ARGS: resolve each DeepSpeed JSON as "
-                   "train/build.py does (--cuda: as on a GPU); prints {name: {precision, backend, stage}}")
+                   "train/training/build.py does (--cuda: as on a GPU); prints {name: {precision, backend, stage}}")
     s = sub.add_parser("tokens"); s.add_argument("out", type=Path); s.add_argument("--vocab", type=int, default=50304)
     s.add_argument("--n", type=int, default=4_000_000); s.add_argument("--seed", type=int, default=0)
     s = sub.add_parser("synth-fp16"); s.add_argument("run_dir", type=Path)

@@ -4,7 +4,7 @@ random tokens already on the device (no data loading), N steps timed between two
 torch.cuda.synchronize() calls.
 
     MFU = model FLOPs per token (GPTConfig.flops_per_token, the trainer's own formula)
-          x tokens / seconds / peak FLOP/s (train/perf.py's table: 989e12 for H100/H200 dense bf16)
+          x tokens / seconds / peak FLOP/s (train/observe/perf.py's table: 989e12 for H100/H200 dense bf16)
 
     python bench/gpu_mfu.py --out /tmp/mfu.json                       # GPT-2-124M, eager then compiled
     python bench/gpu_mfu.py --modes eager --micro-batch 16 --out x.json
@@ -41,7 +41,7 @@ def parse(argv):
     p.add_argument("--modes", default="eager,compile", help="comma-separated: eager, compile")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="bf16 = autocast over fp32 weights")
     p.add_argument("--device", default="auto")
-    p.add_argument("--peak-flops", type=float, help="per-device peak; default: train/perf.py's table for this GPU")
+    p.add_argument("--peak-flops", type=float, help="per-device peak; default: train/observe/perf.py's table for this GPU")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -99,7 +99,7 @@ def measure(a, cfg, device, mode: str) -> dict:
 def main(argv=None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     from models.gpt import preset
-    from train.perf import device_peak_flops
+    from train.observe.perf import device_peak_flops
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
     cfg = preset(a.preset, d_model=a.d_model, n_layer=a.n_layer, vocab_size=a.vocab_size,
                  seq_len=a.seq_len)

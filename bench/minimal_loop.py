@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train import device_env  # noqa: E402
+from train.launch import device_env  # noqa: E402
 
 device_env.apply()  # as train/main.py does, before torch: huge pages, ZEROTRAIN_DEVICE=cpu
 
@@ -41,7 +41,7 @@ def parse(argv):
 
 
 def setup(args):
-    """Config, batch, resolved DeepSpeed JSON, data: exactly what train/build.py computes."""
+    """Config, batch, resolved DeepSpeed JSON, data: exactly what train/training/build.py computes."""
     from models import _gpt_config, hidden_size_of
     from train.args import parse_train_args
     from train.config import load_config
@@ -80,7 +80,7 @@ def lm_loss(model, x, y):
 def build_deepspeed(cfg, gcfg, ds, device):
     import deepspeed
     from models.gpt import GPT
-    from train.optim import param_groups
+    from train.optim.optimizer import param_groups
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(cfg.train.seed)
     init = deepspeed.zero.Init(config_dict_or_path=ds.resolved) if ds.stage == 3 else contextlib.nullcontext()
@@ -106,7 +106,7 @@ def build_deepspeed(cfg, gcfg, ds, device):
 def build_ddp(cfg, gcfg, ds, device, local_rank):
     from torch.nn.parallel import DistributedDataParallel as DDP
     from models.gpt import GPT
-    from train.optim import param_groups
+    from train.optim.optimizer import param_groups
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(cfg.train.seed)
     model = GPT(gcfg).to(device)
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     elif "ddp" not in json.loads(Path(args.ds_config).read_text()):
         # the trainer's allocator setting for DeepSpeed on CPU (train.host_malloc auto), so both loops allocate alike
-        from train.device_memory import compact_host_malloc
+        from train.launch.device_memory import compact_host_malloc
         compact_host_malloc()
     cfg, batch, gcfg, seq, data, ds = setup(args)
     if ds.is_deepspeed:

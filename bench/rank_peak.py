@@ -43,9 +43,9 @@ def _dump():
             info["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
     except ImportError:
         pass
-    # The trainer restarts the peak statistics at every log line (train/metrics.py) and keeps
+    # The trainer restarts the peak statistics at every log line (train/observe/metrics.py) and keeps
     # the largest it saw: the run's peak.
-    metrics = sys.modules.get("train.metrics")
+    metrics = sys.modules.get("train.observe.metrics")
     if metrics is not None:
         peak, reserved = metrics.lifetime_peaks()
         if "cuda_max_allocated_bytes" in info:

@@ -5,8 +5,8 @@ deepspeed.initialize loop on the same model, data and JSON) — and report per s
 * tokens/s: the median over timed windows after the warm-up steps (trainer and minimal loop),
   and the trainer overhead = 1 - trainer / minimal;
 * peak memory per rank (CUDA max allocated on GPU, max RSS on CPU; bench/rank_peak.py);
-* model-state bytes per rank measured in the running engine (train/memory.py, mem/*) and the
-  planner's estimate for the same rank (train/plan.py, plan/*).
+* model-state bytes per rank measured in the running engine (train/observe/memory.py, mem/*) and the
+  planner's estimate for the same rank (train/plan/estimate.py, plan/*).
 
 Writes <out>/stages-<timestamp>.json and .md (and prints the table).
 
@@ -199,7 +199,7 @@ def trainer_result(run_dir: Path, peak_dir: Path, a) -> dict:
            "planned": {k[5:]: v for k, v in mem.items() if k.startswith("plan/") and not k.endswith("per_rank")},
            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
     cfg = run_dir / "config.json"
-    if cfg.is_file():  # the planner's peak per rank that the run's memory check used (train/fit.py)
+    if cfg.is_file():  # the planner's peak per rank that the run's memory check used (train/plan/fit.py)
         plan = json.loads(cfg.read_text())["resolved"].get("memory_plan") or {}
         out["planned_peak_bytes"] = (plan.get("device_bytes") or {}).get("total")
     mfu = [r["mfu"] for r in rows if "mfu" in r and r["step"] > a.warmup]

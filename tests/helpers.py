@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 # The suite runs on CPU everywhere, GPU machines included: its 2-rank launches would put rank 1
 # on a second GPU that a 1-GPU machine lacks. Hidden before anything here imports torch, and
-# for every launched process (subprocess_env; train/device_env.py re-applies it inside each rank,
+# for every launched process (subprocess_env; train/launch/device_env.py re-applies it inside each rank,
 # since the deepspeed launcher rewrites CUDA_VISIBLE_DEVICES for its workers).
 CPU_ONLY = {"ZEROTRAIN_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
 os.environ.update(CPU_ONLY)  # (conftest imports this module first, before any test imports torch)

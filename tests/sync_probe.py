@@ -20,14 +20,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from train import device_env  # noqa: E402
+from train.launch import device_env  # noqa: E402
 
 device_env.apply()
 
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-import train.trainer as trainer_mod  # noqa: E402
+import train.training.trainer as trainer_mod  # noqa: E402
 
 READS = {"item", "tolist", "__float__", "__bool__", "__int__", "__index__", "numpy", "cpu", "__format__"}
 OURS = (str(REPO / "train") + os.sep, str(REPO / "models") + os.sep)
@@ -75,7 +75,7 @@ def _during_step(fn):
 
 def _vote(fn):
     """The stop vote reads its flag every step by design, from a CPU tensor on a gloo group
-    (train/trainer.py StopVote): not a device read, so it is checked by where its buffers live."""
+    (train/training/trainer.py StopVote): not a device read, so it is checked by where its buffers live."""
     def wrapped(self, flag):
         VOTES.extend(str(b.device) for b in self.buffers)
         VOTES.append("group:" + ("default" if self.group is None else "side"))

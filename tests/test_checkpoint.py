@@ -101,7 +101,7 @@ def ref_z2(work):
 def ddp_crash(work, ref_z3):
     """DDP continues a ZeRO-3 run (--resume auto in a copy of its run dir cut back to step 4),
     is SIGKILLed inside its step-10 save, and is restarted with --resume auto."""
-    from train.checkpoint import KILL_ENV
+    from train.checkpoint.manager import KILL_ENV
     d = work / "ddp"
     shutil.copytree(ref_z3.dir / "checkpoints", d / "checkpoints")
     for s in (6, 8, 10):
@@ -233,7 +233,7 @@ def _offline_export(src: Path, out: Path, *args):
 def test_zero3_export_equals_checkpoint_and_reproduces_the_runs_val_loss(work, ref_z3):
     from train.config import DataConfig
     from train.data import build_data
-    from train.export import load_weights
+    from train.checkpoint.weights import load_weights
     live = ref_z3.dir / "export"
     tensors = _check_hf_layout(live, torch.float32)
     # DeepSpeed's own ZeRO-3 gather (live export) == the pieces every rank wrote (offline export).
@@ -254,7 +254,7 @@ def test_zero3_export_equals_checkpoint_and_reproduces_the_runs_val_loss(work, r
 @pytest.mark.multiproc
 def test_zero2_bf16_export_ties_once_and_matches_offline_export(work, ref_z2):
     from models.gpt import GPT
-    from train.export import load_weights
+    from train.checkpoint.weights import load_weights
     live = ref_z2.dir / "export"
     tensors = _check_hf_layout(live, torch.bfloat16)
     offline = work / "z2_offline"
@@ -341,7 +341,7 @@ def test_damaged_checkpoint_is_refused_naming_the_file(work, ref_z2, capsys):
 # ---------------------------------------------------------------------------- units (no launch)
 
 def test_piece_reader_reassembles_any_range_and_names_holes(tmp_path):
-    from train import ckpt_io as io
+    from train.checkpoint import files as io
     from train.errors import CheckpointError
     full = torch.arange(12, dtype=torch.float32)
     io.save_tensors({io.piece_key("param", "w", 0): full[:5].clone()}, tmp_path / "a.safetensors")
@@ -359,7 +359,7 @@ def test_rng_state_round_trips_through_json():
     import random
 
     import numpy as np
-    from train import ckpt_io as io
+    from train.checkpoint import files as io
     s = json.loads(json.dumps(io.rng_state()))
     a = (random.random(), np.random.rand(), torch.rand(3))
     io.set_rng_state(s)
@@ -368,7 +368,7 @@ def test_rng_state_round_trips_through_json():
 
 
 def test_checkpoint_resolution_prefers_latest_and_skips_incomplete(tmp_path):
-    from train import ckpt_io as io
+    from train.checkpoint import files as io
     from train.errors import CheckpointError
     root = tmp_path / "run" / "checkpoints"
     for step, complete in ((2, True), (4, True), (6, True), (8, False)):
@@ -386,7 +386,7 @@ def test_checkpoint_resolution_prefers_latest_and_skips_incomplete(tmp_path):
 
 
 def test_shape_mismatch_lists_missing_extra_and_resized_names():
-    from train.checkpoint import shape_mismatch
+    from train.checkpoint.manager import shape_mismatch
     assert shape_mismatch({"a": (2,)}, {"a": [2]}, "model", "weights") is None
     msg = shape_mismatch({"a": (2,), "b": (3, 4), "c": (1,)}, {"a": (2,), "b": (3, 8), "d": (5,)}, "model", "weights")
     assert "in model only (1):\n    c" in msg and "in weights only (1):\n    d" in msg

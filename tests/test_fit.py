@@ -62,7 +62,7 @@ def frontier(tmp_path_factory):
     if why is not None:
         pytest.skip(f"cannot create a memory cgroup here ({why}): the fit frontier needs a kernel-enforced limit")
     from models import _gpt_config
-    from train.plan import Batch, Device, estimate, gpt_shape, strategy_from_json
+    from train.plan.estimate import Batch, Device, estimate, gpt_shape, strategy_from_json
     work = tmp_path_factory.mktemp("frontier")
     family = fp32_family(work / "fp32")
     out = {"family": family, "work": work}
@@ -138,7 +138,7 @@ def test_auto_without_a_cap_takes_ddp_and_both_runs_train_the_same_model(frontie
 
 
 def test_cgroup_limit_is_the_tightest_ancestor(tmp_path, monkeypatch):
-    from train import device_memory as dm
+    from train.launch import device_memory as dm
     root = tmp_path / "cg"
     leaf = root / "memory" / "job" / "rank0"
     leaf.mkdir(parents=True)
@@ -155,9 +155,9 @@ def test_cgroup_limit_is_the_tightest_ancestor(tmp_path, monkeypatch):
 
 def test_auto_and_the_check_pick_by_the_plan(tmp_path):
     """In-process: the same arithmetic the launches use, on chosen budgets."""
-    from train import fit
+    from train.plan import fit
     from train.data import build_data
-    from train.device_memory import Budget
+    from train.launch.device_memory import Budget
     from train.dsconfig import resolve
     family = fp32_family(tmp_path / "fp32")
     cfg = frontier_config()
@@ -195,7 +195,7 @@ def test_memcap_kills_over_the_limit_and_says_so():
 
 
 def test_zerotrain_check_validates_every_candidate_of_auto(capsys):
-    from train.check import main
+    from train.commands.check import main
     assert main(["--ds-config", "auto"]) == 0
     out = capsys.readouterr().out
     assert "--ds-config auto: chooses at start-up among ddp.json, zero1.json, zero2.json, zero3.json" in out

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from helpers import REPO
-from train import device_env, hardware
+from train.launch import device_env
+from train.training import hardware
 from train.config import load_config
 from train.dsconfig import resolve
 from train.errors import ConfigError
@@ -88,7 +89,7 @@ def test_ddp_fp16_settings_without_a_grad_scaler_meaning_are_refused(tmp_path, f
 
 # ------------------------------------------------------------------ hardware options
 def test_default_ds_config_suits_the_hardware(monkeypatch):
-    from train.distributed import default_ds_config
+    from train.launch.distributed import default_ds_config
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_ds_config()[0] == "zero2_fp32.json"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -161,7 +162,7 @@ def test_peak_memory_restarts_at_each_log_line():
     import sys
     script = """
 import torch
-from train import metrics
+from train.observe import metrics
 metrics.reset_peak_memory()
 big = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched; above glibc's mmap threshold: freed to the OS
 with_big = metrics.peak_memory()[0]

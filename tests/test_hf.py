@@ -19,7 +19,7 @@ from test_tokens import make_tokenizer, random_text, write_texts
 from train.config import DataConfig, ModelConfig
 from train.data import DataBundle, build_data
 from train.errors import ConfigError, DataError
-from train.prepare import main as prepare
+from train.commands.prepare import main as prepare
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may touch the network
 SEQ = 32

@@ -1,4 +1,4 @@
-"""Measured model-state bytes (train/memory.py): the counting rule on plain modules, then the
+"""Measured model-state bytes (train/observe/memory.py): the counting rule on plain modules, then the
 real engines (DDP, ZeRO-1/2/3, 2 processes) against each other and against the planner."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import metrics
-from train.memory import StepProbe, measure
+from train.observe.memory import StepProbe, measure
 
 
 def _adam_step(model, opt):

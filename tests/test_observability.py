@@ -11,7 +11,7 @@ from helpers import metrics
 from wandb_offline import PEAK_FLOPS, observed_run
 
 from models.gpt import preset
-from train import perf, report
+from train.observe import perf, report
 from train.cli import main as zerotrain
 
 # gpt-tiny by hand (models/gpt.py: V=256, T=64, L=2, D=64, 4 heads of 16, 2 KV heads, tied):
@@ -135,7 +135,7 @@ def test_plot_missing_metrics_is_a_clear_error(tmp_path, capsys):
 def test_plot_series_keep_the_continued_training_after_a_resume(tmp_path):
     """metrics.jsonl appends: after a crash at step 3 and a resume from the step-2 checkpoint,
     step 3 appears twice; the curve must use the rows of the training that continued."""
-    from train.plot import read_series
+    from train.commands.plot import read_series
     rows = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}, {"step": 3, "loss": 2.4},
             {"step": 3, "loss": 2.2}, {"step": 4, "loss": 2.0, "lr": 1e-3}, {"step": 4, "val/loss": "nan"}]
     (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)) + '\n{"step": 5, "lo')

@@ -9,8 +9,10 @@ import json
 import pytest
 import torch
 
-from train import plan, plan_cli
-from train.plan import Batch, Cluster, count_shape, estimate, gpt_shape, make_plan
+from train import paths
+from train.commands import plan as plan_cli
+from train.plan import estimate as plan
+from train.plan.estimate import Batch, Cluster, count_shape, estimate, gpt_shape, make_plan
 
 PSI, N = 1_000_000_000, 8           # 1e9 is a multiple of 2N: no flat-buffer padding
 OPTIONS = dict(plan.OPTIONS)
@@ -18,7 +20,7 @@ OPTIONS = dict(plan.OPTIONS)
 
 def strategy(name: str, precision: str = "bf16", accum_dtype: str | None = None):
     label = {v: k for k, v in plan.OPTIONS}.get(f"{name}.json", name)
-    s = plan.strategy_from_json(label, plan.REPO / "ds_configs" / f"{name}.json", precision)
+    s = plan.strategy_from_json(label, paths.DS_CONFIGS / f"{name}.json", precision)
     if accum_dtype is not None:
         s = dataclasses.replace(s, grad_accum_fp32=accum_dtype == "fp32")
     return s
@@ -77,7 +79,7 @@ def test_offload_moves_optimizer_states_to_the_host():
 
 def test_gpt_shapes_match_the_real_model():
     from models.gpt import GPT, PRESETS, preset
-    from train.optim import param_groups
+    from train.optim.optimizer import param_groups
     for name in ("gpt-tiny", "gpt2-124m", "gpt-1.3b", "gpt-7b"):
         assert gpt_shape(name, PRESETS[name]).num_params == PRESETS[name].num_params()
     for cfg in (preset("gpt-tiny"), preset("gpt-tiny", tie_embeddings=False, n_layer=3)):
@@ -187,4 +189,4 @@ def test_cli_errors_say_what_to_fix(argv, words, capsys):
 
 def test_plan_is_a_zerotrain_command():
     from train.cli import COMMANDS
-    assert COMMANDS["plan"][:2] == ("train.plan_cli", "main")
+    assert COMMANDS["plan"][:2] == ("train.commands.plan", "main")

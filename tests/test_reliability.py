@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from helpers import MAIN, REPO, TINY, subprocess_env
-from train.check import main as check_main
+from train.commands.check import main as check_main
 from train.main import main as train_main
 
 

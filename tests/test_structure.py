@@ -1,4 +1,5 @@
-"""The code's shape, enforced: no import cycles, and models/ independent of training.
+"""The code's shape, enforced: no import cycles, dependencies that point down the layers, and
+models/ independent of training.
 
 Reads every module under train/ and models/ with `ast` (nothing is imported) and builds the
 graph of their imports of each other, in-function imports included (an import deferred into a
@@ -12,6 +13,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("train", "models")
+
+# Layers, top to bottom; a module imports its own layer or lower ones, never higher.
+LAYERS = [
+    ("entry points", ("train.main", "train.cli")),
+    ("commands", ("train.commands",)),
+    ("training", ("train.training", "train.args")),
+    ("components", ("train.checkpoint", "train.observe", "train.launch", "train.plan", "train.data", "train.optim",
+                    "models")),
+    ("config", ("train.config", "train.dsconfig", "train.errors", "train.paths")),
+]
 
 # What models/ may use from train/ today: the run config's model section and the user-error
 # classes. Nothing else (data, launch, training, checkpoints) - models build nn.Modules.
@@ -97,3 +108,17 @@ def test_library_code_does_not_import_the_commands():
     entry = {"train.main", "train.cli"}
     bad = {f"{m} imports {d}" for m, deps in graph.items() if m not in entry for d in deps & entry}
     assert not bad, sorted(bad)
+
+
+def _layer(module: str) -> int:
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{module} belongs to no layer: add it to LAYERS in {__file__}")
+
+
+def test_dependencies_point_down_the_layers():
+    graph = _graph()
+    bad = [f"{m} ({LAYERS[_layer(m)][0]}) imports {d} ({LAYERS[_layer(d)][0]})"
+           for m, deps in sorted(graph.items()) for d in sorted(deps) if _layer(d) < _layer(m)]
+    assert not bad, bad

@@ -18,7 +18,7 @@ from train.config import DataConfig, ModelConfig
 from train.data import build_data
 from train.data.sampler import GlobalBatchSampler
 from train.errors import ConfigError, DataError
-from train.prepare import main as prepare
+from train.commands.prepare import main as prepare
 
 
 def make_tokenizer(out_dir: Path, texts: list[str], vocab_size: int = 384):
@@ -172,7 +172,7 @@ def test_ids_beyond_the_model_vocabulary_are_refused(tmp_path):
 
 def _rank_batches(dataset, sampler, world: int, rank: int) -> list[list[int]]:
     """What rank `rank` of `world` receives through Accelerate's real sharding (split_batches=True,
-    as train/distributed.py configures it), as sequence indices."""
+    as train/launch/distributed.py configures it), as sequence indices."""
     from accelerate.data_loader import prepare_data_loader
     from torch.utils.data import DataLoader
     index = {zlib.crc32(dataset[i]["input_ids"].numpy().tobytes()): i for i in range(len(dataset))}

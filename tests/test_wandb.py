@@ -17,7 +17,7 @@ from wandb_offline import (FAKE_API_KEY, iter_payloads, observed_run, read_run, 
                            wandb_env)
 
 from train.errors import ConfigError
-from train.wandb_logger import choose, credential_source, resolve_mode
+from train.observe.wandb_logger import choose, credential_source, resolve_mode
 
 
 # ---------------------------------------------------------------------------- the real 2-process run
@@ -115,8 +115,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from accelerate import Accelerator
 from train.config import load_config
-from train.trainer import TrainState
-from train import wandb_logger
+from train.checkpoint.state import TrainState
+from train.observe import wandb_logger
 
 run_dir = Path(sys.argv[1])
 cfg = load_config(None, [("logging.wandb.mode", "offline"), ("logging.wandb.project", "resume-test")])
@@ -170,8 +170,8 @@ from types import SimpleNamespace
 from accelerate import Accelerator
 from train.config import load_config
 from train.errors import ConfigError
-from train.trainer import TrainState
-from train import wandb_logger
+from train.checkpoint.state import TrainState
+from train.observe import wandb_logger
 
 def start(mode, run_dir, **env):
     os.environ.update(env)

@@ -82,7 +82,7 @@ def long_runs(tmp_path_factory) -> dict:
     """bf16 ZeRO-2 and ZeRO-3 (shipped JSONs) from the same trained-like weights. (bf16 ZeRO-1 is
     launched by tests/test_checkpoint.py's resume into BF16_Optimizer fragments.)"""
     from models.gpt import GPT, preset
-    from train.export import write_weights
+    from train.checkpoint.weights import write_weights
     work = tmp_path_factory.mktemp("long")
     cfg = preset("gpt-tiny", seq_len=1024)
     torch.manual_seed(0)

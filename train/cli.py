@@ -11,13 +11,13 @@ import sys
 
 COMMANDS = {
     "train": ("train.main", "main", "train a model (same as python train/main.py)"),
-    "check": ("train.check", "main", "validate run file, DeepSpeed JSON, hostfile and accelerate YAML together"),
-    "deepspeed-env": ("train.launch_env", "main", "write .deepspeed_env: the environment remote ranks need"),
-    "plot": ("train.plot", "main", "loss / lr / throughput curves of run dirs (metrics.jsonl) to PNG"),
-    "prepare": ("train.prepare", "main", "tokenize text files into a token file for data.kind = tokens"),
+    "check": ("train.commands.check", "main", "validate run file, DeepSpeed JSON, hostfile and accelerate YAML together"),
+    "deepspeed-env": ("train.commands.deepspeed_env", "main", "write .deepspeed_env: the environment remote ranks need"),
+    "plot": ("train.commands.plot", "main", "loss / lr / throughput curves of run dirs (metrics.jsonl) to PNG"),
+    "prepare": ("train.commands.prepare", "main", "tokenize text files into a token file for data.kind = tokens"),
     "make-shapes": ("train.data.make_shapes", "main", "generate a small labelled shapes/colours ImageFolder set"),
-    "export": ("train.export", "main", "checkpoint -> Hugging Face safetensors weights (offline, CPU, any world size)"),
-    "plan": ("train.plan_cli", "main", "per-device memory of DDP / ZeRO-1/2/3 / offload for a model and cluster; "
+    "export": ("train.commands.export", "main", "checkpoint -> Hugging Face safetensors weights (offline, CPU, any world size)"),
+    "plan": ("train.commands.plan", "main", "per-device memory of DDP / ZeRO-1/2/3 / offload for a model and cluster; "
                                    "recommends the fastest that fits"),
 }
 

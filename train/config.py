@@ -335,7 +335,7 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     peak_flops: Optional[float] = None
     """Per-device peak FLOP/s for MFU (--peak-flops 989e12); None = the detected GPU's dense
-    bf16 peak from train/perf.py (no MFU on CPU or an unknown device)."""
+    bf16 peak from train/observe/perf.py (no MFU on CPU or an unknown device)."""
 
     def __post_init__(self):
         if self.every_steps <= 0:
@@ -355,7 +355,7 @@ class DistributedConfig:
     timeout_s: int = 1800
     """Collective timeout: a rank waiting longer on a dead peer exits with an error."""
     memory_check: bool = True
-    """Before building the model, compare the planner's peak per rank (train/plan.py) with what
+    """Before building the model, compare the planner's peak per rank (train/plan/estimate.py) with what
     the device allows (GPU free memory; on CPU the memory cgroup limit or the RAM) and stop with
     the option that fits if it does not. false: skip (e.g. a model the planner cannot size)."""
     memory_margin: float = 0.1

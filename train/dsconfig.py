@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from train import paths
 from train.config import Batch, RunConfig
 from train.errors import ConfigError, did_you_mean
 
@@ -95,7 +96,7 @@ class DSSetup:
 def read_ds_json(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        shipped = sorted(p.name for p in Path(__file__).resolve().parent.parent.joinpath("ds_configs").glob("*.json"))
+        shipped = sorted(p.name for p in paths.DS_CONFIGS.glob("*.json"))
         raise ConfigError(f"DeepSpeed config {path} not found (--ds-config / distributed.ds_config); "
                           f"shipped configs: {', '.join('ds_configs/' + s for s in shipped)}")
     try:

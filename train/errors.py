@@ -52,7 +52,7 @@ def user_errors(debug: bool = False):
         sys.exit(e.exit_code)
     except Exception as e:
         # A collective failing because another node died: say which node (exit 1, not a usage error).
-        lost = sys.modules["train.distributed"].explain_peer_failure(e) if "train.distributed" in sys.modules else None
+        lost = sys.modules["train.launch.distributed"].explain_peer_failure(e) if "train.launch.distributed" in sys.modules else None
         if lost is None or debug:
             raise
         print(f"[rank {os.environ.get('RANK', '?')}] zerotrain: error: {lost}", file=sys.stderr, flush=True)

@@ -19,7 +19,7 @@ if __package__ in (None, ""):
     # Run as a script: Python put train/ first on sys.path; import from the repo root instead.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from train import device_env  # noqa: E402
+from train.launch import device_env  # noqa: E402
 
 device_env.apply()  # before torch is imported: huge pages, ZEROTRAIN_DEVICE=cpu
 
@@ -30,7 +30,7 @@ from train.errors import user_errors  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     args = parse_train_args(sys.argv[1:] if argv is None else argv)
     with user_errors(args.debug):
-        from train.build import build
+        from train.training.build import build
         from train.config import load_config
         cfg = load_config(args.config, args.overrides)
         trainer = build(cfg, args.ds_config)

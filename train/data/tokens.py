@@ -1,6 +1,6 @@
 """Token files for LM pre-training: a flat uint16/uint32 array read by memory map.
 
-Layout (written by `zerotrain prepare`, see train/prepare.py):
+Layout (written by `zerotrain prepare`, see train/commands/prepare.py):
     corpus.bin        the training tokens, native little-endian, no header
     corpus.json       sidecar: {"dtype", "vocab_size", "num_tokens", "max_token", "tokenizer", ...}
     corpus.val.bin    optional validation tokens (+ corpus.val.json); without it the last

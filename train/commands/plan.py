@@ -1,4 +1,4 @@
-"""`zerotrain plan`: the command line of the ZeRO planner (train/plan.py does the arithmetic).
+"""`zerotrain plan`: the command line of the ZeRO planner (train/plan/estimate.py does the arithmetic).
 
     zerotrain plan gpt-1.3b --gpus-per-node 8 --device-mem 80GB --micro-batch 8
     zerotrain plan runs/my_run.yaml --device-mem 24GiB --json
@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from train import paths
 from train.errors import ConfigError, user_errors
-from train.plan import GiB, Batch, Cluster, Device, ModelShape, Plan, count_shape, gpt_shape, make_plan
+from train.plan.estimate import GiB, Batch, Cluster, Device, ModelShape, Plan, count_shape, gpt_shape, make_plan
 
 
 def parse_count(text: str) -> Optional[int]:
@@ -127,9 +128,8 @@ def measure_cpu_runtime() -> int:
     rank imports before its model exists."""
     import subprocess
     code = ("import torch, torch._dynamo, deepspeed, accelerate, transformers\n"
-            "from train.device_memory import owned_bytes\nprint('RSS', owned_bytes())")
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300)
+            "from train.launch.device_memory import owned_bytes\nprint('RSS', owned_bytes())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=paths.REPO, timeout=300)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RSS ")), None)
     if proc.returncode != 0 or line is None:
         raise ConfigError(f"--device cpu: could not measure a rank's runtime memory ({proc.stderr.strip()[-300:]}); "

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from train import paths
 from train.config import Batch
 from train.dsconfig import DSSetup, read_ds_json
 from train.errors import ConfigError
@@ -75,7 +76,7 @@ def normalize_env() -> str:
         raise ConfigError(f"launcher {launcher} did not set {', '.join(missing)}; "
                           f"pass --master_addr/--master_port to the launcher")
     # DeepSpeed JIT-builds a comm op on CPU; every rank (and node) must look in one place.
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "torch_extensions"))
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(paths.EXTENSIONS_CACHE))
     _venv_tools_first(env)
     return launcher
 
@@ -138,7 +139,6 @@ def resolve_ds_config_path(cli_or_file: str | None, launcher: str) -> str:
     """Which DeepSpeed JSON: explicit (--ds-config / run file) > accelerate YAML > default."""
     acc_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     acc_uses_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    root = Path(__file__).resolve().parent.parent
     if launcher == "accelerate" and cli_or_file and cli_or_file.split(":")[0] == "auto":
         raise ConfigError(f"--ds-config {cli_or_file} chooses the strategy at start-up, but an accelerate config "
                           f"fixes it already; launch with deepspeed, torchrun or python instead")
@@ -151,8 +151,8 @@ def resolve_ds_config_path(cli_or_file: str | None, launcher: str) -> str:
         if cli_or_file and "ddp" not in read_ds_json(cli_or_file):
             raise ConfigError(f"the accelerate config launches plain DDP (no deepspeed_config) but the run asks for "
                               f"DeepSpeed config {cli_or_file}; use ds_configs/accelerate/zero*.yaml or drop --ds-config")
-        return cli_or_file or str(root / "ds_configs" / "ddp.json")
-    return cli_or_file or str(root / "ds_configs" / default_ds_config()[0])
+        return cli_or_file or str(paths.DS_CONFIGS / "ddp.json")
+    return cli_or_file or str(paths.DS_CONFIGS / default_ds_config()[0])
 
 
 def default_ds_config() -> tuple[str, str]:

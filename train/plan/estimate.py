@@ -1,5 +1,5 @@
 """The ZeRO planner's arithmetic: the peak memory each ZeRO option needs per device, and the
-fastest option that fits. The `zerotrain plan` command (flags, table) is train/plan_cli.py.
+fastest option that fits. The `zerotrain plan` command (flags, table) is train/commands/plan.py.
 
     zerotrain plan gpt-1.3b --gpus-per-node 8 --device-mem 80GB --micro-batch 8
     zerotrain plan runs/my_run.yaml --device-mem 24GiB --json
@@ -14,7 +14,7 @@ A rank's peak is
   once torch, DeepSpeed, Accelerate, transformers and torch._dynamo are imported (~0.45 GiB of
   anonymous pages; their shared library code, ~0.5 GiB, is charged to no rank), measured.
 * model states (params, grads, optimizer) follow what DeepSpeed 0.19 really allocates (read from
-  its source, checked to the byte against train/memory.py's measurement), not only the ZeRO
+  its source, checked to the byte against train/observe/memory.py's measurement), not only the ZeRO
   paper's 16Ψ / 4Ψ+12Ψ/N / 2Ψ+14Ψ/N / 16Ψ/N for mixed-precision Adam:
   - params / grads use the training dtype (2 bytes for bf16/fp16, 4 for fp32); under bf16 ZeRO-1/2/3
     gradients accumulate in fp32 (data_types.grad_accum_dtype, train/dsconfig.py). DeepSpeed keeps
@@ -38,7 +38,7 @@ A rank's peak is
 
 On CPU it predicts what the kernel charges a rank's memory cgroup at its peak (memory.max_usage
 of bench/memcap.py's cgroups; BENCHMARKS.md, fit frontier), which follows live tensors because
-zerotrain makes glibc return freed blocks (train/device_memory.py). On CUDA it predicts
+zerotrain makes glibc return freed blocks (train/launch/device_memory.py). On CUDA it predicts
 torch.cuda.max_memory_allocated; the allocator's cache comes on top (the headroom).
 
 Where this differs from DeepSpeed's own estimators (estimate_zero2_model_states_mem_needs /
@@ -55,7 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parent.parent
+from train import paths
+
 GiB = 2 ** 30
 MiB = 2 ** 20
 
@@ -210,7 +211,7 @@ def count_shape(n: int) -> ModelShape:
 
 def module_shape(model, name: str, gpt=None, width: Optional[int] = None) -> ModelShape:
     """From a built (possibly ZeRO-3-partitioned) model, grouped like the trainer's optimizer."""
-    from train.optim import param_groups
+    from train.optim.optimizer import param_groups
     groups = tuple(tuple(int(getattr(p, "ds_numel", p.numel())) for p in g["params"])
                    for g in param_groups(model, 0.1))
     frozen = tuple(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if not p.requires_grad)
@@ -449,7 +450,7 @@ class Plan:
 
 
 def make_plan(shape: ModelShape, cluster: Cluster, batch: Batch, precision: str = "bf16", safety: float = 0.1,
-              configs_dir: Path = REPO / "ds_configs", device: Device = CUDA) -> Plan:
+              configs_dir: Path = paths.DS_CONFIGS, device: Device = CUDA) -> Plan:
     """Every option of OPTIONS (the JSONs in `configs_dir`) for this model and cluster. An
     option `fits` when its predicted peak is at most the device memory; the recommendation is
     the fastest one that also leaves `safety` of it free (estimation error, allocator cache)."""
@@ -494,7 +495,7 @@ def banner_estimate(model, cfg, ds, batch, world: int, gpt=None, seq_len: Option
                     rank: Optional[int] = None, device: Device = CUDA,
                     width: Optional[int] = None) -> tuple[str, Estimate]:
     """One line for the start-up banner (and the numbers) for the strategy in use."""
-    from train.report import human_bytes
+    from train.observe.report import human_bytes
     shape = module_shape(model, cfg.model.name, gpt, width)
     e = estimate(shape, strategy_from_setup(ds), world,
                  Batch(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing), rank, device)
@@ -509,12 +510,12 @@ def banner_estimate(model, cfg, ds, batch, world: int, gpt=None, seq_len: Option
 
 def attach_estimate(trainer) -> None:
     """Sets trainer.memory_estimate (the banner's line) and trainer.memory_plan (this rank's
-    Estimate, compared with the measurement by train/memory.py). A planner that cannot size
+    Estimate, compared with the measurement by train/observe/memory.py). A planner that cannot size
     this model says so in the banner rather than stopping the run."""
     from models.gpt import GPTConfig
     wc = trainer.workload.model_config
     gpt = GPTConfig.from_dict({k: v for k, v in wc.items() if k != "family"}) if wc.get("family") == "gpt" else None
-    budget = getattr(trainer, "memory_budget", None)  # train/fit.py's, when the memory check ran
+    budget = getattr(trainer, "memory_budget", None)  # train/plan/fit.py's, when the memory check ran
     device = Device(budget.device, budget.runtime) if budget is not None else \
         Device("cuda" if trainer.topo.device == "cuda" else "cpu", 0)
     try:

@@ -6,7 +6,7 @@ A rank's budget is what its device can give it:
     and its ancestors (v1 memory.limit_in_bytes, v2 memory.max), shared by the ranks of this
     node inside that cgroup; and the RAM: what the rank holds now plus its share of
     MemAvailable. The kernel kills a process over its cgroup limit (SIGKILL, exit 137) with
-    no message: zerotrain checks the plan against the budget first (train/fit.py).
+    no message: zerotrain checks the plan against the budget first (train/plan/fit.py).
 
 compact_host_malloc() makes glibc return freed large blocks to the OS at once, so that a CPU
 rank's resident memory follows its live tensors; see its docstring for what it costs.
@@ -125,7 +125,7 @@ def local_budget() -> tuple[int, str, str | None, int]:
     """This rank's own view, before agreeing with the others: (bytes, why, the cgroup that
     limits it or None, runtime bytes the process holds now: owned_bytes() on CPU, 0 on CUDA)."""
     import torch
-    from train.report import human_bytes
+    from train.observe.report import human_bytes
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         return free, f"the free memory of {torch.cuda.get_device_name()} (of {human_bytes(total)})", None, 0

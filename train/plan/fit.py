@@ -1,8 +1,8 @@
 """Does the run fit in device memory? The check before the model is built, and --ds-config auto.
 
-Both ask train/plan.py for the peak of a rank (runtime + model states + buffers + the larger
+Both ask train/plan/estimate.py for the peak of a rank (runtime + model states + buffers + the larger
 of the backward and optimizer-step working sets) and compare it with the budget every rank
-agrees on (train/device_memory.py: the tightest over all ranks).
+agrees on (train/launch/device_memory.py: the tightest over all ranks).
 
 * The check (distributed.memory_check): a run whose plan exceeds the budget stops before any
   model exists, with one line naming the limit, what the chosen strategy needs and the fastest
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from train.device_memory import Budget, local_budget
+from train import paths
+from train.launch.device_memory import Budget, local_budget
 from train.errors import ConfigError, UserError
-from train.report import human_bytes as hb
+from train.observe.report import human_bytes as hb
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 class DoesNotFit(ConfigError):
@@ -39,7 +39,7 @@ def is_auto(ds_config: str | None) -> bool:
 
 
 def auto_dir(ds_config: str) -> Path:
-    d = Path(ds_config[5:]) if ds_config.startswith("auto:") else REPO / "ds_configs"
+    d = Path(ds_config[5:]) if ds_config.startswith("auto:") else paths.DS_CONFIGS
     if not d.is_dir():
         raise ConfigError(f"--ds-config {ds_config}: {d} is not a directory of DeepSpeed JSONs")
     return d
@@ -77,7 +77,7 @@ def model_shape(cfg, data):
     """The planner's view of the model before it exists: built on the meta device (no memory)."""
     from models import meta_model
     from models.gpt import GPTConfig
-    from train.plan import module_shape
+    from train.plan.estimate import module_shape
     model, model_config, width = meta_model(cfg.model, data)
     gpt = GPTConfig.from_dict({k: v for k, v in model_config.items() if k != "family"}) \
         if model_config.get("family") == "gpt" else None
@@ -85,12 +85,12 @@ def model_shape(cfg, data):
 
 
 def _plan_batch(cfg, batch, seq_len):
-    from train.plan import Batch
+    from train.plan.estimate import Batch
     return Batch(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing)
 
 
 def _device(budget: Budget):
-    from train.plan import Device
+    from train.plan.estimate import Device
     return Device(budget.device, budget.runtime)
 
 
@@ -125,7 +125,7 @@ class Choice:
 
 def _rows(shape, batch, world: int, device, configs: Path, precision: str | None = None):
     """Estimates for the OPTIONS found in `configs`, in their own precision or `precision`."""
-    from train.plan import OPTIONS, estimate, strategy_from_json
+    from train.plan.estimate import OPTIONS, estimate, strategy_from_json
     rows = []
     for label, fname in OPTIONS:
         path = configs / fname
@@ -164,7 +164,7 @@ def resolve_auto(ds_path: str, cfg, data, batch, seq_len, world: int) -> tuple[s
     then adopt it). Collective."""
     if not is_auto(ds_path):
         return ds_path, None
-    from train.distributed import init_process_group
+    from train.launch.distributed import init_process_group
     init_process_group(cfg.distributed.timeout_s)
     choice = choose(ds_path, cfg, data, batch, seq_len, world, agreed_budget(before_accelerator=True))
     if torch.distributed.get_rank() == 0:
@@ -204,7 +204,7 @@ def _advice(cfg) -> str:
 def check(cfg, ds, data, batch, seq_len, world: int, budget: Budget):
     """The plan for the chosen strategy against the budget: (its Estimate, None) when it fits
     with the margin, (Estimate, a warning line) when it fits without, DoesNotFit otherwise."""
-    from train.plan import estimate, strategy_from_setup
+    from train.plan.estimate import estimate, strategy_from_setup
     shape = model_shape(cfg, data)
     pb, device = _plan_batch(cfg, batch, seq_len), _device(budget)
     e = estimate(shape, strategy_from_setup(ds), world, pb, device=device)  # the largest rank
@@ -215,10 +215,10 @@ def check(cfg, ds, data, batch, seq_len, world: int, budget: Budget):
         return e, (f"warning: {ds.describe()} is predicted to need {hb(e.device_total)} per rank, within "
                    f"{margin:.0%} of the {hb(budget.bytes)} allowed ({budget.source}); the estimate's error or the "
                    f"allocator's cache may not fit")
-    fits = [r for r in _rows(shape, pb, world, device, REPO / "ds_configs", ds.precision)
+    fits = [r for r in _rows(shape, pb, world, device, paths.DS_CONFIGS, ds.precision)
             if r.device_total <= budget.bytes]
     if fits:
-        from train.plan import strategy_from_json
+        from train.plan.estimate import strategy_from_json
         best = fits[0]
         name = Path(best.strategy.path).name
         same = strategy_from_json(best.strategy.label, Path(best.strategy.path)).precision == ds.precision

@@ -10,7 +10,7 @@ the flat partition.
 The snapshot is taken right before the optimizer step of the second step: gradients are
 fully reduced into whatever DeepSpeed keeps them in, the lazily created Adam moments exist
 (made by step 1), and the step's own transient fp32 gradient copy is not yet made. That is
-the moment the ZeRO paper's model-state accounting describes, and what train/plan.py
+the moment the ZeRO paper's model-state accounting describes, and what train/plan/estimate.py
 estimates.
 
 "Host" bytes are those of offloaded structures (optimizer / parameter offload). On a GPU
@@ -104,7 +104,7 @@ def _unwrap(model):
 def measure(model, raw_optimizer, accelerator_is_cpu: bool | None = None) -> ModelStateBytes:
     """Bytes this rank holds now. `model` is what accelerate.prepare returned (a DeepSpeed
     engine, a DDP wrapper or a bare module); `raw_optimizer` is the torch optimizer built
-    by train/optim.py (DeepSpeed's inner "basic" optimizer)."""
+    by train/optim/optimizer.py (DeepSpeed's inner "basic" optimizer)."""
     if accelerator_is_cpu is None:
         accelerator_is_cpu = not torch.cuda.is_available()
     c = _Counter(accelerator_is_cpu)
@@ -256,7 +256,7 @@ class MemoryReport:
 
     @staticmethod
     def line(per_rank: dict, step: int) -> str:
-        from train.report import human_bytes as hb
+        from train.observe.report import human_bytes as hb
         ms, plan = per_rank["model_states"], per_rank["plan_model_states"]
         text = (f"model states measured at step {step}: rank 0 {hb(ms[0])} (params {hb(per_rank['params'][0])}, "
                 f"grads {hb(per_rank['grads'][0])}, optimizer {hb(per_rank['optimizer'][0])})"

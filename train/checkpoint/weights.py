@@ -1,4 +1,4 @@
-"""Consolidated weights in the Hugging Face layout, and the offline `zerotrain export`.
+"""Consolidated weights in the Hugging Face layout (the offline `zerotrain export` command is train/commands/export.py).
 
     model-00001-of-00003.safetensors ...   (or model.safetensors when one shard suffices)
     model.safetensors.index.json           weight_map + metadata (total_size, tied aliases)
@@ -12,17 +12,14 @@ and `load_weights` re-ties them. The writer holds one shard at a time.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import sys
-import time
 from pathlib import Path
 
 import torch
 
-from train import ckpt_io as io
-from train.errors import CheckpointError, ConfigError, user_errors
+from train.checkpoint import files as io
+from train.errors import CheckpointError, ConfigError
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 INDEX = "model.safetensors.index.json"
@@ -196,25 +193,3 @@ def export_checkpoint(ckpt_path, out_dir, dtype: str | None = None, max_shard_si
     finally:
         reader.close()
     return Path(out_dir)
-
-
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="zerotrain export",
-                                 description="Consolidate a resumable checkpoint (any world size, any ZeRO stage) into "
-                                             "Hugging Face safetensors weights. Runs on CPU, one process.")
-    ap.add_argument("checkpoint", help="checkpoint directory (runs/x/checkpoints/step_N) or a run directory (newest)")
-    ap.add_argument("out_dir")
-    ap.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="default: the run's checkpoint.export_dtype")
-    ap.add_argument("--max-shard-size", help='largest shard, e.g. "500MB" (default: the run\'s checkpoint.max_shard_size)')
-    ap.add_argument("--debug", action="store_true", help="show tracebacks")
-    a = ap.parse_args(argv)
-    with user_errors(a.debug):
-        t0 = time.perf_counter()
-        out = export_checkpoint(a.checkpoint, a.out_dir, a.dtype, a.max_shard_size)
-        files = sorted(p.name for p in out.iterdir())
-        print(f"zerotrain: exported {a.checkpoint} -> {out} ({', '.join(files)}) in {time.perf_counter() - t0:.2f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from train import paths
 from train.config import RunConfig
 from train.errors import ConfigError
 
@@ -79,8 +80,7 @@ def _add_rank_info(run_dir: Path, topo, **more):
 def _git_commit():
     import subprocess
     try:
-        root = Path(__file__).resolve().parent.parent
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["git", "-C", str(paths.REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
         return out.stdout.strip() if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -91,18 +91,18 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     from torch.utils.data import DataLoader
 
     from models import build_workload, lm_context
-    from train import distributed as dist_
+    from train.launch import distributed as dist_
     from train.data import build_data
     from train.data.sampler import EvalBatchSampler, GlobalBatchSampler
     from train.dsconfig import resolve
-    from train.metrics import JsonlLogger, Loggers
-    from train.optim import build_optimizer
-    from train.trainer import Trainer
+    from train.observe.metrics import JsonlLogger, Loggers
+    from train.optim.optimizer import build_optimizer
+    from train.training.trainer import Trainer
 
     launcher = dist_.normalize_env()
     world = int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()
-    from train import hardware
+    from train.training import hardware
     matmul_precision = hardware.apply_tf32(cfg, cuda)
     run_dir = Path(cfg.train.run_dir)
     _check_run_dir(run_dir)
@@ -120,7 +120,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     sampler = GlobalBatchSampler(len(data.train), batch.micro, world, batch.accum, cfg.train.seed)
     max_steps = cfg.train.epochs * sampler.steps_per_epoch if cfg.train.epochs else cfg.train.max_steps
 
-    from train import fit
+    from train.plan import fit
     ds_path = dist_.resolve_ds_config_path(ds_config_cli or cfg.distributed.ds_config, launcher)
     if not (ds_config_cli or cfg.distributed.ds_config) and launcher != "accelerate" \
             and os.environ.get("RANK", "0") == "0":
@@ -133,10 +133,10 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     hardware.check_compile(cfg, ds)
     if cfg.train.host_malloc == "compact" or (cfg.train.host_malloc == "auto" and not cuda and ds.is_deepspeed):
         # DeepSpeed on a CPU: freed tensors go back to the OS, so memory follows live tensors (train.host_malloc).
-        from train.device_memory import compact_host_malloc
+        from train.launch.device_memory import compact_host_malloc
         compact_host_malloc()
 
-    from train import wandb_logger
+    from train.observe import wandb_logger
     acc = dist_.build_accelerator(ds, batch, cfg.distributed.timeout_s, log_with=wandb_logger.log_with(cfg))
     topo = dist_.topology(launcher, "nccl" if cuda else "gloo")
     dist_.check_world(acc, topo)
@@ -207,7 +207,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
                       val_loader=val_loader, max_steps=max_steps, run_dir=run_dir, loggers=loggers)
     trainer.resolved_config = resolved
     trainer.memory_budget = budget
-    from train.plan import attach_estimate
+    from train.plan.estimate import attach_estimate
     attach_estimate(trainer)  # the banner's "model states" line; compared with mem/* at step 2
     _restore(trainer, cfg)
     return trainer
@@ -216,7 +216,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
 def _restore(trainer, cfg: RunConfig):
     """Checkpoint resume (checkpoint.resume) or initial weights (model.init_from), before
     start(): W&B and the banner see the restored step and run id."""
-    from train.checkpoint import Checkpointer
+    from train.checkpoint.manager import Checkpointer
     trainer.checkpointer = ckpt = Checkpointer(trainer)
     resumed = ckpt.resume(cfg.checkpoint.resume, load_optimizer=cfg.checkpoint.load_optimizer)
     if cfg.model.init_from and resumed is None:

@@ -46,7 +46,7 @@ def banner(t) -> str:
         f"  schedule     {t.max_steps} steps ({t.sampler.steps_per_epoch} per epoch), lr {t.cfg.optim.lr:g} "
         f"{t.cfg.optim.schedule}, warmup {t.cfg.optim.warmup_steps}",
     ]
-    est = getattr(t, "memory_estimate", None)  # set by the memory planner (train/plan.py)
+    est = getattr(t, "memory_estimate", None)  # set by the memory planner (train/plan/estimate.py)
     if est:
         lines.append(f"  model states {_estimate_text(est)} per rank (estimated)")
     memory = _memory_text(t)
@@ -63,7 +63,7 @@ def banner(t) -> str:
 
 
 def _memory_text(t) -> str | None:
-    """The planner's peak per rank against the memory check's budget (train/fit.py)."""
+    """The planner's peak per rank against the memory check's budget (train/plan/fit.py)."""
     if not hasattr(t, "memory_budget"):
         return None
     budget = t.memory_budget

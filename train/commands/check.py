@@ -8,7 +8,7 @@ Checks the run file, the DeepSpeed JSON against the run config at the world size
 hostfile / accelerate YAML implies, the hostfile syntax, and that the accelerate YAML
 agrees with the hostfile. With a hostfile it also does what `deepspeed --hostfile` needs
 first: passwordless ssh to every host (probed in parallel, never prompting; the launch
-directory and this Python must exist there) and pdsh for several hosts (train/hostcheck.py);
+directory and this Python must exist there) and pdsh for several hosts (train/launch/hostcheck.py);
 skipped with --no-ssh-check or when the accelerate YAML's launch uses no ssh. Exit 0 when
 everything is consistent, 2 with one message per problem otherwise. Nothing is launched
 and no GPU is needed.
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from train.errors import ConfigError, user_errors
-from train.hostcheck import Host, check_hosts, parse_hostfile  # noqa: F401 (Host, parse_hostfile: API)
+from train.launch.hostcheck import Host, check_hosts, parse_hostfile  # noqa: F401 (Host, parse_hostfile: API)
 
 
 def check_accelerate_yaml(path: str | Path, hosts: list[Host] | None, ds_config: str | None) -> dict:
@@ -91,8 +91,8 @@ def run_checks(args) -> list[str]:
         or cfg.distributed.ds_config or "ds_configs/zero2.json"
     batch = cfg.train.batch(world)
     from models import hidden_size_of
-    from train.fit import auto_dir, is_auto
-    from train.plan import OPTIONS
+    from train.plan.fit import auto_dir, is_auto
+    from train.plan.estimate import OPTIONS
     paths = [ds_path]
     if is_auto(ds_path):  # every candidate --ds-config auto may choose must be valid for this run
         paths = [str(auto_dir(ds_path) / f) for _, f in OPTIONS if (auto_dir(ds_path) / f).is_file()]

@@ -10,29 +10,15 @@ from __future__ import annotations
 import math
 import signal
 import time
-from dataclasses import asdict, dataclass
+
 from typing import Optional
 
 import torch
 
-from train import faults, loss_scale
-from train.optim import set_lr
-
-
-@dataclass
-class TrainState:
-    """Everything besides tensors that a resumed run needs (saved as JSON)."""
-
-    step: int = 0            # optimizer steps completed
-    epoch: int = 0
-    offset: int = 0          # samples of `epoch` consumed (a multiple of the global batch)
-    samples_seen: int = 0
-    tokens_seen: int = 0
-    skipped_steps: int = 0   # non-finite or fp16-overflow steps not applied
-    wandb_run_id: Optional[str] = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from train.checkpoint.state import TrainState
+from train.optim import loss_scale
+from train.optim.optimizer import set_lr
+from train.training import faults
 
 
 class StopRequested:
@@ -191,7 +177,7 @@ class Trainer:
             norm = self.acc.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
             # A non-finite global norm is the same on every rank (gradients are all-reduced
             # first), so every rank skips together, decided on the device: the fused AdamW
-            # (train/optim.py) applies nothing, moments and step count included, when found_inf
+            # (train/optim/optimizer.py) applies nothing, moments and step count included, when found_inf
             # is 1. DeepSpeed does the same inside its step. Under fp16 the GradScaler sets
             # found_inf itself (it also lowers the scale).
             if norm is not None and self.ds.precision != "fp16":
@@ -320,7 +306,7 @@ class Trainer:
         self.model.train()
         if self.checkpointer:
             self.checkpointer.on_fit_start()  # a resumed run's RNG streams, right before the first step
-        from train.memory import MemoryReport
+        from train.observe.memory import MemoryReport
         mem = MemoryReport(self)  # measured model-state bytes of one early step (mem/* metrics)
         vote = StopVote(acc)
         with StopRequested() as stop:
@@ -373,9 +359,9 @@ class Trainer:
         return torch.zeros((), dtype=torch.float64, device=self.acc.device)
 
     def _log_window(self, w, out, bar) -> dict:
-        from train import report
-        from train.metrics import reduce_window
-        from train.perf import device_peak_flops, throughput
+        from train.observe import report
+        from train.observe.metrics import reduce_window
+        from train.observe.perf import device_peak_flops, throughput
         steps, elapsed = w["steps"], w["train_s"]
         red = reduce_window(self.acc, w["loss"], w["micro"], w["data_s"])
         m = {"loss": red["loss"], "lr": out["lr"], "epoch": self.state.epoch,
@@ -408,7 +394,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ start / finish / close
     def start(self):
-        from train import report, wandb_logger
+        from train.observe import report, wandb_logger
         # After build() restored the checkpoint state: a resumed run continues its W&B run.
         self.wandb = wandb_logger.start(self)
         if self.wandb:
@@ -420,7 +406,7 @@ class Trainer:
             print(report.banner(self), flush=True)
 
     def finish(self, result: dict):
-        from train import report
+        from train.observe import report
         elapsed = time.perf_counter() - self._t_start
         sample = self.sample_text() if self.stop_reason is None else None
         ckpt = self.checkpointer.latest_path() if self.checkpointer else None

@@ -19,6 +19,7 @@ import re
 import sys
 from pathlib import Path
 
+from train import paths
 from train.errors import ConfigError, user_errors
 
 USAGE = """usage: zerotrain deepspeed-env [--output FILE] [--set KEY=VALUE ...] [--add KEY ...] [--print]
@@ -64,9 +65,9 @@ def shown(key: str, value: str) -> str:
 
 
 def default_extensions_dir() -> str:
-    # Same default as train.distributed.normalize_env: every rank, local or remote, must
+    # Same default as train.launch.distributed.normalize_env: every rank, local or remote, must
     # build and load DeepSpeed's JIT ops in one place.
-    return str(Path(__file__).resolve().parent.parent / ".cache" / "torch_extensions")
+    return str(paths.EXTENSIONS_CACHE)
 
 
 def collect(environ: dict | None = None, add: tuple[str, ...] = ()) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """What `deepspeed --hostfile FILE` needs before it starts, checked the way it will be used.
 
-`zerotrain check --hostfile FILE` (train/check.py) calls this: it reads the hostfile with
+`zerotrain check --hostfile FILE` (train/commands/check.py) calls this: it reads the hostfile with
 DeepSpeed's own rules (deepspeed/launcher/runner.py `_parse_hostfile`) but names the file and
 line of a bad entry, then ssh-probes every host in parallel, non-interactively and with
 timeouts, and checks that pdsh is installed when there is more than one host.

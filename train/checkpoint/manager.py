@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from train import ckpt_io as io
-from train import loss_scale
-from train.ckpt_state import MOMENTS, make_holder, persistent_buffers
+from train.checkpoint import files as io
+from train.checkpoint.holders import MOMENTS, make_holder, persistent_buffers
+from train.checkpoint.state import TrainState
 from train.errors import CheckpointError, ConfigError
+from train.optim import loss_scale
 
 KILL_ENV = "ZEROTRAIN_INJECT_KILL_IN_SAVE"  # "<step>": SIGKILL each rank after its first file of that save
 
@@ -319,7 +320,6 @@ class Checkpointer:
         h.finish_load()
 
     def _restore_counters(self, meta: dict):
-        from train.trainer import TrainState
         t = self.t
         known = TrainState.__dataclass_fields__
         t.state = TrainState(**{k: v for k, v in meta["train_state"].items() if k in known})
@@ -370,7 +370,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ weights
     def init_from(self, path: str):
         """model.init_from: exported weights (any world size / stage), optimizer untouched."""
-        from train.export import WeightsReader
+        from train.checkpoint.weights import WeightsReader
         w = WeightsReader(path, what="model.init_from")
         tied = self.t.workload.tied
         w.add_ties(tied)
@@ -398,7 +398,7 @@ class Checkpointer:
     def export(self, out_dir: str | Path | None = None) -> str:
         """Consolidated weights (HF layout) from the live state: ranks gather one tensor at a
         time (DeepSpeed's own full-parameter accessors under ZeRO), rank 0 writes one shard at a time."""
-        from train.export import EXPORT_DTYPES, write_weights
+        from train.checkpoint.weights import EXPORT_DTYPES, write_weights
         t0 = time.perf_counter()
         out = Path(out_dir) if out_dir else Path(self.t.run_dir) / "export"
         h = self.holder

@@ -1,0 +1,1 @@
+"""`zerotrain <command>` implementations, one module each (train/cli.py dispatches)."""
