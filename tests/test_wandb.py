@@ -84,8 +84,6 @@ def test_reader_stops_cleanly_at_a_torn_tail(observed):
 
 
 @pytest.mark.multiproc
-@pytest.mark.skipif(not (REPO / "train" / "checkpoint.py").exists(), reason="needs the checkpoint module (issue: "
-                    "checkpoints) to restore TrainState.wandb_run_id with --resume auto")
 def test_resumed_training_continues_the_same_wandb_run(observed, tmp_path):
     import shutil
     # Resume a copy: the shared run stays as other tests expect it.
