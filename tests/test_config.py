@@ -91,6 +91,32 @@ def test_cli_parsing_accepts_local_rank_and_dotted_forms():
         parse_train_args(["--optim.lr"])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--conf", "x.yaml"], "unknown argument '--conf'"),  # no abbreviations
+    (["-c"], "-c needs a value"),  # the flag as typed
+    (["--config", "--debug"], "--config needs a value"),
+    (["--resume"], "--resume needs a value"),
+])
+def test_cli_parsing_errors_name_the_flag(argv, message):
+    with pytest.raises(ConfigError) as e:
+        parse_train_args(argv)
+    assert str(e.value).startswith(message)
+
+
+def test_cli_shorthands_keep_their_place_among_dotted_overrides():
+    a = parse_train_args(["--checkpoint.resume", "none", "--debug", "--resume=auto", "--peak-flops", "1e12"])
+    assert a.overrides == [("checkpoint.resume", "none"), ("checkpoint.resume", "auto"), ("logging.peak_flops", "1e12")]
+    assert a.debug
+
+
+def test_cli_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_train_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: train/main.py") and "  --optim.lr (" in out and "  --train.max_steps (" in out
+
+
 def test_batch_arithmetic():
     t = RunConfig().train
     t.micro_batch_size, t.global_batch_size = 4, 32

@@ -344,6 +344,18 @@ def test_deepspeed_env_refuses_what_would_break_the_launcher(tmp_path):
     assert zerotrain(["deepspeed-env", "--check", str(hand_written)], cwd=tmp_path, env=base_env()).returncode == 0
 
 
+def test_deepspeed_env_flags():
+    from train.commands.deepspeed_env import parse
+    from train.errors import ConfigError
+    opts = parse(["--set", "A=1", "--set=A=2", "--add", "X", "--add=Y", "--output=o.env", "--print"])
+    assert opts == {"output": "o.env", "set": {"A": "2"}, "add": ["X", "Y"], "print": True, "check": None}
+    for argv, message in ((["--out", "x"], "unknown argument '--out'"), (["--output"], "--output needs a value"),
+                          (["--set", "A"], "--set expects KEY=VALUE, got 'A'")):
+        with pytest.raises(ConfigError) as e:
+            parse(argv)
+        assert str(e.value).startswith("deepspeed-env: " + message)
+
+
 def test_watchdog_names_a_silent_node_and_an_unreachable_store():
     """A partition closes no socket: gloo then waits forever (measured: >10 min with
     timeout_s=20), so a heartbeat through the rendezvous store bounds it. Real TCPStore;

@@ -177,6 +177,10 @@ def test_cli_reads_a_run_file(tmp_path, capsys):
     (["gpt2-124m", "--device-mem", "80XB"], ["--device-mem", "80GB"]),
     (["gpt2-124m", "--gpu-per-node", "8"], ["--gpus-per-node"]),
     ([], ["needs a MODEL"]),
+    (["gpt2-124m", "--node", "2"], ["unknown option '--node'", '"--nodes"']),  # no abbreviations
+    (["gpt2-124m", "--nodes"], ["--nodes needs a value"]),
+    (["gpt2-124m", "--nodes", "two"], ["--nodes 'two' is not a int"]),
+    (["gpt2-124m", "gpt-tiny"], ["one MODEL only"]),
     (["gpt-tiny", "--seq-len", "4096"], ["context length"]),
 ])
 def test_cli_errors_say_what_to_fix(argv, words, capsys):

@@ -21,7 +21,7 @@ LAYERS = [
     ("training", ("train.training", "train.args")),
     ("components", ("train.checkpoint", "train.observe", "train.launch", "train.plan", "train.data", "train.optim",
                     "models")),
-    ("config", ("train.config", "train.dsconfig", "train.errors", "train.paths")),
+    ("config", ("train.config", "train.dsconfig", "train.errors", "train.paths", "train.cli_args")),
 ]
 
 # What models/ may use from train/ today: the run config's model section and the user-error

@@ -7,9 +7,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import sys
 from dataclasses import dataclass, field
 
+from train.cli_args import ArgumentParser, Value
 from train.config import RunConfig
 from train.errors import ConfigError
 
@@ -66,44 +66,46 @@ def options_help() -> str:
     return "\n".join(lines)
 
 
+# Shorthands for a dotted key. Parsed with the dotted overrides, not as argparse flags, so that
+# `--resume auto --checkpoint.resume none` keeps its order (the later one wins): argparse hands
+# back the flags it does not know in order, but apart from the ones it does.
+SHORTHANDS = {"--resume": "checkpoint.resume", "--peak-flops": "logging.peak_flops"}
+
+
+def _parser() -> ArgumentParser:
+    p = ArgumentParser("train/main.py", lambda: TRAIN_USAGE + options_help())
+    p.add_argument("--config", "-c", action=Value)
+    p.add_argument("--ds-config", action=Value)
+    p.add_argument("--debug", action="store_true")
+    # The deepspeed launcher's; LOCAL_RANK is in the environment too.
+    p.add_argument("--local_rank", "--local-rank", action=Value)
+    return p
+
+
 def parse_train_args(argv: list[str]) -> TrainArgs:
-    args = TrainArgs()
-    i = 0
+    known, rest = _parser().parse_known_args(argv)
+    return TrainArgs(known.config, known.ds_config, known.debug, _overrides(rest))
 
-    def value(flag):
-        nonlocal i
-        if "=" in argv[i]:
-            return argv[i].split("=", 1)[1]
-        if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and not _is_number(argv[i + 1])):
-            raise ConfigError(f"{flag} needs a value")
-        i += 1
-        return argv[i]
 
-    while i < len(argv):
-        a = argv[i]
-        name = a.split("=", 1)[0]
-        if name in ("-h", "--help"):
-            print(TRAIN_USAGE + options_help())
-            sys.exit(0)
-        elif name in ("--config", "-c"):
-            args.config = value(name)
-        elif name == "--ds-config":
-            args.ds_config = value(name)
-        elif name == "--resume":
-            args.overrides.append(("checkpoint.resume", value(name)))
-        elif name == "--peak-flops":
-            args.overrides.append(("logging.peak_flops", value(name)))
-        elif name == "--debug":
-            args.debug = True
-        elif name in ("--local_rank", "--local-rank"):
-            value(name)  # the deepspeed launcher's; LOCAL_RANK is in the environment too
-        elif name.startswith("--") and "." in name:
-            args.overrides.append((name[2:], value(name)))
-        else:
-            raise ConfigError(f"unknown argument {a!r}; options are --config, --ds-config, --resume, --debug and "
-                              f"dotted keys like --optim.lr 3e-4 (see --help)")
+def _overrides(rest: list[str]) -> list[tuple[str, str]]:
+    """`--section.key VALUE` / `--section.key=VALUE` and the shorthands, in order, as (key, value)
+    for train.config.load_config, which judges the keys and values."""
+    out, i = [], 0
+    while i < len(rest):
+        flag, eq, value = rest[i].partition("=")
+        key = SHORTHANDS.get(flag) or (flag[2:] if flag.startswith("--") and "." in flag else None)
+        if key is None:
+            raise ConfigError(f"unknown argument {rest[i]!r}; options are --config, --ds-config, --resume, --debug "
+                              f"and dotted keys like --optim.lr 3e-4 (see --help)")
+        if not eq:
+            # The next argument is the value unless it is another flag; a negative number is a value.
+            if i + 1 >= len(rest) or (rest[i + 1].startswith("--") and not _is_number(rest[i + 1])):
+                raise ConfigError(f"{flag} needs a value")
+            i += 1
+            value = rest[i]
+        out.append((key, value))
         i += 1
-    return args
+    return out
 
 
 def _is_number(s: str) -> bool:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from train import paths
+from train.cli_args import ArgumentParser, Value
 from train.errors import ConfigError, user_errors
 
 USAGE = """usage: zerotrain deepspeed-env [--output FILE] [--set KEY=VALUE ...] [--add KEY ...] [--print]
@@ -144,32 +145,25 @@ def summary(entries: dict[str, str]) -> str:
     return "\n".join(f"  {k}={shown(k, v)}" for k, v in entries.items())
 
 
+def _key_value(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq:
+        raise ConfigError(f"deepspeed-env: --set expects KEY=VALUE, got {text!r}")
+    return key, value
+
+
 def parse(argv: list[str]) -> dict:
-    opts = {"output": ".deepspeed_env", "set": {}, "add": [], "print": False, "check": None}
-    it = iter(argv)
-    for a in it:
-        flag, _, inline = a.partition("=") if a.startswith("--") else (a, "", "")
-        if flag in ("-h", "--help"):
-            print(USAGE)
-            raise SystemExit(0)
-        if flag == "--print":
-            opts["print"] = True
-            continue
-        if flag not in ("--output", "--set", "--add", "--check"):
-            raise ConfigError(f"deepspeed-env: unknown argument {a!r} (see zerotrain deepspeed-env --help)")
-        value = inline if inline else next(it, None)
-        if value is None:
-            raise ConfigError(f"deepspeed-env: {flag} needs a value")
-        if flag == "--set":
-            key, eq, val = value.partition("=")
-            if not eq:
-                raise ConfigError(f"deepspeed-env: --set expects KEY=VALUE, got {value!r}")
-            opts["set"][key] = val
-        elif flag == "--add":
-            opts["add"].append(value)
-        else:
-            opts[flag[2:]] = value
-    return opts
+    p = ArgumentParser("zerotrain deepspeed-env", USAGE, needs_value="deepspeed-env: {flag} needs a value",
+                       empty_is_missing=True)
+    p.add_argument("--output", action=Value, default=".deepspeed_env")
+    p.add_argument("--set", action=Value, convert=_key_value, append=True, default=[])
+    p.add_argument("--add", action=Value, append=True, default=[])
+    p.add_argument("--print", action="store_true")
+    p.add_argument("--check", action=Value)
+    opts, rest = p.parse_known_args(argv)
+    if rest:
+        raise ConfigError(f"deepspeed-env: unknown argument {rest[0]!r} (see zerotrain deepspeed-env --help)")
+    return {**vars(opts), "set": dict(opts.set)}  # a repeated --set KEY: the last one wins
 
 
 def main(argv: list[str]) -> int:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 from train import paths
-from train.errors import ConfigError, user_errors
+from train.cli_args import ArgumentParser, Value
+from train.errors import ConfigError, did_you_mean, user_errors
 from train.plan.estimate import GiB, Batch, Cluster, Device, ModelShape, Plan, count_shape, gpt_shape, make_plan
 
 
@@ -138,37 +140,22 @@ def measure_cpu_runtime() -> int:
 
 
 def parse_args(argv: list[str]) -> dict:
-    out = {"json": False, "activation_checkpointing": None, "model": None}
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        name, _, inline = a.partition("=")
-        if name in ("-h", "--help"):
-            print(USAGE)
-            raise SystemExit(0)
-        if name == "--json":
-            out["json"] = True
-        elif name == "--activation-checkpointing":
-            out["activation_checkpointing"] = True
-        elif name in FLAGS:
-            if not inline:
-                i += 1
-                if i >= len(argv):
-                    raise ConfigError(f"{name} needs a value (see zerotrain plan --help)")
-                inline = argv[i]
-            try:
-                out[name[2:].replace("-", "_")] = FLAGS[name](inline)
-            except ValueError:
-                raise ConfigError(f"{name} {inline!r} is not a {FLAGS[name].__name__}") from None
-        elif a.startswith("-"):
-            from train.errors import did_you_mean
-            raise ConfigError(f"unknown option {a!r}{did_you_mean(name, list(FLAGS) + ['--json'])}; "
+    """The flags given (absent ones are left out, for main's defaults), json, activation_checkpointing
+    (None: the run file's) and model."""
+    p = ArgumentParser("zerotrain plan", USAGE, needs_value="{flag} needs a value (see zerotrain plan --help)",
+                       empty_is_missing=True, argument_default=argparse.SUPPRESS)
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--json", action="store_true", default=False)
+    p.add_argument("--activation-checkpointing", action="store_const", const=True, default=None)
+    for flag, convert in FLAGS.items():
+        p.add_argument(flag, action=Value, convert=convert)
+    ns, rest = p.parse_known_args(argv)
+    out = vars(ns)
+    for a in rest:
+        if a.startswith("-"):
+            raise ConfigError(f"unknown option {a!r}{did_you_mean(a.partition('=')[0], list(FLAGS) + ['--json'])}; "
                               f"see zerotrain plan --help")
-        elif out["model"] is None:
-            out["model"] = a
-        else:
-            raise ConfigError(f"one MODEL only (got {out['model']!r} and {a!r})")
-        i += 1
+        raise ConfigError(f"one MODEL only (got {out['model']!r} and {a!r})")
     if out["model"] is None:
         raise ConfigError("zerotrain plan needs a MODEL: a GPT preset (e.g. gpt-1.3b), a run file or a parameter "
                           "count (e.g. 7B); see zerotrain plan --help")
@@ -194,7 +181,6 @@ def resolve_model(spec: str) -> tuple[ModelShape, dict]:
             "activation_checkpointing": cfg.model.activation_checkpointing}
     n = parse_count(spec)
     if n is None or n <= 0:
-        from train.errors import did_you_mean
         raise ConfigError(f"MODEL {spec!r} is not a GPT preset{did_you_mean(spec, gpt.PRESETS)}, a run file or a "
                           f"parameter count; presets: {', '.join(gpt.PRESETS)}")
     return count_shape(n), {}
