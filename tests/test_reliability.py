@@ -106,6 +106,9 @@ def test_bad_input_from_a_real_process_has_no_traceback_unless_debug(tmp_path):
         'lr, min_lr, warmup_steps, schedule, weight_decay, betas, eps']
     p = subprocess.run(base + ["--debug"], capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert p.returncode != 0 and "Traceback" in p.stderr
+    p = subprocess.run([sys.executable, MAIN, "--optim.lr"], capture_output=True, text=True, env=subprocess_env(),
+                       timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == ["zerotrain: error: --optim.lr needs a value"]
 
 
 HOSTFILES = {

@@ -28,7 +28,8 @@ from train.errors import user_errors  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_train_args(sys.argv[1:] if argv is None else argv)
+    with user_errors():  # a bad flag: one line and exit 2 like any other user error (--debug not yet known)
+        args = parse_train_args(sys.argv[1:] if argv is None else argv)
     with user_errors(args.debug):
         from train.training.build import build
         from train.config import load_config
