@@ -357,14 +357,15 @@ def ds_json(src: Path, dst: Path, precision: str, initial_scale_power: int | Non
 def validate_ds(path: Path, train_args: list[str], cuda: bool) -> dict:
     """Resolve a DeepSpeed JSON the way train/training/build.py does (cuda=True: as on a GPU)."""
     sys.path.insert(0, str(REPO))
-    from models import hidden_size_of
+    from models import resolve as resolve_model
     from train.args import parse_train_args
     from train.config import load_config
     from train.dsconfig import resolve
     targs = parse_train_args(train_args)
     cfg = load_config(targs.config, targs.overrides)
     batch = cfg.train.batch(1)
-    ds = resolve(str(path), cfg, batch, cfg.train.max_steps, cuda=cuda, hidden_size=hidden_size_of(cfg.model))
+    width = resolve_model(cfg.model).hidden_size
+    ds = resolve(str(path), cfg, batch, cfg.train.max_steps, cuda=cuda, hidden_size=width)
     return {"precision": ds.precision, "backend": ds.backend, "stage": ds.stage}
 
 

@@ -42,7 +42,8 @@ def parse(argv):
 
 def setup(args):
     """Config, batch, resolved DeepSpeed JSON, data: exactly what train/training/build.py computes."""
-    from models import _gpt_config, hidden_size_of
+    from models import _gpt_config
+    from models import resolve as resolve_model
     from train.args import parse_train_args
     from train.config import load_config
     from train.data import build_data
@@ -56,7 +57,7 @@ def setup(args):
     data = build_data(cfg.data, seq, cfg.train.seed)
     gcfg = _gpt_config(cfg.model, vocab_size=data.vocab_size)
     ds = resolve(args.ds_config, cfg, batch, args.steps, cuda=torch.cuda.is_available(),
-                 hidden_size=hidden_size_of(cfg.model))
+                 hidden_size=resolve_model(cfg.model).hidden_size)
     return cfg, batch, gcfg, seq, data, ds
 
 

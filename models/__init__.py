@@ -1,69 +1,68 @@
-"""Model registry: build any supported model by name, with the loss that trains it.
+"""Model registry: resolve the run's model once, then build it, with the loss that trains it.
 
 `model.name` is a GPT preset (models/gpt.py), "linear", a torchvision classifier
-(models/vision.py) or "hf:<local dir>" (models/hf.py). Every builder returns a Workload:
-the nn.Module plus how to compute its loss and per-sample eval statistics from a batch,
-so the trainer never branches on the model type.
+(models/vision.py) or "hf:<local dir>" (models/hf.py). `resolve(cfg)` checks the name and
+reads what is known before any data into a ModelSpec (models/spec.py); the run's build, memory
+planner and data length use that spec, and `build_workload(spec, data)` builds it. Every
+builder returns a Workload: the nn.Module plus how to compute its loss and per-sample eval
+statistics from a batch, so the trainer never branches on the model type.
+
+models/ imports nothing from train/: its config section (models/config.py) and the error
+classes (models/errors.py) live here, and train/ imports them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
-import torch.nn as nn
+from models.config import ModelConfig
+from models.errors import ConfigError, did_you_mean
+from models.spec import ModelSpec
 
-from models.workload import Workload
-from train.config import ModelConfig
-from train.errors import ConfigError
+# torch and the builders are imported in the functions that use them: train/config.py and
+# train/errors.py import models.config and models.errors, which runs this file first, and the
+# commands that never build a model (check, plan, plot, `train --help`) must not load torch.
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from models.workload import Workload
 
 
-def lm_context(cfg: ModelConfig) -> tuple[Optional[int], Optional[int]]:
-    """(context length, vocab size) of an LM before it is built; (None, None) otherwise."""
-    if cfg.name.startswith("hf:"):
-        from models.hf import hf_context
-        return hf_context(cfg.name[3:])
+def resolve(cfg: ModelConfig) -> ModelSpec:
+    """The run's model, resolved once: the name checked (a ConfigError names the choices before
+    any data is read), what is known before the data, a local model's config.json read."""
     from models import gpt
-    if cfg.name in gpt.PRESETS:
-        c = _gpt_config(cfg, vocab_size=None)
-        return c.seq_len, c.vocab_size
-    check_model_name(cfg.name)
-    return None, None
-
-
-def check_model_name(name: str):
-    """Fail before any data is read if `model.name` names nothing zerotrain can build."""
-    from models import gpt
-    if name in gpt.PRESETS or name == "linear" or name.startswith("hf:"):
-        return
+    name = cfg.name
+    if name.startswith("hf:"):
+        from models.hf import spec_fields
+        return ModelSpec(cfg, "hf", **spec_fields(name[3:]))
+    if name in gpt.PRESETS:
+        g = _gpt_config(cfg, vocab_size=None)
+        return ModelSpec(cfg, "gpt", context=g.seq_len, vocab_size=g.vocab_size, hidden_size=g.d_model)
+    if name == "linear":
+        return ModelSpec(cfg, "linear")
     from models.vision import is_vision
     if is_vision(name):
-        return
-    from train.errors import did_you_mean
+        return ModelSpec(cfg, "vision")
     raise ConfigError(f'model.name "{name}" is unknown{did_you_mean(name, list(gpt.PRESETS) + ["linear"])}: use a '
                       f'GPT preset ({", ".join(gpt.PRESETS)}), "linear", a torchvision classifier (e.g. resnet50) '
                       f'or "hf:<local model dir>"')
 
 
-def hidden_size_of(cfg: ModelConfig, data=None) -> Optional[int]:
+def hidden_size_of(spec: ModelSpec, data=None) -> Optional[int]:
     """Model width before construction (fills DeepSpeed's "auto" bucket and ZeRO-3 sizes); None if
-    unknown. Transformers: the hidden size. Other models: the side of their largest weight
-    (sqrt of its elements), which plays the same role for bucket and persistence sizes."""
-    if cfg.name.startswith("hf:"):
-        from models.hf import hf_hidden_size
-        return hf_hidden_size(cfg.name[3:])
-    from models import gpt
-    if cfg.name in gpt.PRESETS:
-        return _gpt_config(cfg, vocab_size=None).d_model
-    if data is None:
-        return None
-    if cfg.name == "linear":
+    unknown. Transformers: the hidden size (in the spec). Other models: the side of their largest
+    weight (sqrt of its elements), which plays the same role for bucket and persistence sizes and
+    needs the data (features, classes, image size)."""
+    if spec.hidden_size is not None or data is None:
+        return spec.hidden_size
+    if spec.family == "linear":
         return max(1, math.isqrt(data.num_features + 1))
-    from models.vision import arch_info, is_vision
-    if is_vision(cfg.name):
-        info = arch_info(cfg.name, cfg.num_classes or data.num_classes, data.extra["image_size"])
+    if spec.family == "vision":
+        from models.vision import arch_info
+        info = arch_info(spec.name, spec.config.num_classes or data.num_classes, data.extra["image_size"])
         return max(1, math.isqrt(max(math.prod(s) for s in info.shapes.values())))
     return None
 
@@ -106,44 +105,45 @@ def _gpt_config(cfg: ModelConfig, vocab_size):
         raise ConfigError(f"model: {e}") from None
 
 
-def meta_model(cfg: ModelConfig, data) -> tuple[nn.Module, dict, Optional[int]]:
+def meta_model(spec: ModelSpec, data) -> tuple[nn.Module, dict, Optional[int]]:
     """(the model with its parameters on the meta device, its model_config, its width): the
     architecture as build_workload makes it, for sizing before anything is allocated (the
     memory planner). Costs no parameter memory; validates like build_workload."""
-    from models import gpt
-    name = cfg.name
-    width = hidden_size_of(cfg, data)
-    if name.startswith("hf:"):
+    import torch
+    width = hidden_size_of(spec, data)
+    if spec.family == "hf":
         from models.hf import meta_hf
-        model, model_config = meta_hf(cfg)
+        model, model_config = meta_hf(spec)
         return model, model_config, width
-    if name in gpt.PRESETS:
-        gcfg = _gpt_config(cfg, vocab_size=data.vocab_size)
+    if spec.family == "gpt":
+        from models import gpt
+        gcfg = _gpt_config(spec.config, vocab_size=data.vocab_size)
         with torch.device("meta"):
             model = gpt.GPT(gcfg)
         return model, {"family": "gpt", **gcfg.to_dict()}, width
-    if name == "linear":
+    if spec.family == "linear":
         from models.linear import LinearRegression
         with torch.device("meta"):
             model = LinearRegression(data.num_features)
         return model, {"family": "linear", "num_features": data.num_features}, width
-    from models.vision import is_vision, meta_vision
-    if is_vision(name):
-        model, model_config = meta_vision(cfg, data)
+    if spec.family == "vision":
+        from models.vision import meta_vision
+        model, model_config = meta_vision(spec.config, data)
         return model, model_config, width
-    check_model_name(name)
-    raise AssertionError(name)
+    raise AssertionError(spec.family)  # resolve makes only the families above
 
 
-def build_workload(cfg: ModelConfig, data, init_context=contextlib.nullcontext) -> Workload:
-    """`data` is the DataBundle (vocab, classes, features); `init_context()` wraps construction
-    (deepspeed.zero.Init under ZeRO-3, so that big models are built already partitioned)."""
-    from models import gpt
-    name = cfg.name
-    if name.startswith("hf:"):
+def build_workload(spec: ModelSpec, data, init_context=contextlib.nullcontext) -> Workload:
+    """`spec` from resolve; `data` is the DataBundle (vocab, classes, features); `init_context()`
+    wraps construction (deepspeed.zero.Init under ZeRO-3, so that big models are built already
+    partitioned)."""
+    from models.workload import Workload
+    name, cfg = spec.name, spec.config
+    if spec.family == "hf":
         from models.hf import build_hf
-        return build_hf(cfg, data, init_context)
-    if name in gpt.PRESETS:
+        return build_hf(spec, data, init_context)
+    if spec.family == "gpt":
+        from models import gpt
         if data.task != "lm":
             raise ConfigError(f"model.name {name} is a language model but data.kind gives a {data.task} task")
         gcfg = _gpt_config(cfg, vocab_size=data.vocab_size)
@@ -157,7 +157,7 @@ def build_workload(cfg: ModelConfig, data, init_context=contextlib.nullcontext) 
         return Workload(model=model, task="lm", family="gpt", model_config={"family": "gpt", **gcfg.to_dict()},
                         hidden_size=gcfg.d_model, flops_per_item=float(gcfg.flops_per_token(data.seq_len)),
                         tied=[("lm_head.weight", "tok_emb.weight")] if gcfg.tie_embeddings else [])
-    if name == "linear":
+    if spec.family == "linear":
         from models.linear import LinearRegression
         if data.task != "regress":
             raise ConfigError(f'model.name "linear" needs data.kind = "regression" (got a {data.task} task)')
@@ -169,8 +169,7 @@ def build_workload(cfg: ModelConfig, data, init_context=contextlib.nullcontext) 
         return Workload(model=model, task="regress", family="linear",
                         model_config={"family": "linear", "num_features": data.num_features},
                         flops_per_item=6.0 * (data.num_features + 1))
-    from models.vision import build_vision, is_vision
-    if is_vision(name):
+    if spec.family == "vision":
+        from models.vision import build_vision
         return build_vision(cfg, data, init_context)
-    check_model_name(name)
-    raise AssertionError(name)  # check_model_name accepts only names handled above
+    raise AssertionError(spec.family)  # resolve makes only the families above

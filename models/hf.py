@@ -22,8 +22,9 @@ from typing import Optional
 
 import torch
 
+from models.errors import CheckpointError, ConfigError, DataError
+from models.spec import ModelSpec
 from models.workload import Workload, restore_buffers
-from train.errors import CheckpointError, ConfigError, DataError
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -63,14 +64,20 @@ def _first(config, keys) -> Optional[int]:
     return None
 
 
-def hf_context(path: str) -> tuple[Optional[int], Optional[int]]:
-    """(context length, vocab size) from config.json, before anything is built."""
+def spec_fields(path: str) -> dict:
+    """What models.resolve keeps of a local model directory, from its one read of config.json:
+    context length, vocabulary and width before anything is built, and the parsed config."""
     config = load_config(path)
-    return _first(config, _CONTEXT_KEYS), getattr(config, "vocab_size", None)
+    return {"context": _first(config, _CONTEXT_KEYS), "vocab_size": getattr(config, "vocab_size", None),
+            "hidden_size": _first(config, _WIDTH_KEYS), "hf_config": config.to_dict()}
 
 
-def hf_hidden_size(path: str) -> Optional[int]:
-    return _first(load_config(path), _WIDTH_KEYS)
+def config_of(spec: ModelSpec):
+    """A fresh transformers config (the builders change theirs, e.g. use_cache) from the spec's
+    parsed config.json, without reading the file again: from_dict is how AutoConfig.from_pretrained
+    makes it too, and to_dict() -> from_dict() gives back an equal config."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    return CONFIG_MAPPING[spec.hf_config["model_type"]].from_dict(spec.hf_config)
 
 
 def weight_files(d: Path) -> list[str]:
@@ -118,16 +125,15 @@ def check_vocab(data, model_vocab: int, what: str):
                         f"{model_vocab}; prepare the data with the model's tokenizer or raise the model's vocab size")
 
 
-def build_hf(cfg, data, init_context):
+def build_hf(spec: ModelSpec, data, init_context):
     from transformers import AutoModelForCausalLM
 
-    path = cfg.name[3:]
     if data.task != "lm":
-        raise ConfigError(f"model.name {cfg.name} is a causal language model; use data.kind tokens or text "
+        raise ConfigError(f"model.name {spec.name} is a causal language model; use data.kind tokens or text "
                           f"(got a {data.task} task)")
-    d = model_dir(path)
-    config = load_config(path)
-    vocab = getattr(config, "vocab_size", None)
+    d = model_dir(spec.name[3:])
+    config = config_of(spec)
+    vocab = spec.vocab_size
     if vocab and "max_token" in data.extra:
         check_vocab(data, vocab, f"{d}")  # the ids actually present decide (a tokenizer may list unused extras)
     elif vocab and data.vocab_size and data.vocab_size > vocab:
@@ -144,7 +150,7 @@ def build_hf(cfg, data, init_context):
                                                                use_safetensors=None if "pytorch_model" in files[0]
                                                                else True)
         except ValueError as e:
-            raise ConfigError(f"model.name {cfg.name}: {str(e).splitlines()[0][:300]}") from None
+            raise ConfigError(f"model.name {spec.name}: {str(e).splitlines()[0][:300]}") from None
         missing = list(info.get("missing_keys") or [])
         mismatched = list(info.get("mismatched_keys") or [])
         if missing or mismatched:
@@ -156,7 +162,7 @@ def build_hf(cfg, data, init_context):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if init_context is not contextlib.nullcontext:
         _restore_buffers(model, config, d, files)
-    if cfg.activation_checkpointing:
+    if spec.config.activation_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise ConfigError(f"model.activation_checkpointing: transformers has no gradient checkpointing for "
                               f"{config.model_type} ({type(model).__name__}); set model.activation_checkpointing false")
@@ -164,7 +170,7 @@ def build_hf(cfg, data, init_context):
         # input needs none (frozen embeddings), and the layers' ZeRO-3 hooks run in the recomputation.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = sum(_numel(p) for p in model.parameters())
-    width = _first(config, _WIDTH_KEYS)
+    width = spec.hidden_size
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
     flops = flops_per_token(model, width, layers, data.seq_len)
     return Workload(model=model, task="lm", family="hf",
@@ -224,9 +230,9 @@ def _checkpoint_keys(d: Path, files: list[str]) -> set[str]:
     return set()
 
 
-def meta_hf(cfg) -> tuple:
+def meta_hf(spec: ModelSpec) -> tuple:
     """The causal LM build_hf would make, parameters on the meta device (for sizing)."""
-    config = load_config(cfg.name[3:])
+    config = config_of(spec)
     return _reference_build(config), {"family": "hf", "model_type": config.model_type}
 
 

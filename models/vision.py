@@ -28,9 +28,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from models.config import ModelConfig
+from models.errors import CheckpointError, ConfigError
 from models.workload import Workload, restore_buffers
-from train.config import ModelConfig
-from train.errors import CheckpointError, ConfigError
 
 _INIT_FUNCS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
                "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_")

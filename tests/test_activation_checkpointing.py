@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import build_workload
+from models import build_workload, resolve
 from train.config import ModelConfig
 from train.data import DataBundle
 from train.errors import ConfigError
@@ -35,7 +35,7 @@ def test_torchvision_blocks_recompute_with_identical_results(name):
     models = {}
     for on in (False, True):
         torch.manual_seed(0)
-        models[on] = build_workload(ModelConfig(name=name, activation_checkpointing=on), data).model
+        models[on] = build_workload(resolve(ModelConfig(name=name, activation_checkpointing=on)), data).model
     off, on = models[False], models[True]
     assert list(off.state_dict()) == list(on.state_dict())           # nothing renamed
     calls = []
@@ -58,10 +58,10 @@ def test_torchvision_blocks_recompute_with_identical_results(name):
 
 def test_models_that_cannot_recompute_say_so_up_front():
     with pytest.raises(ConfigError, match=r"vgg11 has no blocks zerotrain can recompute.*resnet\*"):
-        build_workload(ModelConfig(name="vgg11", activation_checkpointing=True), IMAGES)
+        build_workload(resolve(ModelConfig(name="vgg11", activation_checkpointing=True)), IMAGES)
     regress = DataBundle(train=None, val=None, task="regress", describe="", num_features=10)
     with pytest.raises(ConfigError, match="no activations to recompute"):
-        build_workload(ModelConfig(name="linear", activation_checkpointing=True), regress)
+        build_workload(resolve(ModelConfig(name="linear", activation_checkpointing=True)), regress)
 
 
 def test_hf_model_uses_transformers_non_reentrant_checkpointing_also_with_frozen_embeddings(tmp_path):
@@ -75,7 +75,7 @@ def test_hf_model_uses_transformers_non_reentrant_checkpointing_also_with_frozen
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
     results = {}
     for on in (False, True):
-        wl = build_workload(ModelConfig(name=f"hf:{tmp_path / 'llama'}", activation_checkpointing=on), lm)
+        wl = build_workload(resolve(ModelConfig(name=f"hf:{tmp_path / 'llama'}", activation_checkpointing=on)), lm)
         wl.model.get_input_embeddings().weight.requires_grad_(False)  # frozen input: reentrant would lose grads
         wl.model.train()
         loss = wl.loss(wl.model, batch)

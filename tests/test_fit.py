@@ -155,27 +155,29 @@ def test_cgroup_limit_is_the_tightest_ancestor(tmp_path, monkeypatch):
 
 def test_auto_and_the_check_pick_by_the_plan(tmp_path):
     """In-process: the same arithmetic the launches use, on chosen budgets."""
+    from models import resolve as resolve_model
     from train.plan import fit
     from train.data import build_data
     from train.launch.device_memory import Budget
     from train.dsconfig import resolve
     family = fp32_family(tmp_path / "fp32")
     cfg = frontier_config()
+    spec = resolve_model(cfg.model)
     data = build_data(cfg.data, 64, cfg.train.seed)
     batch = cfg.train.batch(2)
 
     def budget(gib):
         return Budget(int(gib * GiB), "a test budget", "cpu", int(0.9 * GiB))
 
-    assert fit.choose(f"auto:{family}", cfg, data, batch, 64, 2, budget(8)).label == "DDP"
-    pick = fit.choose(f"auto:{family}", cfg, data, batch, 64, 2, budget(3.6))
+    assert fit.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, budget(8)).label == "DDP"
+    pick = fit.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, budget(3.6))
     assert pick.label == "ZeRO-3" and "the faster ZeRO-2 would need" in pick.line
     with pytest.raises(fit.DoesNotFit, match="no option fits"):
-        fit.choose(f"auto:{family}", cfg, data, batch, 64, 2, budget(1.5))
+        fit.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, budget(1.5))
     ds = resolve(str(Path(family) / "ddp.json"), cfg, batch, 3, cuda=False)
     with pytest.raises(fit.DoesNotFit, match=r"ZeRO-3 is the fastest option that fits .*--ds-config auto"):
-        fit.check(cfg, ds, data, batch, 64, 2, budget(3.6))
-    est, warning = fit.check(cfg, ds, data, batch, 64, 2, budget(8))
+        fit.check(cfg, spec, ds, data, batch, 64, 2, budget(3.6))
+    est, warning = fit.check(cfg, spec, ds, data, batch, 64, 2, budget(8))
     assert warning is None and est.strategy.backend == "ddp"
     with pytest.raises(Exception, match="not a directory"):
         fit.auto_dir("auto:/nonexistent")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import accelerate_yaml, fp32, metrics, rank_infos, run_train
-from models import build_workload
+from models import build_workload, resolve
 from test_tokens import make_tokenizer, random_text, write_texts
 from train.config import DataConfig, ModelConfig
 from train.data import DataBundle, build_data
@@ -69,25 +69,25 @@ def lm_bundle(vocab: int, max_token: int | None = None) -> DataBundle:
 # ----------------------------------------------------------------------------- loading
 
 def test_context_width_and_weights_load_exactly(tmp_path, corpus):
-    from models.hf import hf_context, hf_hidden_size
     from transformers import AutoModelForCausalLM
     d = save_tiny("gpt2", tmp_path / "gpt2", corpus["vocab"])
-    assert hf_context(str(d)) == (64, corpus["vocab"]) and hf_hidden_size(str(d)) == 32
-    wl = build_workload(ModelConfig(name=f"hf:{d}"), lm_bundle(corpus["vocab"]))
+    spec = resolve(ModelConfig(name=f"hf:{d}"))  # context, vocabulary and width from config.json
+    assert (spec.family, spec.context, spec.vocab_size, spec.hidden_size) == ("hf", 64, corpus["vocab"], 32)
+    wl = build_workload(spec, lm_bundle(corpus["vocab"]))
     assert (wl.task, wl.family) == ("lm", "hf")
     assert wl.tied == [("lm_head.weight", "transformer.wte.weight")]
     assert next(wl.model.parameters()).dtype == torch.float32
     ref = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True).eval()
     x = torch.randint(0, corpus["vocab"], (2, SEQ))
     assert torch.equal(wl.logits(wl.model.eval(), {"input_ids": x}), ref(input_ids=x).logits)
-    llama = build_workload(ModelConfig(name=f"hf:{save_tiny('llama', tmp_path / 'llama', corpus['vocab'])}"),
-                           lm_bundle(corpus["vocab"]))
+    llama_dir = save_tiny("llama", tmp_path / "llama", corpus["vocab"])
+    llama = build_workload(resolve(ModelConfig(name=f"hf:{llama_dir}")), lm_bundle(corpus["vocab"]))
     assert llama.tied == [] and llama.hidden_size == 32 and llama.flops_per_item > 0
 
 
 def test_config_only_directory_trains_from_random_init(tmp_path, corpus, capsys):
     d = save_tiny("llama", tmp_path / "scratch", corpus["vocab"], weights=False)
-    wl = build_workload(ModelConfig(name=f"hf:{d}"), lm_bundle(corpus["vocab"]))
+    wl = build_workload(resolve(ModelConfig(name=f"hf:{d}")), lm_bundle(corpus["vocab"]))
     assert "random initialisation" in capsys.readouterr().out
     assert sum(p.numel() for p in wl.model.parameters()) > 0
 
@@ -114,7 +114,7 @@ def test_flops_count_the_lm_head_matmul_tied_or_not(tmp_path, kind):
             model = LlamaForCausalLM(cfg)
             non_emb = L * (2 * D * D + 2 * D * KV + 3 * D * FFN + 2 * D) + D
         model.save_pretrained(str(tmp_path / f"{kind}-{tied}"))
-        wl = build_workload(ModelConfig(name=f"hf:{tmp_path / f'{kind}-{tied}'}"), lm_bundle(V))
+        wl = build_workload(resolve(ModelConfig(name=f"hf:{tmp_path / f'{kind}-{tied}'}")), lm_bundle(V))
         assert bool(wl.tied) == tied
         emb_tables = V * D + (P * D if kind == "gpt2" else 0)
         assert wl.model_config["num_params"] == non_emb + emb_tables + (0 if tied else V * D)
@@ -129,26 +129,26 @@ def test_flops_count_the_lm_head_matmul_tied_or_not(tmp_path, kind):
 
 def test_bad_directories_and_vocabularies_are_user_errors(tmp_path, corpus):
     with pytest.raises(ConfigError, match="is not a directory"):
-        build_workload(ModelConfig(name=f"hf:{tmp_path / 'nope'}"), lm_bundle(10))
+        build_workload(resolve(ModelConfig(name=f"hf:{tmp_path / 'nope'}")), lm_bundle(10))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="has no config.json"):
-        build_workload(ModelConfig(name=f"hf:{tmp_path / 'empty'}"), lm_bundle(10))
+        build_workload(resolve(ModelConfig(name=f"hf:{tmp_path / 'empty'}")), lm_bundle(10))
     d = save_tiny("gpt2", tmp_path / "gpt2", corpus["vocab"])
     with pytest.raises(ConfigError, match="larger than .* vocab_size"):
-        build_workload(ModelConfig(name=f"hf:{d}"), lm_bundle(corpus["vocab"] + 50))
+        build_workload(resolve(ModelConfig(name=f"hf:{d}")), lm_bundle(corpus["vocab"] + 50))
     # Token ids the embedding cannot index are refused before training, naming the file.
     with pytest.raises(DataError, match="x.bin contains token id"):
-        build_workload(ModelConfig(name=f"hf:{d}"), lm_bundle(10, max_token=corpus["vocab"]))
+        build_workload(resolve(ModelConfig(name=f"hf:{d}")), lm_bundle(10, max_token=corpus["vocab"]))
     images = DataBundle(train=None, val=None, task="classify", describe="", num_classes=3)
     with pytest.raises(ConfigError, match="causal language model"):
-        build_workload(ModelConfig(name=f"hf:{d}"), images)
+        build_workload(resolve(ModelConfig(name=f"hf:{d}")), images)
 
 
 def test_save_hf_config_makes_a_loadable_directory(tmp_path, corpus):
     from models.hf import save_hf_config
     from transformers import AutoConfig, AutoTokenizer
     d = save_tiny("llama", tmp_path / "src", corpus["vocab"], tokenizer_dir=corpus["tok_dir"])
-    wl = build_workload(ModelConfig(name=f"hf:{d}"), lm_bundle(corpus["vocab"]))
+    wl = build_workload(resolve(ModelConfig(name=f"hf:{d}")), lm_bundle(corpus["vocab"]))
     written = save_hf_config(wl.model_config, tmp_path / "out", dtype="bfloat16")
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(written)
     cfg = AutoConfig.from_pretrained(str(tmp_path / "out"), local_files_only=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import fp32, metrics, rank_infos, run_train
-from models import build_workload
+from models import build_workload, resolve
 from train.config import DataConfig, ModelConfig
 from train.data import build_data
 from train.data.regression import true_params
@@ -37,12 +37,12 @@ def test_data_is_the_noisy_linear_function_of_the_seed():
 
 def test_model_shape_and_task_check():
     data = regression(num_samples=64, num_features=7)
-    wl = build_workload(ModelConfig(name="linear"), data)
+    wl = build_workload(resolve(ModelConfig(name="linear")), data)
     assert wl.model(torch.randn(5, 7)).shape == (5, 1)
     assert wl.task == "regress" and wl.model_config == {"family": "linear", "num_features": 7}
     text = build_data(DataConfig(kind="text", max_bytes=4096), 16, 0)
     with pytest.raises(ConfigError, match='needs data.kind = "regression"'):
-        build_workload(ModelConfig(name="linear"), text)
+        build_workload(resolve(ModelConfig(name="linear")), text)
 
 
 @pytest.mark.multiproc

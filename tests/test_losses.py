@@ -183,12 +183,12 @@ def test_saves_the_logits_themselves_and_no_fp32_copy():
 # ----------------------------------------------------------------------------- Workload
 
 def _gpt_workload(vocab=97, seq=16):
-    from models import build_workload
+    from models import build_workload, resolve
     from train.config import ModelConfig
     from train.data import DataBundle
     data = DataBundle(train=None, val=None, task="lm", describe="", vocab_size=vocab, seq_len=seq)
     torch.manual_seed(0)
-    return build_workload(ModelConfig(name="gpt-tiny", n_layer=1, d_model=32, n_head=2, seq_len=seq), data)
+    return build_workload(resolve(ModelConfig(name="gpt-tiny", n_layer=1, d_model=32, n_head=2, seq_len=seq)), data)
 
 
 def _lm_batch(vocab, b=3, seq=16):
@@ -231,11 +231,11 @@ def test_hf_workload_uses_the_same_loss(tmp_path):
     pytest.importorskip("transformers")
     from test_hf import lm_bundle, save_tiny
 
-    from models import build_workload
+    from models import build_workload, resolve
     from train.config import ModelConfig
     for kind in ("gpt2", "llama"):
         d = save_tiny(kind, tmp_path / kind, 120)
-        wl = build_workload(ModelConfig(name=f"hf:{d}"), lm_bundle(120))
+        wl = build_workload(resolve(ModelConfig(name=f"hf:{d}")), lm_bundle(120))
         batch = _lm_batch(120, b=2)
         ref = _old_loss(wl, wl.model, batch)
         loss = wl.loss(wl.model, batch)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import data_trace, fp32, metrics, run_train
-from models import build_workload
+from models import build_workload, resolve
 from train.config import DataConfig, ModelConfig
 from train.data import build_data
 from train.data.sampler import GlobalBatchSampler
@@ -163,7 +163,7 @@ def test_ids_beyond_the_model_vocabulary_are_refused(tmp_path):
     data = tokens_data(path, token_dtype="uint32")
     assert data.extra["max_token"] == 300 and data.vocab_size == 301
     with pytest.raises(ConfigError, match="vocab_size 256 is smaller than the data's vocabulary 301"):
-        build_workload(ModelConfig(name="gpt-tiny", vocab_size=256), data)
+        build_workload(resolve(ModelConfig(name="gpt-tiny", vocab_size=256)), data)
     from train.data.tokens import max_token
     assert max_token(np.memmap(path, dtype=np.uint32, mode="r"), chunk=7) == 300
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import REPO, fp32, metrics, run_train
-from models import build_workload
+from models import build_workload, resolve
 from train.config import DataConfig, ModelConfig
 from train.data import build_data
 from train.data.make_shapes import main as make_shapes_main
@@ -122,7 +122,7 @@ def test_head_sized_for_dataset_and_torchvision_names(colours):
     from models.vision import is_vision
     assert is_vision("resnet50") and is_vision("vit_b_16") and not is_vision("gpt-tiny")
     data = imagefolder(colours)
-    wl = build_workload(ModelConfig(name="resnet18"), data)
+    wl = build_workload(resolve(ModelConfig(name="resnet18")), data)
     assert wl.family == "vision" and wl.task == "classify"
     assert wl.model.fc.out_features == 4
     assert wl.model_config["class_names"] == sorted(COLOURS)
@@ -132,13 +132,13 @@ def test_head_sized_for_dataset_and_torchvision_names(colours):
     assert set(stats) == {"loss", "top1", "top5"} and stats["top1"].shape == (3,)
     assert torch.equal(stats["top5"], torch.ones(3))  # 4 classes: the label is always in the top 5
     with pytest.raises(ConfigError, match="num_classes 2 is smaller"):
-        build_workload(ModelConfig(name="resnet18", num_classes=2), data)
+        build_workload(resolve(ModelConfig(name="resnet18", num_classes=2)), data)
 
 
 def test_image_size_the_architecture_cannot_take_is_a_config_error(colours):
     data = imagefolder(colours, image_size=32)
     with pytest.raises(ConfigError, match="alexnet cannot classify 32x32"):
-        build_workload(ModelConfig(name="alexnet"), data)
+        build_workload(resolve(ModelConfig(name="alexnet")), data)
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def imagenet_resnet18(tmp_path_factory):
 def test_pretrained_local_file_replaces_only_the_head(colours, imagenet_resnet18, suffix):
     d, sd = imagenet_resnet18
     data = imagefolder(colours)
-    wl = build_workload(ModelConfig(name="resnet18", pretrained=str(d / f"resnet18-imagenet.{suffix}")), data)
+    wl = build_workload(resolve(ModelConfig(name="resnet18", pretrained=str(d / f"resnet18-imagenet.{suffix}"))), data)
     got = wl.model.state_dict()
     assert wl.model_config["new_head"] == ["fc.weight", "fc.bias"]
     assert got["fc.weight"].shape == (4, 512)
@@ -171,11 +171,11 @@ def test_pretrained_local_file_replaces_only_the_head(colours, imagenet_resnet18
 def test_freeze_backbone_trains_only_the_head(colours, imagenet_resnet18):
     d, _ = imagenet_resnet18
     data = imagefolder(colours)
-    wl = build_workload(ModelConfig(name="resnet18", pretrained=str(d / "resnet18-imagenet.pth"),
-                                    freeze_backbone=True), data)
+    wl = build_workload(resolve(ModelConfig(name="resnet18", pretrained=str(d / "resnet18-imagenet.pth"),
+                                    freeze_backbone=True)), data)
     assert [n for n, p in wl.model.named_parameters() if p.requires_grad] == ["fc.weight", "fc.bias"]
     with pytest.raises(ConfigError, match="freeze_backbone needs model.pretrained"):
-        build_workload(ModelConfig(name="resnet18", freeze_backbone=True), data)
+        build_workload(resolve(ModelConfig(name="resnet18", freeze_backbone=True)), data)
 
 
 def test_pretrained_errors_say_what_to_do(tmp_path, colours, imagenet_resnet18, monkeypatch):
@@ -183,30 +183,30 @@ def test_pretrained_errors_say_what_to_do(tmp_path, colours, imagenet_resnet18, 
     data = imagefolder(colours)
     # A file of another architecture is refused, naming the keys, instead of half-loading.
     with pytest.raises(CheckpointError, match="does not fit resnet34"):
-        build_workload(ModelConfig(name="resnet34", pretrained=str(d / "resnet18-imagenet.pth")), data)
+        build_workload(resolve(ModelConfig(name="resnet34", pretrained=str(d / "resnet18-imagenet.pth"))), data)
     (tmp_path / "junk.pth").write_bytes(b"\x80\x04 not a pickle")
     with pytest.raises(CheckpointError, match="junk.pth: cannot read"):
-        build_workload(ModelConfig(name="resnet18", pretrained=str(tmp_path / "junk.pth")), data)
+        build_workload(resolve(ModelConfig(name="resnet18", pretrained=str(tmp_path / "junk.pth"))), data)
     with pytest.raises(ConfigError, match="does not exist"):
-        build_workload(ModelConfig(name="resnet18", pretrained=str(tmp_path / "missing.pth")), data)
+        build_workload(resolve(ModelConfig(name="resnet18", pretrained=str(tmp_path / "missing.pth"))), data)
     # Hub weights by tag: never downloaded; the message names the URL and the flag.
     monkeypatch.setattr(torch.hub, "_hub_dir", str(tmp_path / "hub"))
     with pytest.raises(ConfigError) as e:
-        build_workload(ModelConfig(name="resnet18", pretrained="IMAGENET1K_V1"), data)
+        build_workload(resolve(ModelConfig(name="resnet18", pretrained="IMAGENET1K_V1")), data)
     msg = str(e.value)
     assert "does not download" in msg and "resnet18-f37072fd.pth" in msg and "--model.pretrained" in msg
     # ... but a tag whose file is already in the local hub cache is used.
     cached = tmp_path / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
     cached.parent.mkdir(parents=True)
     cached.write_bytes((d / "resnet18-imagenet.pth").read_bytes())
-    wl = build_workload(ModelConfig(name="resnet18", pretrained="IMAGENET1K_V1"), data)
+    wl = build_workload(resolve(ModelConfig(name="resnet18", pretrained="IMAGENET1K_V1")), data)
     assert wl.model_config["new_head"] == ["fc.weight", "fc.bias"]
 
 
 def test_batchnorm_keeps_fp32_statistics_when_parameters_are_bf16(colours):
     """DeepSpeed bf16 casts parameters, not buffers: BatchNorm then computes with its affine
     parameters upcast, statistics and their momentum updates stay fp32 (as under DDP)."""
-    wl = build_workload(ModelConfig(name="resnet18"), imagefolder(colours, image_size=16))
+    wl = build_workload(resolve(ModelConfig(name="resnet18")), imagefolder(colours, image_size=16))
     ref = copy.deepcopy(wl.model).train()
     for p in wl.model.parameters():  # what DeepSpeed's _cast_module_mixed_precision does
         p.data = p.data.to(torch.bfloat16)

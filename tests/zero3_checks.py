@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import torchvision  # noqa: E402
 
 from models import build_workload  # noqa: E402
+from models import resolve as resolve_model  # noqa: E402
 from models.gpt import GPT, preset  # noqa: E402
 from models.vision import gathering_inits  # noqa: E402
 from train.config import ModelConfig, load_config  # noqa: E402
@@ -73,12 +74,12 @@ file_sd = torchvision.models.resnet18(num_classes=1000).state_dict()
 if RANK == 0:
     torch.save(file_sd, weights)
 torch.distributed.barrier()
-pre = ModelConfig(name="resnet18", pretrained=weights)
+pre = resolve_model(ModelConfig(name="resnet18", pretrained=weights))
 builders = {
-    "gpt-tiny": (lambda: build_workload(ModelConfig(name="gpt-tiny"), LM).model,
-                 lambda: build_workload(ModelConfig(name="gpt-tiny"), LM, zero_init(FP32)).model),
-    "resnet18": (lambda: build_workload(ModelConfig(name="resnet18"), IMAGES).model,
-                 lambda: build_workload(ModelConfig(name="resnet18"), IMAGES, zero_init(FP32)).model),
+    "gpt-tiny": (lambda: build_workload(resolve_model(ModelConfig(name="gpt-tiny")), LM).model,
+                 lambda: build_workload(resolve_model(ModelConfig(name="gpt-tiny")), LM, zero_init(FP32)).model),
+    "resnet18": (lambda: build_workload(resolve_model(ModelConfig(name="resnet18")), IMAGES).model,
+                 lambda: build_workload(resolve_model(ModelConfig(name="resnet18")), IMAGES, zero_init(FP32)).model),
     "vit": (tiny_vit, vit_partitioned),
     # A local pretrained file loaded into the partitioned model (head replaced, backbone from the file).
     "resnet18-pretrained": (lambda: {**build_workload(pre, IMAGES).model.state_dict(), "file": file_sd},
@@ -147,9 +148,10 @@ def buffer_report(ordinary: dict, built_model) -> dict:
 
 
 torch.manual_seed(0)
-ordinary = {n: b.clone() for n, b in build_workload(ModelConfig(name="resnet18"), IMAGES).model.named_buffers()}
+resnet18 = resolve_model(ModelConfig(name="resnet18"))
+ordinary = {n: b.clone() for n, b in build_workload(resnet18, IMAGES).model.named_buffers()}
 torch.manual_seed(0)
-resnet = build_workload(ModelConfig(name="resnet18"), IMAGES, zero_init(BF16)).model
+resnet = build_workload(resnet18, IMAGES, zero_init(BF16)).model
 buffers = {"resnet18": buffer_report(ordinary, resnet)}
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -162,7 +164,7 @@ if RANK == 0:
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                                  bos_token_id=1, eos_token_id=2)).save_pretrained(llama_dir)
 torch.distributed.barrier()
-hf = ModelConfig(name=f"hf:{llama_dir}")
+hf = resolve_model(ModelConfig(name=f"hf:{llama_dir}"))
 ordinary = {n: b.clone() for n, b in build_workload(hf, LM).model.named_buffers()}
 keep = HfDeepSpeedConfig(BF16)  # what Accelerate's plugin keeps alive under ZeRO-3: from_pretrained builds partitioned
 buffers["llama"] = buffer_report(ordinary, build_workload(hf, LM, zero_init(BF16)).model)

@@ -18,50 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from models.config import ModelConfig  # the model: section lives with the models (models/ needs nothing from train/)
 from train.errors import ConfigError, did_you_mean
-
-
-@dataclass
-class ModelConfig:
-    name: str = "gpt-small-cpu"
-    """GPT preset (gpt-tiny, gpt-small-cpu, gpt2-124m, gpt-350m, ... gpt-7b), a torchvision
-    classifier (resnet18, resnet50, vit_b_16, ...), "linear", or "hf:<local model dir>"."""
-    n_layer: Optional[int] = None
-    """GPT overrides of the preset; None keeps the preset's value."""
-    n_head: Optional[int] = None
-    n_kv_head: Optional[int] = None
-    d_model: Optional[int] = None
-    seq_len: Optional[int] = None
-    """Model context length (GPT). data.seq_len defaults to it."""
-    vocab_size: Optional[int] = None
-    dropout: float = 0.0
-    tie_embeddings: Optional[bool] = None
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward: less memory, ~30% more compute. GPT
-    presets and hf: models (transformers' own, non-reentrant) and torchvision ResNet/ResNeXt/
-    ViT/ConvNeXt/EfficientNet/MobileNet/RegNet/Swin/MaxViT/ShuffleNet; other models refuse it."""
-    num_classes: Optional[int] = None
-    """Vision: classifier outputs; None = number of classes found in the dataset."""
-    pretrained: Optional[str] = None
-    """Vision: local weights file (.safetensors, or a torchvision .pth read with weights_only=True)."""
-    freeze_backbone: bool = False
-    """Vision: train only the new classifier head."""
-    channels_last: Optional[bool] = None
-    """Vision: keep conv weights and input images in NHWC (channels-last) memory layout, which
-    cuDNN's tensor-core convolutions use natively. None = on for torchvision models on a CUDA
-    GPU, off elsewhere (on CPU it brings nothing measurable for these models)."""
-    init_from: Optional[str] = None
-    """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json."""
-
-    def __post_init__(self):
-        for k in ("n_layer", "n_head", "n_kv_head", "d_model", "seq_len", "vocab_size", "num_classes"):
-            v = getattr(self, k)
-            if v is not None and v <= 0:
-                raise ConfigError(f"model.{k} must be a positive integer (got {v})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1) (got {self.dropout})")
-        if not self.name:
-            raise ConfigError("model.name must not be empty")
 
 
 @dataclass

@@ -1,41 +1,23 @@
-"""User-facing errors: one readable message, exit code 2, no traceback unless --debug."""
+"""User-facing errors: one readable message, exit code 2, no traceback unless --debug.
+
+The error classes are models/errors.py's, re-exported; TrainingDiverged (a training outcome)
+and `user_errors` (how the entry points report them) are training's own."""
 
 from __future__ import annotations
 
 import contextlib
-import difflib
 import os
 import sys
 
-
-class UserError(Exception):
-    """Something the user can fix (config, data, launch). Printed without a traceback."""
-
-    exit_code = 2
-
-
-class ConfigError(UserError):
-    """A run file, DeepSpeed JSON, hostfile or CLI flag is wrong."""
-
-
-class DataError(UserError):
-    """A dataset is missing, empty or malformed."""
-
-
-class CheckpointError(UserError):
-    """A checkpoint is missing, incomplete, corrupted or from another model."""
+# The vocabulary lives in models/ (which imports nothing from train/); every existing
+# `from train.errors import ConfigError` keeps working with the very same classes.
+from models.errors import CheckpointError, ConfigError, DataError, UserError, did_you_mean  # noqa: F401
 
 
 class TrainingDiverged(UserError):
     """NaN/Inf beyond the configured tolerance; the last good state was checkpointed."""
 
     exit_code = 3
-
-
-def did_you_mean(name: str, choices) -> str:
-    """' (did you mean "x"?)' for the closest valid name, or ''."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
-    return f' (did you mean "{close[0]}"?)' if close else ""
 
 
 @contextlib.contextmanager

@@ -90,15 +90,16 @@ def run_checks(args) -> list[str]:
     ds_path = args.ds_config or ((acc or {}).get("deepspeed_config") or {}).get("deepspeed_config_file") \
         or cfg.distributed.ds_config or "ds_configs/zero2.json"
     batch = cfg.train.batch(world)
-    from models import hidden_size_of
+    from models import resolve as resolve_model
     from train.plan.fit import auto_dir, is_auto
     from train.plan.estimate import OPTIONS
     paths = [ds_path]
     if is_auto(ds_path):  # every candidate --ds-config auto may choose must be valid for this run
         paths = [str(auto_dir(ds_path) / f) for _, f in OPTIONS if (auto_dir(ds_path) / f).is_file()]
         ok.append(f"--ds-config {ds_path}: chooses at start-up among {', '.join(Path(x).name for x in paths)}")
+    width = resolve_model(cfg.model).hidden_size  # before any data: None for linear and vision models
     for path in paths:
-        ds = resolve(path, cfg, batch, cfg.train.max_steps, cuda=args.cuda, hidden_size=hidden_size_of(cfg.model),
+        ds = resolve(path, cfg, batch, cfg.train.max_steps, cuda=args.cuda, hidden_size=width,
                      sizes_later=True)
         ok.append(f"{path}: {ds.describe()} at world size {world}: micro {batch.micro} x accum {batch.accum} "
                   f"x world {world} = global {batch.global_size}")

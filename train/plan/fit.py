@@ -73,15 +73,16 @@ def agreed_budget(before_accelerator: bool = False) -> Budget:
     return Budget(share, why, device, max(v["runtime"] for v in views))
 
 
-def model_shape(cfg, data):
-    """The planner's view of the model before it exists: built on the meta device (no memory)."""
+def model_shape(spec, data):
+    """The planner's view of the model (the run's models.ModelSpec) before it exists: built on the
+    meta device (no memory)."""
     from models import meta_model
     from models.gpt import GPTConfig
     from train.plan.estimate import module_shape
-    model, model_config, width = meta_model(cfg.model, data)
+    model, model_config, width = meta_model(spec, data)
     gpt = GPTConfig.from_dict({k: v for k, v in model_config.items() if k != "family"}) \
         if model_config.get("family") == "gpt" else None
-    return module_shape(model, cfg.model.name, gpt, width)
+    return module_shape(model, spec.name, gpt, width)
 
 
 def _plan_batch(cfg, batch, seq_len):
@@ -135,11 +136,11 @@ def _rows(shape, batch, world: int, device, configs: Path, precision: str | None
     return rows
 
 
-def choose(ds_config: str, cfg, data, batch, seq_len, world: int, budget: Budget) -> Choice:
+def choose(ds_config: str, cfg, spec, data, batch, seq_len, world: int, budget: Budget) -> Choice:
     """--ds-config auto: the fastest option whose plan leaves the margin free."""
     configs = auto_dir(ds_config)
     margin = cfg.distributed.memory_margin
-    rows = _rows(model_shape(cfg, data), _plan_batch(cfg, batch, seq_len), world, _device(budget), configs)
+    rows = _rows(model_shape(spec, data), _plan_batch(cfg, batch, seq_len), world, _device(budget), configs)
     if not rows:
         raise ConfigError(f"--ds-config {ds_config}: {configs} holds none of ddp.json, zero1.json, ... zero3_offload.json")
     usable = (1 - margin) * budget.bytes
@@ -158,7 +159,7 @@ def choose(ds_config: str, cfg, data, batch, seq_len, world: int, budget: Budget
                      f"{hb(least.device_total)} per rank ({_why(least)}); {_advice(cfg)}")
 
 
-def resolve_auto(ds_path: str, cfg, data, batch, seq_len, world: int) -> tuple[str, Choice | None]:
+def resolve_auto(ds_path: str, cfg, spec, data, batch, seq_len, world: int) -> tuple[str, Choice | None]:
     """(the JSON to use, the Choice when ds_path is auto). Every rank must choose the same JSON,
     so they agree on the budget first, over a process group made now (Accelerate and DeepSpeed
     then adopt it). Collective."""
@@ -166,13 +167,13 @@ def resolve_auto(ds_path: str, cfg, data, batch, seq_len, world: int) -> tuple[s
         return ds_path, None
     from train.launch.distributed import init_process_group
     init_process_group(cfg.distributed.timeout_s)
-    choice = choose(ds_path, cfg, data, batch, seq_len, world, agreed_budget(before_accelerator=True))
+    choice = choose(ds_path, cfg, spec, data, batch, seq_len, world, agreed_budget(before_accelerator=True))
     if torch.distributed.get_rank() == 0:
         print(f"zerotrain: {choice.line}", flush=True)
     return choice.path, choice
 
 
-def preflight(cfg, ds, data, batch, seq_len, world: int, is_main: bool):
+def preflight(cfg, spec, ds, data, batch, seq_len, world: int, is_main: bool):
     """The memory check before the model exists (distributed.memory_check): (the Estimate it
     compared, the agreed Budget), or (None, None) when it is off. Raises DoesNotFit; prints the
     warning of a tight fit. A model the planner cannot size trains unchecked, with a note.
@@ -181,7 +182,7 @@ def preflight(cfg, ds, data, batch, seq_len, world: int, is_main: bool):
         return None, None
     budget = agreed_budget()
     try:
-        planned, warning = check(cfg, ds, data, batch, seq_len, world, budget)
+        planned, warning = check(cfg, spec, ds, data, batch, seq_len, world, budget)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - the planner is advisory for models it does not know
@@ -201,11 +202,11 @@ def _advice(cfg) -> str:
     return "try " + ", ".join(tips)
 
 
-def check(cfg, ds, data, batch, seq_len, world: int, budget: Budget):
+def check(cfg, spec, ds, data, batch, seq_len, world: int, budget: Budget):
     """The plan for the chosen strategy against the budget: (its Estimate, None) when it fits
     with the margin, (Estimate, a warning line) when it fits without, DoesNotFit otherwise."""
     from train.plan.estimate import estimate, strategy_from_setup
-    shape = model_shape(cfg, data)
+    shape = model_shape(spec, data)
     pb, device = _plan_batch(cfg, batch, seq_len), _device(budget)
     e = estimate(shape, strategy_from_setup(ds), world, pb, device=device)  # the largest rank
     margin = cfg.distributed.memory_margin

@@ -90,7 +90,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     """Returns a ready Trainer. Raises UserError for anything the user can fix."""
     from torch.utils.data import DataLoader
 
-    from models import build_workload, lm_context
+    from models import build_workload, hidden_size_of
+    from models import resolve as resolve_model
     from train.launch import distributed as dist_
     from train.data import build_data
     from train.data.sampler import EvalBatchSampler, GlobalBatchSampler
@@ -108,8 +109,9 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     _check_run_dir(run_dir)
     batch = cfg.train.batch(world)
 
+    spec = resolve_model(cfg.model)  # the model checked and its config.json read, once for the whole build
     # Data first: the model's vocabulary / classes / features come from it.
-    ctx, _vocab = lm_context(cfg.model)
+    ctx = spec.context
     seq_len = cfg.data.seq_len or ctx
     if cfg.data.kind in ("text", "tokens") and seq_len is None:
         raise ConfigError(f'data.kind "{cfg.data.kind}" is language-model data but model.name "{cfg.model.name}" '
@@ -126,9 +128,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
             and os.environ.get("RANK", "0") == "0":
         name, why = dist_.default_ds_config()
         print(f"zerotrain: no --ds-config given: ds_configs/{name} ({why}); pass --ds-config to choose", flush=True)
-    ds_path, choice = fit.resolve_auto(ds_path, cfg, data, batch, seq_len, world)  # --ds-config auto
-    from models import hidden_size_of
-    ds = resolve(ds_path, cfg, batch, max_steps, cuda=cuda, hidden_size=hidden_size_of(cfg.model, data))
+    ds_path, choice = fit.resolve_auto(ds_path, cfg, spec, data, batch, seq_len, world)  # --ds-config auto
+    ds = resolve(ds_path, cfg, batch, max_steps, cuda=cuda, hidden_size=hidden_size_of(spec, data))
     dist_.check_accelerate_precision(ds)
     hardware.check_compile(cfg, ds)
     if cfg.train.host_malloc == "compact" or (cfg.train.host_malloc == "auto" and not cuda and ds.is_deepspeed):
@@ -143,11 +144,11 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     wandb_logger.preflight(acc, cfg)  # W&B online without credentials: every rank stops here
     _write_rank_info(run_dir, acc, topo, ds)
     # Before the model exists: a plan that does not fit the device memory stops here.
-    planned, budget = fit.preflight(cfg, ds, data, batch, seq_len, world, acc.is_main_process)
+    planned, budget = fit.preflight(cfg, spec, ds, data, batch, seq_len, world, acc.is_main_process)
 
     from accelerate.utils import set_seed
     set_seed(cfg.train.seed)  # identical initial weights on every rank
-    workload = build_workload(cfg.model, data, _init_context(ds))
+    workload = build_workload(spec, data, _init_context(ds))
     if ds.is_deepspeed and ds.stage == 3 and acc.is_main_process:
         from models import partition_summary
         print(f"zerotrain: {partition_summary(workload.model, topo.world_size)}", flush=True)

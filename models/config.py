@@ -1,0 +1,56 @@
+"""The run file's `model:` section: which model to build and its options.
+
+Part of the run configuration (train/config.py's RunConfig holds it under `model`, loads it
+strictly and lists its attribute docstrings in `--help`), but defined here because models/
+depends on nothing in train/: the builders read it, models.resolve turns it into a ModelSpec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from models.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt-small-cpu"
+    """GPT preset (gpt-tiny, gpt-small-cpu, gpt2-124m, gpt-350m, ... gpt-7b), a torchvision
+    classifier (resnet18, resnet50, vit_b_16, ...), "linear", or "hf:<local model dir>"."""
+    n_layer: Optional[int] = None
+    """GPT overrides of the preset; None keeps the preset's value."""
+    n_head: Optional[int] = None
+    n_kv_head: Optional[int] = None
+    d_model: Optional[int] = None
+    seq_len: Optional[int] = None
+    """Model context length (GPT). data.seq_len defaults to it."""
+    vocab_size: Optional[int] = None
+    dropout: float = 0.0
+    tie_embeddings: Optional[bool] = None
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward: less memory, ~30% more compute. GPT
+    presets and hf: models (transformers' own, non-reentrant) and torchvision ResNet/ResNeXt/
+    ViT/ConvNeXt/EfficientNet/MobileNet/RegNet/Swin/MaxViT/ShuffleNet; other models refuse it."""
+    num_classes: Optional[int] = None
+    """Vision: classifier outputs; None = number of classes found in the dataset."""
+    pretrained: Optional[str] = None
+    """Vision: local weights file (.safetensors, or a torchvision .pth read with weights_only=True)."""
+    freeze_backbone: bool = False
+    """Vision: train only the new classifier head."""
+    channels_last: Optional[bool] = None
+    """Vision: keep conv weights and input images in NHWC (channels-last) memory layout, which
+    cuDNN's tensor-core convolutions use natively. None = on for torchvision models on a CUDA
+    GPU, off elsewhere (on CPU it brings nothing measurable for these models)."""
+    init_from: Optional[str] = None
+    """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json."""
+
+    def __post_init__(self):
+        for k in ("n_layer", "n_head", "n_kv_head", "d_model", "seq_len", "vocab_size", "num_classes"):
+            v = getattr(self, k)
+            if v is not None and v <= 0:
+                raise ConfigError(f"model.{k} must be a positive integer (got {v})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1) (got {self.dropout})")
+        if not self.name:
+            raise ConfigError("model.name must not be empty")
