@@ -223,9 +223,9 @@ def module_shape(model, name: str, gpt=None, width: Optional[int] = None) -> Mod
 
 def strategy_from_json(label: str, path: Path, precision: Optional[str] = None,
                        width: Optional[int] = None) -> Strategy:
-    from train.dsconfig import _precision, read_ds_json
+    from train.dsconfig import precision_of, read_ds_json
     ds = read_ds_json(path)
-    prec = precision or _precision(path, ds)
+    prec = precision or precision_of(path, ds)
     if "ddp" in ds:
         return Strategy(label, str(path), "ddp", None, prec,
                         bucket_view=bool(ds["ddp"].get("gradient_as_bucket_view", False)),
