@@ -110,7 +110,6 @@ def test_resumed_training_continues_the_same_wandb_run(observed, tmp_path):
 _START_TWICE = r"""
 import json, sys
 from pathlib import Path
-from types import SimpleNamespace
 from accelerate import Accelerator
 from train.config import load_config
 from train.checkpoint.state import TrainState
@@ -121,9 +120,8 @@ cfg = load_config(None, [("logging.wandb.mode", "offline"), ("logging.wandb.proj
 saved_id, ids = None, []
 for first_step in (0, 3):  # a training to step 3, then its resume from a checkpoint holding saved_id
     acc = Accelerator(cpu=True, log_with=wandb_logger.log_with(cfg))
-    t = SimpleNamespace(acc=acc, cfg=cfg, state=TrainState(step=first_step, wandb_run_id=saved_id),
-                        run_dir=run_dir, resolved_config={"model": {"name": "x"}, "big": "z" * 70_000})
-    sink = wandb_logger.start(t)
+    state = TrainState(step=first_step, wandb_run_id=saved_id)
+    sink, _ = wandb_logger.start(acc, cfg, state, run_dir, {"model": {"name": "x"}, "big": "z" * 70_000})
     for step in range(first_step + 1, first_step + 4):
         sink.log({"loss": 1.0 / step}, step)
     if first_step:
@@ -131,7 +129,7 @@ for first_step in (0, 3):  # a training to step 3, then its resume from a checkp
     sink.close()
     acc.end_training()
     ids.append(sink.run.id)
-    saved_id = t.state.wandb_run_id  # what the checkpoint stores
+    saved_id = state.wandb_run_id  # what the checkpoint stores
     assert saved_id == sink.run.id
 print(json.dumps(ids))
 """
@@ -164,7 +162,6 @@ def test_start_resumes_the_run_id_kept_in_train_state(tmp_path):
 _START_CASES = r"""
 import os, sys
 from pathlib import Path
-from types import SimpleNamespace
 from accelerate import Accelerator
 from train.config import load_config
 from train.errors import ConfigError
@@ -177,11 +174,11 @@ def start(mode, run_dir, **env):
         os.environ.pop("WANDB_MODE", None)
     cfg = load_config(None, [("logging.wandb.mode", mode)])
     acc = Accelerator(cpu=True, log_with=wandb_logger.log_with(cfg))
-    t = SimpleNamespace(acc=acc, cfg=cfg, state=TrainState(), run_dir=Path(run_dir), resolved_config={})
+    state = TrainState()
     try:
-        sink = wandb_logger.start(t)
-        print("STATUS:", t.wandb_status)
-        print("ID:", t.state.wandb_run_id)
+        sink, status = wandb_logger.start(acc, cfg, state, Path(run_dir), {})
+        print("STATUS:", status)
+        print("ID:", state.wandb_run_id)
         if sink:
             sink.log({"loss": 1.0}, 1)
             sink.close()

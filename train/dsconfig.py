@@ -112,7 +112,8 @@ def _is_auto(v) -> bool:
     return isinstance(v, str) and v.lower() == "auto"
 
 
-def _precision(path, ds: dict) -> str:
+def precision_of(path, ds: dict) -> str:
+    """"bf16", "fp16" or "fp32": what a DeepSpeed JSON (`ds`, read from `path`) enables."""
     enabled = {}
     for name in ("bf16", "fp16"):
         block = ds.get(name, {})
@@ -202,7 +203,7 @@ def resolve(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda: bool,
     ZeRO sizes need the model width; `sizes_later` (zerotrain check, before any data is read)
     leaves them for the run to fill."""
     ds = copy.deepcopy(read_ds_json(path))
-    precision = _precision(path, ds)
+    precision = precision_of(path, ds)
     if precision == "fp16" and not cuda:
         raise ConfigError(
             f'{path}: fp16 needs a CUDA GPU (DeepSpeed refuses it on CPU: "Type fp16 is not supported on your '

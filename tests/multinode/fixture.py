@@ -47,8 +47,8 @@ def private_jit_ops(dest: Path) -> Path:
     if (shared / "deepspeed_shm_comm").is_dir():  # not its lock files: a build may be running
         shutil.copytree(shared / "deepspeed_shm_comm", dest / "deepspeed_shm_comm",
                         ignore=shutil.ignore_patterns("lock", ".ninja_lock"))
-    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from train.launch.distributed import _venv_tools_first; "
-            "_venv_tools_first(os.environ); from deepspeed.accelerator import get_accelerator as g; "
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from train.launch.distributed import venv_tools_first; "
+            "venv_tools_first(os.environ); from deepspeed.accelerator import get_accelerator as g; "
             "g().create_op_builder('ShareMemCommBuilder').load()")
     proc = subprocess.run([sys.executable, "-c", code, str(REPO)], env=subprocess_env({"TORCH_EXTENSIONS_DIR": str(dest)}),
                           capture_output=True, text=True, timeout=900)

@@ -6,6 +6,9 @@ optimizer), as safetensors pieces keyed by parameter name and element range, so 
 checkpoint taken with N processes under ZeRO-k loads on M processes under any stage or
 DDP. A save goes to `.tmp-step_X`, every file is fsynced, rank 0 writes the manifest
 (sizes + sha256) last, renames the directory into place, then moves `latest` and prunes.
+
+The Checkpointer is handed the run's pieces it reads (never the trainer) and changes nothing
+outside itself: a resume returns the restored TrainState, which the trainer then starts from.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -23,6 +27,14 @@ from train.checkpoint.holders import MOMENTS, make_holder, persistent_buffers
 from train.checkpoint.state import TrainState
 from train.errors import CheckpointError, ConfigError
 from train.optim import loss_scale
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from models.workload import Workload
+    from train.config import Batch, CheckpointConfig
+    from train.data.sampler import GlobalBatchSampler
+    from train.dsconfig import DSSetup
 
 KILL_ENV = "ZEROTRAIN_INJECT_KILL_IN_SAVE"  # "<step>": SIGKILL each rank after its first file of that save
 
@@ -59,12 +71,35 @@ def shape_mismatch(expected: dict, found: dict, what_expected: str, what_found: 
 
 
 class Checkpointer:
-    def __init__(self, trainer):
-        self.t = trainer
-        self.cfg = trainer.cfg.checkpoint
-        self.root = Path(trainer.run_dir) / "checkpoints"
-        self.rank, self.world = trainer.topo.rank, trainer.topo.world_size
+    """Save / resume / init_from / export for one run, given exactly what they read:
+
+    cfg              the run config's checkpoint section (keep_last, max_shard_size, export_dtype)
+    run_dir          checkpoints go to <run_dir>/checkpoints, the export to <run_dir>/export
+    rank, world      this process and the number of processes
+    acc              the Accelerator: device (collectives), unwrap_model, DDP's fp16 GradScaler
+    model            what accelerate.prepare returned (a DeepSpeed engine: counters, loss scale)
+    raw_optimizer    the torch optimizer (holders read and write its moments)
+    ds               the resolved strategy (backend, ZeRO stage, precision)
+    workload         family, model_config and tied names: the metadata of saves and exports
+    sampler          the data order (global batch, samples, seed): saved, and checked on resume
+    batch            micro x accum x world: the engine's micro-step count, and messages
+    model_name       model.name, for messages
+    log              the metrics sink (checkpoint/save_s, checkpoint/bytes)
+    resolved_config  config.json's content, kept in every checkpoint's metadata
+    """
+
+    def __init__(self, *, cfg: CheckpointConfig, run_dir: Path, rank: int, world: int, acc: Accelerator,
+                 model: torch.nn.Module, raw_optimizer: torch.optim.Optimizer, ds: DSSetup, workload: Workload,
+                 sampler: GlobalBatchSampler, batch: Batch, model_name: str, log: Callable[[dict, int], None],
+                 resolved_config: dict | None):
+        self.cfg = cfg
+        self.root = Path(run_dir) / "checkpoints"
+        self.export_dir = Path(run_dir) / "export"
+        self.rank, self.world = rank, world
         self.is_main = self.rank == 0
+        self.acc, self.model, self.raw_optimizer, self.ds = acc, model, raw_optimizer, ds
+        self.workload, self.sampler, self.batch, self.model_name = workload, sampler, batch, model_name
+        self.log, self.resolved_config = log, resolved_config
         self._holder = None
         self._pending_rng = None
         self._last_saved: Path | None = None
@@ -72,13 +107,12 @@ class Checkpointer:
     @property
     def holder(self):
         if self._holder is None:
-            t = self.t
-            self._holder = make_holder(t.model, self.raw_model, t.raw_optimizer, t.ds, self.rank, self.world)
+            self._holder = make_holder(self.model, self.raw_model, self.raw_optimizer, self.ds, self.rank, self.world)
         return self._holder
 
     @property
     def raw_model(self):
-        return self.t.acc.unwrap_model(self.t.model)
+        return self.acc.unwrap_model(self.model)
 
     def _say(self, msg: str):
         if self.is_main:
@@ -114,7 +148,7 @@ class Checkpointer:
         dt = time.perf_counter() - t0
         if self.is_main:
             self._say(f"checkpoint {final} saved ({nbytes / 2**20:.1f} MiB in {dt:.2f} s)")
-            self.t.loggers.log({"checkpoint/save_s": dt, "checkpoint/bytes": nbytes}, state.step)
+            self.log({"checkpoint/save_s": dt, "checkpoint/bytes": nbytes}, state.step)
         return final
 
     def _agree(self, fn, what: str):
@@ -124,7 +158,7 @@ class Checkpointer:
             out = fn()
         except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
             err = e
-        failed = io.reduce_max(torch.tensor([int(err is not None)]), self.t.acc.device)
+        failed = io.reduce_max(torch.tensor([int(err is not None)]), self.acc.device)
         if err is not None:
             # safetensors reports ENOSPC as SafetensorError("... No space left on device (os error 28)").
             if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "(os error 28)" in str(err):
@@ -217,28 +251,28 @@ class Checkpointer:
             io.remove_tree(d)
 
     def _meta(self, state) -> dict:
-        t, h = self.t, self.holder
+        h, ds, wl, sampler = self.holder, self.ds, self.workload, self.sampler
         return {
             "format": io.FORMAT, "version": io.VERSION, "step": state.step, "train_state": state.to_dict(),
             "world_size": self.world, "holder": h.name,
-            "strategy": {"backend": t.ds.backend, "zero_stage": t.ds.stage, "precision": t.ds.precision},
+            "strategy": {"backend": ds.backend, "zero_stage": ds.stage, "precision": ds.precision},
             "params": {s.name: {"shape": list(s.shape), "trainable": s.trainable,
                                 **({"optimizer_step": h.step_of(s)} if s.trainable else {})} for s in h.slots},
             "buffers": {n: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
                         for n, b in persistent_buffers(self.raw_model)},
             "moments": list(MOMENTS),
-            "model": {"family": t.workload.family, "config": t.workload.model_config,
-                      "tied": [list(x) for x in t.workload.tied]},
-            "data": {"global_batch": t.sampler.global_batch, "num_samples": t.sampler.num_samples,
-                     "steps_per_epoch": t.sampler.steps_per_epoch, "seed": t.sampler.seed},
+            "model": {"family": wl.family, "config": wl.model_config, "tied": [list(x) for x in wl.tied]},
+            "data": {"global_batch": sampler.global_batch, "num_samples": sampler.num_samples,
+                     "steps_per_epoch": sampler.steps_per_epoch, "seed": sampler.seed},
             "engine": self._engine_counters(),
             "loss_scaler": self._scaler_state(),
-            "config": getattr(t, "resolved_config", None),
+            "config": self.resolved_config,
         }
 
     # ------------------------------------------------------------------ load
-    def resume(self, spec: str, load_optimizer: bool = True) -> Path | None:
-        """checkpoint.resume: "none", "auto" (newest complete checkpoint of this run, if any) or a path."""
+    def resume(self, spec: str, load_optimizer: bool = True) -> TrainState | None:
+        """checkpoint.resume: "none", "auto" (newest complete checkpoint of this run, if any) or a path.
+        Returns the restored TrainState, or None when there was nothing to resume."""
         if spec == "none":
             return None
         if spec == "auto":
@@ -250,11 +284,13 @@ class Checkpointer:
             ckpt = io.resolve_checkpoint(spec)
         return self.load(ckpt, load_optimizer)
 
-    def load(self, path, load_optimizer: bool = True) -> Path:
+    def load(self, path, load_optimizer: bool = True) -> TrainState:
+        """Restores the tensors, engine counters and loss scale in place; returns the TrainState
+        (step, data position) the run continues from."""
         t0 = time.perf_counter()
         ckpt = io.resolve_checkpoint(path)
         manifest = io.read_manifest(ckpt)
-        io.verify(ckpt, manifest, self.rank, self.world, self.t.acc.device)
+        io.verify(ckpt, manifest, self.rank, self.world, self.acc.device)
         meta = io.read_json(ckpt / io.META, "checkpoint metadata")
         self._check_fits(ckpt, meta)
         reader = io.PieceReader([ckpt / f for f in manifest["files"] if f.endswith(".safetensors")])
@@ -262,26 +298,25 @@ class Checkpointer:
             self._restore_tensors(reader, meta, load_optimizer)
         finally:
             reader.close()
-        self._restore_counters(meta)
+        st = self._restore_counters(meta)
         rng = ckpt / "rng" / f"rank{self.rank:05d}.json"
         # RNG streams only mean something for the same ranks; another world size keeps fresh seeds.
         self._pending_rng = io.read_json(rng, "RNG state") if meta["world_size"] == self.world and rng.is_file() else None
         _barrier()
-        st = self.t.state
         how = "" if load_optimizer else " (weights only: fresh optimizer moments)"
         self._say(f"resumed from {ckpt}{how}: step {st.step}, epoch {st.epoch} (+{st.offset} samples), "
                   f"saved by {meta['world_size']} process(es) [{meta['holder']}], loaded in "
                   f"{time.perf_counter() - t0:.2f} s")
-        return ckpt
+        return st
 
     def _check_fits(self, ckpt: Path, meta: dict):
         want = {n: tuple(p["shape"]) for n, p in meta["params"].items()}
         have = {s.name: tuple(s.shape) for s in self.holder.slots}
         diff = shape_mismatch(want, have, "checkpoint", "model")
         if diff:
-            raise CheckpointError(f"checkpoint {ckpt} does not fit model {self.t.cfg.model.name!r}:\n{diff}\n"
+            raise CheckpointError(f"checkpoint {ckpt} does not fit model {self.model_name!r}:\n{diff}\n"
                                   f"resume with the model settings it was trained with (see {ckpt / io.META})")
-        d, s = meta["data"], self.t.sampler
+        d, s, b = meta["data"], self.sampler, self.batch
         if d["num_samples"] != s.num_samples:
             raise CheckpointError(f"checkpoint {ckpt} was trained on {d['num_samples']} training samples, this run has "
                                   f"{s.num_samples}: its data position does not apply; use the same data settings, or "
@@ -289,8 +324,8 @@ class Checkpointer:
         if d["global_batch"] != s.global_batch:
             raise CheckpointError(
                 f"checkpoint {ckpt} was trained with a global batch of {d['global_batch']} samples, this run has "
-                f"{s.global_batch} (micro {self.t.batch.micro} x accum {self.t.batch.accum} x world "
-                f"{self.t.batch.world}); set --train.global_batch_size {d['global_batch']} (any number of processes "
+                f"{s.global_batch} (micro {b.micro} x accum {b.accum} x world "
+                f"{b.world}); set --train.global_batch_size {d['global_batch']} (any number of processes "
                 f"then reads the same data order)")
         if d["seed"] != s.seed:
             self._say(f"warning: the checkpoint used train.seed {d['seed']}, this run {s.seed}: "
@@ -319,21 +354,21 @@ class Checkpointer:
                     buf.copy_(reader.read("buffer", name, 0, buf.numel(), buf.dtype).view_as(buf))
         h.finish_load()
 
-    def _restore_counters(self, meta: dict):
-        t = self.t
+    def _restore_counters(self, meta: dict) -> TrainState:
+        """The saved TrainState; DeepSpeed's step counters and the loss scale set to match it."""
         known = TrainState.__dataclass_fields__
-        t.state = TrainState(**{k: v for k, v in meta["train_state"].items() if k in known})
-        t._it = None  # the next batch re-creates the iterator at (epoch, offset)
-        if t.ds.is_deepspeed:
-            eng, st = t.model, t.state
+        st = TrainState(**{k: v for k, v in meta["train_state"].items() if k in known})
+        if self.ds.is_deepspeed:
+            eng = self.model
             saved = meta.get("engine") or {}
             eng.global_steps = saved.get("global_steps", st.step)
             eng.global_samples = saved.get("global_samples", st.samples_seen)
             eng.skipped_steps = saved.get("skipped_steps", st.skipped_steps)
-            eng.micro_steps = st.step * t.batch.accum
+            eng.micro_steps = st.step * self.batch.accum
         scaler = meta.get("loss_scaler")
-        if scaler and t.ds.precision == "fp16":
+        if scaler and self.ds.precision == "fp16":
             self._restore_scaler(scaler)
+        return st
 
     def on_fit_start(self):
         """Restore RNG streams at the last moment before the first step (nothing in between may draw)."""
@@ -343,36 +378,34 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ engine / scaler bits
     def _engine_counters(self):
-        m = self.t.model
-        if not self.t.ds.is_deepspeed:
+        m = self.model
+        if not self.ds.is_deepspeed:
             return None
         return {k: int(getattr(m, k)) for k in ("global_steps", "global_samples", "skipped_steps") if hasattr(m, k)}
 
     def _scaler_state(self):
-        t = self.t
-        if t.ds.precision != "fp16":
+        if self.ds.precision != "fp16":
             return None
-        if t.ds.is_deepspeed:
-            return {"kind": "deepspeed", **loss_scale.state(t.model.optimizer)}
-        sc = getattr(t.acc, "scaler", None)
+        if self.ds.is_deepspeed:
+            return {"kind": "deepspeed", **loss_scale.state(self.model.optimizer)}
+        sc = getattr(self.acc, "scaler", None)
         return {"kind": "torch", **{k: float(v) for k, v in sc.state_dict().items()}} if sc is not None else None
 
     def _restore_scaler(self, s: dict):
-        t = self.t
-        if s["kind"] == "deepspeed" and t.ds.is_deepspeed:
-            loss_scale.restore(t.model.optimizer, s)
-        elif s["kind"] == "torch" and getattr(t.acc, "scaler", None) is not None:
+        if s["kind"] == "deepspeed" and self.ds.is_deepspeed:
+            loss_scale.restore(self.model.optimizer, s)
+        elif s["kind"] == "torch" and getattr(self.acc, "scaler", None) is not None:
             state = {k: v for k, v in s.items() if k != "kind"}
             state["_growth_tracker"] = int(state.get("_growth_tracker", 0))
             state["growth_interval"] = int(state.get("growth_interval", 2000))
-            t.acc.scaler.load_state_dict(state)
+            self.acc.scaler.load_state_dict(state)
 
     # ------------------------------------------------------------------ weights
     def init_from(self, path: str):
         """model.init_from: exported weights (any world size / stage), optimizer untouched."""
         from train.checkpoint.weights import WeightsReader
         w = WeightsReader(path, what="model.init_from")
-        tied = self.t.workload.tied
+        tied = self.workload.tied
         w.add_ties(tied)
         h = self.holder
         have = {s.name: tuple(s.shape) for s in h.slots}
@@ -380,7 +413,7 @@ class Checkpointer:
         found = w.shapes(ignore={alias for alias, _ in tied})
         diff = shape_mismatch(have, found, "model", "weights")
         if diff:
-            raise ConfigError(f"model.init_from {path} does not match model {self.t.cfg.model.name!r}:\n{diff}\n"
+            raise ConfigError(f"model.init_from {path} does not match model {self.model_name!r}:\n{diff}\n"
                               f"point model.init_from at weights exported from the same architecture")
         h.begin_load()
         with torch.no_grad():
@@ -400,7 +433,7 @@ class Checkpointer:
         time (DeepSpeed's own full-parameter accessors under ZeRO), rank 0 writes one shard at a time."""
         from train.checkpoint.weights import EXPORT_DTYPES, write_weights
         t0 = time.perf_counter()
-        out = Path(out_dir) if out_dir else Path(self.t.run_dir) / "export"
+        out = Path(out_dir) if out_dir else self.export_dir
         h = self.holder
         slots = {s.name: s for s in h.slots}
         buffers = dict(persistent_buffers(self.raw_model))
@@ -412,7 +445,7 @@ class Checkpointer:
                 return h.full_param(slots[name])
             return buffers[name].detach().cpu()
 
-        wl = self.t.workload
+        wl = self.workload
         write_weights(out, entries, get, dtype=EXPORT_DTYPES[self.cfg.export_dtype],
                       max_shard_size=self.cfg.max_shard_size, tied=wl.tied, family=wl.family,
                       model_config=wl.model_config, is_writer=self.is_main)

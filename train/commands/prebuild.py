@@ -21,8 +21,8 @@ def main() -> int:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(paths.EXTENSIONS_CACHE))
     ext_dir = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     ext_dir.mkdir(parents=True, exist_ok=True)
-    from train.launch.distributed import _venv_tools_first
-    _venv_tools_first(os.environ)  # the same ninja as the ranks use, or each rebuilds the other's op
+    from train.launch.distributed import venv_tools_first
+    venv_tools_first(os.environ)  # the same ninja as the ranks use, or each rebuilds the other's op
     import torch
     from deepspeed.ops.op_builder import CPUAdamBuilder
     ops = [("cpu_adam", CPUAdamBuilder)]  # optimizer offload, on CPU and GPU machines alike

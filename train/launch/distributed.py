@@ -77,11 +77,11 @@ def normalize_env() -> str:
                           f"pass --master_addr/--master_port to the launcher")
     # DeepSpeed JIT-builds a comm op on CPU; every rank (and node) must look in one place.
     env.setdefault("TORCH_EXTENSIONS_DIR", str(paths.EXTENSIONS_CACHE))
-    _venv_tools_first(env)
+    venv_tools_first(env)
     return launcher
 
 
-def _venv_tools_first(env):
+def venv_tools_first(env):
     """Put this interpreter's bin dir first on PATH when it has its own `ninja`.
 
     JIT ops are built by whichever ninja is first on PATH, and ninja 1.11 (Debian's) and

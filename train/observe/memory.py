@@ -21,8 +21,12 @@ the CPU, so the engine's own offload flags decide.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from train.plan.estimate import Estimate
 
 CATEGORIES = ("params", "grads", "optimizer", "buffers")
 
@@ -216,12 +220,14 @@ class MemoryReport:
 
     FIELDS = ("params", "grads", "optimizer", "buffers", "model_states", "host", "plan_model_states", "plan_host")
 
-    def __init__(self, trainer):
-        self.t = trainer
-        start = trainer.state.step
-        # Step `start` from scratch creates the moments; measure the one after it if there is one.
-        self.at = start + 1 if start == 0 and trainer.max_steps > 1 else start
-        self.probe = StepProbe(trainer.model, trainer.raw_optimizer, trainer.ds.is_deepspeed)
+    def __init__(self, *, acc, model, raw_optimizer, is_deepspeed: bool, start_step: int, max_steps: int,
+                 plan: Estimate | None, log: Callable[[dict, int], None]):
+        """`model`/`raw_optimizer` as for StepProbe; `plan`: the planner's estimate for this rank
+        (logged as plan/* next to the measurement), None when there is none; `log`: the metrics sink."""
+        self.acc, self.plan, self.log = acc, plan, log
+        # Step `start_step` from scratch creates the moments; measure the one after it if there is one.
+        self.at = start_step + 1 if start_step == 0 and max_steps > 1 else start_step
+        self.probe = StepProbe(model, raw_optimizer, is_deepspeed)
 
     def before_step(self, step: int):
         if step == self.at:
@@ -233,10 +239,10 @@ class MemoryReport:
             return
         self.probe.disarm()
         r = self.probe.result or ModelStateBytes()
-        plan = getattr(self.t, "memory_plan", None)
+        plan = self.plan
         mine = [r.device["params"], r.device["grads"], r.device["optimizer"], r.device["buffers"], r.model_states,
                 r.host_total, plan.model_states if plan else -1, plan.host if plan else -1]
-        acc = self.t.acc
+        acc = self.acc
         rows = acc.gather(torch.tensor(mine, dtype=torch.int64, device=acc.device)).view(-1, len(mine)).cpu()
         if not acc.is_main_process:
             return
@@ -251,7 +257,7 @@ class MemoryReport:
             m.update({f"plan/{k}_bytes": getattr(plan, k) for k in ("params", "grads", "optimizer", "buffers")})
             if plan.activations is not None:
                 m["plan/activations_bytes"] = plan.activations
-        self.t.loggers.log(m, step)
+        self.log(m, step)
         print(self.line(per_rank, step), flush=True)
 
     @staticmethod

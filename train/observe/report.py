@@ -46,41 +46,29 @@ def banner(t) -> str:
         f"  schedule     {t.max_steps} steps ({t.sampler.steps_per_epoch} per epoch), lr {t.cfg.optim.lr:g} "
         f"{t.cfg.optim.schedule}, warmup {t.cfg.optim.warmup_steps}",
     ]
-    est = getattr(t, "memory_estimate", None)  # set by the memory planner (train/plan/estimate.py)
-    if est:
-        lines.append(f"  model states {_estimate_text(est)} per rank (estimated)")
-    memory = _memory_text(t)
-    if memory:
-        lines.append(f"  memory       {memory}")
+    if t.memory is not None:  # the planner's view of this rank (train/plan/estimate.py RankPlan)
+        if t.memory.text:
+            lines.append(f"  model states {t.memory.text} per rank (estimated)")
+        lines.append(f"  memory       {_memory_text(t.memory)}")
     if t.state.step:
         lines.append(f"  resumed      at step {t.state.step} ({human(t.state.tokens_seen)} tokens seen)")
     lines.append(f"  run dir      {t.run_dir}")
     lines.append(f"  full config: {t.run_dir / 'config.json'}")
-    status = getattr(t, "wandb_status", None)  # set on rank 0 by wandb_logger.start()
-    if status:
-        lines.append(f"  {status}")
+    if t.wandb_status:  # rank 0: where W&B data goes, or why W&B is off (wandb_logger.start)
+        lines.append(f"  {t.wandb_status}")
     return "\n".join(lines)
 
 
-def _memory_text(t) -> str | None:
-    """The planner's peak per rank against the memory check's budget (train/plan/fit.py)."""
-    if not hasattr(t, "memory_budget"):
-        return None
-    budget = t.memory_budget
+def _memory_text(memory) -> str:
+    """The planner's peak per rank (`memory`: a RankPlan) against the memory check's budget
+    (train/plan/fit.py)."""
+    budget = memory.budget
     if budget is None:
         return "budget not checked (distributed.memory_check false)"
-    peak = getattr(getattr(t, "memory_plan", None), "device_total", None)
+    peak = memory.estimate.device_total if memory.estimate is not None else None
     used = (f"estimated peak {human_bytes(peak)} of " if peak is not None else "budget ") + human_bytes(budget.bytes)
     share = f" ({100 * peak / budget.bytes:.0f}%)" if peak is not None and budget.bytes > 0 else ""
     return f"{used} per rank{share}: {budget.source}"
-
-
-def _estimate_text(est) -> str:
-    if isinstance(est, (int, float)):
-        return human_bytes(est)
-    if hasattr(est, "describe"):
-        return est.describe()
-    return str(est)
 
 
 def duration(seconds: float) -> str:
@@ -104,7 +92,7 @@ def progress_line(m: dict, step: int, max_steps: int) -> str:
 
 def summary(t, result: dict, elapsed: float, sample: str | None, exported: str | None, ckpt: str | None) -> str:
     st = t.state
-    step0, samples0, tokens0 = getattr(t, "_start_counts", (0, 0, 0))
+    step0, samples0, tokens0 = t.start_counts
     lm = t.data.items_per_sample > 1
     done = st.tokens_seen - tokens0 if lm else st.samples_seen - samples0
     lines = ["zerotrain done " + "-" * 55,
@@ -122,7 +110,7 @@ def summary(t, result: dict, elapsed: float, sample: str | None, exported: str |
     if exported:
         lines.append(f"  weights      {exported}")
     lines.append(f"  metrics      {t.run_dir / 'metrics.jsonl'}  (plot: zerotrain plot {t.run_dir})")
-    if getattr(t, "wandb", None):
+    if t.wandb:
         lines.append(f"  wandb        {t.wandb.location}")
     if sample is not None:
         lines.append("  sample:\n" + "\n".join("    | " + s for s in sample.splitlines()[:12]))

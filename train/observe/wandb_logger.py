@@ -250,25 +250,25 @@ class WandbSink:
         self.run.finish(exit_code=1 if failed or self.preempted else 0)
 
 
-def start(trainer) -> Optional[WandbSink]:
-    """Start (or resume) the W&B run on rank 0 and share its id with every rank. Returns the
-    sink on rank 0 when W&B is on, else None; sets trainer.wandb_status on rank 0 (the
-    start-up line: the run URL, the offline directory and its `wandb sync`, or why W&B is off).
-    auto mode that chose online falls back to an offline run when the run cannot start online
-    (no network, rejected key); a requested mode stops every rank with one error instead."""
-    acc, cfg, st = trainer.acc, trainer.cfg, trainer.state
+def start(acc, cfg, state, run_dir: Path, resolved_config: dict) -> tuple[Optional[WandbSink], Optional[str]]:
+    """Start (or resume, from state.wandb_run_id) the W&B run on rank 0 and share its id with
+    every rank; stores it in `state` (the TrainState checkpoints save). Returns (the sink on
+    rank 0 when W&B is on, else None; rank 0's start-up line: the run URL, the offline directory
+    and its `wandb sync`, or why W&B is off). auto mode that chose online falls back to an offline
+    run when the run cannot start online (no network, rejected key); a requested mode stops every
+    rank with one error instead. `resolved_config` becomes the W&B run's config."""
     wcfg = cfg.logging.wandb
-    sink, problem, run_id = None, None, st.wandb_run_id
+    sink, status, problem, run_id = None, None, None, state.wandb_run_id
     if acc.is_main_process:
         try:
             choice = choose(wcfg.mode)
             if choice.mode == "disabled":
-                trainer.wandb_status = (f"W&B off: {choice.reason} (pip install wandb to log there)"
-                                        if not choice.requested else f"W&B disabled ({choice.reason})")
+                status = (f"W&B off: {choice.reason} (pip install wandb to log there)"
+                          if not choice.requested else f"W&B disabled ({choice.reason})")
             else:
                 run_id = run_id or new_run_id()  # auto's offline retry keeps it (a resumed run's too)
                 try:
-                    sink = _init_run(acc, cfg, trainer, choice.mode, run_id)
+                    sink = _init_run(acc, cfg, run_dir, resolved_config, choice.mode, run_id)
                     note = "" if choice.requested or choice.mode == "online" else choice.reason
                 except Exception as e:
                     _drop_tracker(acc)
@@ -277,9 +277,9 @@ def start(trainer) -> Optional[WandbSink]:
                     why = f"{type(e).__name__}: {_oneline(e, 200)}"
                     import wandb
                     wandb.teardown()  # its service keeps the failed run's id reserved ("run ID ... is in use")
-                    sink = _init_run(acc, cfg, trainer, "offline", run_id)
+                    sink = _init_run(acc, cfg, run_dir, resolved_config, "offline", run_id)
                     note = f"auto: online failed, {why}"
-                trainer.wandb_status = sink.status(note)
+                status = sink.status(note)
                 run_id = sink.run.id
         except Exception as e:  # network, auth, permissions: say what to do, keep the key out
             problem = str(e) if isinstance(e, ConfigError) else (
@@ -290,8 +290,8 @@ def start(trainer) -> Optional[WandbSink]:
     problem, run_id = broadcast_object_list([problem, run_id], from_process=0)
     if problem:
         raise ConfigError(problem)
-    st.wandb_run_id = run_id  # every rank: whichever rank writes the checkpoint state has it
-    return sink
+    state.wandb_run_id = run_id  # every rank: whichever rank writes the checkpoint state has it
+    return sink, status
 
 
 def _drop_tracker(acc):
@@ -306,16 +306,16 @@ def new_run_id() -> str:
     return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
-def _init_run(acc, cfg, trainer, mode: str, run_id: Optional[str]) -> WandbSink:
+def _init_run(acc, cfg, run_dir: Path, resolved_config: dict, mode: str, run_id: Optional[str]) -> WandbSink:
     wcfg = cfg.logging.wandb
     if "wandb" not in [str(t) for t in acc.log_with or []]:
         raise RuntimeError('W&B is on but the Accelerator was built without log_with="wandb" '
                            "(build it with wandb_logger.log_with(cfg))")
     init = {"id": run_id or new_run_id(), "resume": "allow", "mode": mode,
-            "name": wcfg.name or Path(trainer.run_dir).name, "tags": list(wcfg.tags), "group": wcfg.group,
+            "name": wcfg.name or Path(run_dir).name, "tags": list(wcfg.tags), "group": wcfg.group,
             "entity": wcfg.entity}
     if "WANDB_DIR" not in os.environ:
-        init["dir"] = str(trainer.run_dir)  # <run_dir>/wandb/, next to metrics.jsonl
+        init["dir"] = str(run_dir)  # <run_dir>/wandb/, next to metrics.jsonl
     for name in [k for k, v in os.environ.items() if k.startswith("WANDB_") and not v.strip()]:
         # Empty means unset here (choose()); wandb 0.31 rejects "" as a mode or a boolean.
         del os.environ[name]
@@ -323,6 +323,6 @@ def _init_run(acc, cfg, trainer, mode: str, run_id: Optional[str]) -> WandbSink:
         # The banner and the summary say where the run is; wandb's own start lines and its
         # ~30-line history/summary footer would bury them (warnings and errors still show).
         init["settings"] = {"quiet": True}
-    acc.init_trackers(wcfg.project, config=trainer.resolved_config,
+    acc.init_trackers(wcfg.project, config=resolved_config,
                       init_kwargs={"wandb": {k: v for k, v in init.items() if v is not None}})
     return WandbSink(acc, acc.get_tracker("wandb", unwrap=True))

@@ -53,9 +53,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from train import paths
+
+if TYPE_CHECKING:
+    from train.launch.device_memory import Budget
 
 GiB = 2 ** 30
 MiB = 2 ** 20
@@ -223,9 +226,9 @@ def module_shape(model, name: str, gpt=None, width: Optional[int] = None) -> Mod
 
 def strategy_from_json(label: str, path: Path, precision: Optional[str] = None,
                        width: Optional[int] = None) -> Strategy:
-    from train.dsconfig import _precision, read_ds_json
+    from train.dsconfig import precision_of, read_ds_json
     ds = read_ds_json(path)
-    prec = precision or _precision(path, ds)
+    prec = precision or precision_of(path, ds)
     if "ddp" in ds:
         return Strategy(label, str(path), "ddp", None, prec,
                         bucket_view=bool(ds["ddp"].get("gradient_as_bucket_view", False)),
@@ -508,22 +511,29 @@ def banner_estimate(model, cfg, ds, batch, world: int, gpt=None, seq_len: Option
     return text, e
 
 
-def attach_estimate(trainer) -> None:
-    """Sets trainer.memory_estimate (the banner's line) and trainer.memory_plan (this rank's
-    Estimate, compared with the measurement by train/observe/memory.py). A planner that cannot size
-    this model says so in the banner rather than stopping the run."""
+@dataclass(frozen=True)
+class RankPlan:
+    """What the planner tells the running trainer about this rank (train/training/build.py makes
+    it once): the banner's "model states" and "memory" lines, and the plan the measured mem/*
+    metrics are logged next to (train/observe/memory.py)."""
+
+    budget: Optional[Budget]      # the memory check's agreed budget (train/plan/fit.py); None: the check was off
+    estimate: Optional[Estimate]  # this rank's plan; None when the planner cannot size the model
+    text: str                     # the banner's text for the estimate, or why there is none
+
+
+def rank_plan(model, cfg, ds, batch, topo, workload, seq_len: Optional[int],
+              budget: Optional[Budget]) -> RankPlan:
+    """This rank's plan for the running model (`model` unwrapped from its engine). A planner that
+    cannot size this model says so in the banner rather than stopping the run."""
     from models.gpt import GPTConfig
-    wc = trainer.workload.model_config
+    wc = workload.model_config
     gpt = GPTConfig.from_dict({k: v for k, v in wc.items() if k != "family"}) if wc.get("family") == "gpt" else None
-    budget = getattr(trainer, "memory_budget", None)  # train/plan/fit.py's, when the memory check ran
     device = Device(budget.device, budget.runtime) if budget is not None else \
-        Device("cuda" if trainer.topo.device == "cuda" else "cpu", 0)
+        Device("cuda" if topo.device == "cuda" else "cpu", 0)
     try:
-        model = trainer.acc.unwrap_model(trainer.model)
-        text, est = banner_estimate(model, trainer.cfg, trainer.ds, trainer.batch, trainer.topo.world_size, gpt,
-                                    trainer.data.seq_len, rank=trainer.topo.rank, device=device,
-                                    width=trainer.workload.hidden_size)
+        text, est = banner_estimate(model, cfg, ds, batch, topo.world_size, gpt, seq_len, rank=topo.rank,
+                                    device=device, width=workload.hidden_size)
     except Exception as e:  # noqa: BLE001 - the estimate is advisory; the run goes on
-        trainer.memory_estimate, trainer.memory_plan = f"estimate unavailable ({type(e).__name__}: {e})", None
-        return
-    trainer.memory_estimate, trainer.memory_plan = text, est
+        return RankPlan(budget, None, f"estimate unavailable ({type(e).__name__}: {e})")
+    return RankPlan(budget, est, text)

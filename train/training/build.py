@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from train import paths
+from train.checkpoint.state import TrainState
 from train.config import RunConfig
 from train.errors import ConfigError
 
@@ -203,22 +204,25 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
             (run_dir / "classes.json").write_text(json.dumps(data.class_names, indent=1) + "\n")
         sinks.append(JsonlLogger(run_dir / "metrics.jsonl"))
     loggers = Loggers(sinks)
-    trainer = Trainer(cfg=cfg, acc=acc, topo=topo, ds=ds, batch=batch, workload=workload, data=data, model=model,
-                      optimizer=optimizer, raw_optimizer=raw_optimizer, train_loader=train_loader, sampler=sampler,
-                      val_loader=val_loader, max_steps=max_steps, run_dir=run_dir, loggers=loggers)
-    trainer.resolved_config = resolved
-    trainer.memory_budget = budget
-    from train.plan.estimate import attach_estimate
-    attach_estimate(trainer)  # the banner's "model states" line; compared with mem/* at step 2
-    _restore(trainer, cfg)
-    return trainer
-
-
-def _restore(trainer, cfg: RunConfig):
-    """Checkpoint resume (checkpoint.resume) or initial weights (model.init_from), before
-    start(): W&B and the banner see the restored step and run id."""
+    from train.plan.estimate import rank_plan
+    # The banner's "model states" and "memory" lines; the plan is compared with mem/* at step 2.
+    memory = rank_plan(acc.unwrap_model(model), cfg, ds, batch, topo, workload, data.seq_len, budget)
     from train.checkpoint.manager import Checkpointer
-    trainer.checkpointer = ckpt = Checkpointer(trainer)
+    checkpointer = Checkpointer(cfg=cfg.checkpoint, run_dir=run_dir, rank=topo.rank, world=topo.world_size, acc=acc,
+                                model=model, raw_optimizer=raw_optimizer, ds=ds, workload=workload, sampler=sampler,
+                                batch=batch, model_name=cfg.model.name, log=loggers.log, resolved_config=resolved)
+    state = _restore(checkpointer, cfg)
+    return Trainer(cfg=cfg, resolved_config=resolved, topo=topo, ds=ds, batch=batch, max_steps=max_steps,
+                   run_dir=run_dir, acc=acc, model=model, optimizer=optimizer, raw_optimizer=raw_optimizer,
+                   workload=workload, data=data, train_loader=train_loader, sampler=sampler, val_loader=val_loader,
+                   loggers=loggers, checkpointer=checkpointer, memory=memory, state=state)
+
+
+def _restore(ckpt, cfg: RunConfig) -> TrainState:
+    """Checkpoint resume (checkpoint.resume) or initial weights (model.init_from), before
+    start(): W&B and the banner see the restored step and run id. Returns the TrainState the
+    run starts from (a fresh one unless a checkpoint was resumed)."""
     resumed = ckpt.resume(cfg.checkpoint.resume, load_optimizer=cfg.checkpoint.load_optimizer)
     if cfg.model.init_from and resumed is None:
         ckpt.init_from(cfg.model.init_from)
+    return resumed if resumed is not None else TrainState()

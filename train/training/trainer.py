@@ -3,6 +3,9 @@
 Everything here is the same for DDP and every ZeRO stage; the differences live in the
 Accelerator (distributed.py) and the two small `if self.ds.is_deepspeed` branches below
 (DeepSpeed steps and clips inside `backward`, DDP here).
+
+The Trainer's fields are every component it works with, declared in one place; build.py
+assembles them and nothing is attached to a Trainer afterwards.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from __future__ import annotations
 import math
 import signal
 import time
-
-from typing import Optional
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -19,6 +23,21 @@ from train.checkpoint.state import TrainState
 from train.optim import loss_scale
 from train.optim.optimizer import set_lr
 from train.training import faults
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from models.workload import Workload
+    from train.checkpoint.manager import Checkpointer
+    from train.config import Batch, RunConfig
+    from train.data.bundle import DataBundle
+    from train.data.sampler import GlobalBatchSampler
+    from train.dsconfig import DSSetup
+    from train.launch.distributed import Topology
+    from train.observe.metrics import Loggers
+    from train.observe.wandb_logger import WandbSink
+    from train.plan.estimate import RankPlan
 
 
 class StopRequested:
@@ -85,25 +104,54 @@ class StopVote:
         return vote[1].item() > 0  # a CPU tensor: no device sync
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class Trainer:
-    def __init__(self, *, cfg, acc, topo, ds, batch, workload, data, model, optimizer, raw_optimizer,
-                 train_loader, sampler, val_loader, max_steps, run_dir, loggers, checkpointer=None, banner=None):
-        self.cfg, self.acc, self.topo, self.ds, self.batch = cfg, acc, topo, ds, batch
-        self.workload, self.data, self.model = workload, data, model
-        self.optimizer, self.raw_optimizer = optimizer, raw_optimizer
-        self.train_loader, self.sampler, self.val_loader = train_loader, sampler, val_loader
-        self.max_steps, self.run_dir, self.loggers, self.checkpointer = max_steps, run_dir, loggers, checkpointer
-        self.state = TrainState()
-        self.param_dtype = next(p for p in model.parameters()).dtype if ds.is_deepspeed else torch.float32
-        self._it = None
-        self.last_eval: dict = {}
-        self.stop_reason = None       # None | "signal" | "diverged"
-        self.diverged_reason = ""
-        self._bad_run = 0             # consecutive non-finite steps
-        self._health: list = []       # (step, grad norm, fp16 scale) since the last check, still on the device
-        self.last_grad_norm = None    # float, read at the last check
-        self.wandb = None        # rank 0's W&B sink once start() ran with W&B on
-        self._finished = False   # finish() completed: close() reports success to W&B
+    """One run: start() -> fit() -> finish() -> close(). Every collaborator is a field below,
+    passed in by build.py; the fields after them are the loop's own bookkeeping."""
+
+    # -- what the run is
+    cfg: RunConfig                        # the run config, read only
+    resolved_config: dict                 # <run_dir>/config.json's content: also the W&B run's config
+    topo: Topology                        # this rank, the world size, nodes, launcher, device
+    ds: DSSetup                           # the strategy: DDP or a ZeRO stage, precision, offload
+    batch: Batch                          # micro x accum x world samples per optimizer step
+    max_steps: int
+    run_dir: Path
+    # -- the distributed runtime and what it prepared
+    acc: Accelerator                      # device, accumulate / backward / clip, gather, DDP's GradScaler
+    model: torch.nn.Module                # accelerate.prepare's: a DeepSpeed engine, a DDP wrapper or the module
+    optimizer: torch.optim.Optimizer      # accelerate.prepare's wrapper: steps and zeroes gradients under DDP
+    raw_optimizer: torch.optim.Optimizer  # the torch optimizer inside it: its LR is set every step
+    # -- the model's task and its data
+    workload: Workload                    # loss, eval statistics, FLOPs per item of the model family
+    data: DataBundle                      # the splits and what they hold (tokens per sample, decode)
+    train_loader: DataLoader
+    sampler: GlobalBatchSampler           # the resumable global data order, positioned from `state`
+    val_loader: Optional[DataLoader]
+    # -- services
+    loggers: Loggers                      # metrics sinks: metrics.jsonl on rank 0, W&B added by start()
+    checkpointer: Optional[Checkpointer]  # save / export; None: the run writes no checkpoint
+    memory: Optional[RankPlan]            # the planner's view of this rank: banner lines, plan/* metrics
+    # -- where training stands: saved in checkpoints; a resumed run passes the restored one
+    state: TrainState
+
+    # -- the loop's own bookkeeping (not passed in)
+    param_dtype: torch.dtype = field(init=False)  # batches are cast to it under DeepSpeed bf16/fp16
+    last_eval: dict = field(init=False, default_factory=dict)
+    stop_reason: Optional[str] = field(init=False, default=None)       # None | "signal" | "diverged"
+    diverged_reason: str = field(init=False, default="")
+    last_grad_norm: Optional[float] = field(init=False, default=None)  # read at the last health check
+    wandb: Optional[WandbSink] = field(init=False, default=None)        # rank 0's W&B sink, once start() ran
+    wandb_status: Optional[str] = field(init=False, default=None)      # rank 0's banner line about W&B
+    start_counts: tuple = field(init=False, default=(0, 0, 0))         # (step, samples, tokens) at start()
+    _it: object = field(init=False, default=None)       # the batch iterator; None: re-made at `state`'s position
+    _bad_run: int = field(init=False, default=0)        # consecutive non-finite steps
+    _health: list = field(init=False, default_factory=list)  # (step, grad norm, fp16 scale) not yet read
+    _t_start: float = field(init=False, default=0.0)
+    _finished: bool = field(init=False, default=False)  # finish() completed: close() reports success to W&B
+
+    def __post_init__(self):
+        self.param_dtype = next(p for p in self.model.parameters()).dtype if self.ds.is_deepspeed else torch.float32
 
     # ------------------------------------------------------------------ data
     def _next_batch(self):
@@ -307,7 +355,10 @@ class Trainer:
         if self.checkpointer:
             self.checkpointer.on_fit_start()  # a resumed run's RNG streams, right before the first step
         from train.observe.memory import MemoryReport
-        mem = MemoryReport(self)  # measured model-state bytes of one early step (mem/* metrics)
+        # Measured model-state bytes of one early step (mem/* metrics), next to the plan's.
+        mem = MemoryReport(acc=acc, model=self.model, raw_optimizer=self.raw_optimizer,
+                           is_deepspeed=self.ds.is_deepspeed, start_step=st.step, max_steps=self.max_steps,
+                           plan=self.memory.estimate if self.memory else None, log=self.loggers.log)
         vote = StopVote(acc)
         with StopRequested() as stop:
             while st.step < self.max_steps:
@@ -396,11 +447,12 @@ class Trainer:
     def start(self):
         from train.observe import report, wandb_logger
         # After build() restored the checkpoint state: a resumed run continues its W&B run.
-        self.wandb = wandb_logger.start(self)
+        self.wandb, self.wandb_status = wandb_logger.start(self.acc, self.cfg, self.state, self.run_dir,
+                                                           self.resolved_config)
         if self.wandb:
             self.loggers.sinks.append(self.wandb)
         self._t_start = time.perf_counter()
-        self._start_counts = (self.state.step, self.state.samples_seen, self.state.tokens_seen)
+        self.start_counts = (self.state.step, self.state.samples_seen, self.state.tokens_seen)
         if self.acc.is_main_process:
             # The full resolved config is <run_dir>/config.json (build.py); the banner names it.
             print(report.banner(self), flush=True)
