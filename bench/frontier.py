@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memcap  # noqa: E402
-from stages import BIN, REPO, _free_port, machine, peaks  # noqa: E402
+from stages import BIN, REPO, free_port, machine, peaks  # noqa: E402
 
 OPTIONS = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
 GiB = 2 ** 30
@@ -85,7 +85,7 @@ def launch(a, args: list[str], run: Path, cap: int | None, report: bool = True, 
     wrap = [str(REPO / "bench" / "memcap.py"), "--limit", f"{limit}B", "--report-dir", str(run / "cgroup"), "--"] \
         if report else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc), "--master_port",
-           str(_free_port()), *wrap, str(REPO / "bench" / "rank_peak.py"), str(REPO / "train" / "main.py"),
+           str(free_port()), *wrap, str(REPO / "bench" / "rank_peak.py"), str(REPO / "train" / "main.py"),
            *args, "--train.run_dir", str(run / "run")]
     run.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

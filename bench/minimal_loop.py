@@ -42,7 +42,7 @@ def parse(argv):
 
 def setup(args):
     """Config, batch, resolved DeepSpeed JSON, data: exactly what train/training/build.py computes."""
-    from models import _gpt_config
+    from models import gpt_config
     from models import resolve as resolve_model
     from train.args import parse_train_args
     from train.config import load_config
@@ -52,10 +52,10 @@ def setup(args):
     cfg = load_config(targs.config, targs.overrides)
     world = int(os.environ.get("WORLD_SIZE", 1))
     batch = cfg.train.batch(world)
-    gcfg = _gpt_config(cfg.model, vocab_size=256)
+    gcfg = gpt_config(cfg.model, vocab_size=256)
     seq = cfg.data.seq_len or gcfg.seq_len
     data = build_data(cfg.data, seq, cfg.train.seed)
-    gcfg = _gpt_config(cfg.model, vocab_size=data.vocab_size)
+    gcfg = gpt_config(cfg.model, vocab_size=data.vocab_size)
     ds = resolve(args.ds_config, cfg, batch, args.steps, cuda=torch.cuda.is_available(),
                  hidden_size=resolve_model(cfg.model).hidden_size)
     return cfg, batch, gcfg, seq, data, ds

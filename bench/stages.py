@@ -117,7 +117,7 @@ def launch(a, script: str, args: list[str], peak_dir: Path, log: Path) -> float:
         env.pop(k, None)
     # `python -m torch.distributed.run` = torchrun, also where pip put no torchrun next to python
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc),
-           "--master_port", str(_free_port()),
+           "--master_port", str(free_port()),
            str(REPO / "bench" / "rank_peak.py"), script, *args]
     t0 = time.perf_counter()
     with open(log, "w") as f:
@@ -130,7 +130,7 @@ def launch(a, script: str, args: list[str], peak_dir: Path, log: Path) -> float:
     return time.perf_counter() - t0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -39,7 +39,7 @@ def resolve(cfg: ModelConfig) -> ModelSpec:
         from models.hf import spec_fields
         return ModelSpec(cfg, "hf", **spec_fields(name[3:]))
     if name in gpt.PRESETS:
-        g = _gpt_config(cfg, vocab_size=None)
+        g = gpt_config(cfg, vocab_size=None)
         return ModelSpec(cfg, "gpt", context=g.seq_len, vocab_size=g.vocab_size, hidden_size=g.d_model)
     if name == "linear":
         return ModelSpec(cfg, "linear")
@@ -94,7 +94,8 @@ def partition_summary(model: nn.Module, world_size: int) -> str:
             f"{c['held_elements'] / 1e6:.2f}M held by this rank ({world_size} ranks)")
 
 
-def _gpt_config(cfg: ModelConfig, vocab_size):
+def gpt_config(cfg: ModelConfig, vocab_size):
+    """The GPTConfig that model section builds (vocab_size: the data's, unless model.vocab_size)."""
     from models import gpt
     try:
         return gpt.preset(cfg.name, n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
@@ -117,7 +118,7 @@ def meta_model(spec: ModelSpec, data) -> tuple[nn.Module, dict, Optional[int]]:
         return model, model_config, width
     if spec.family == "gpt":
         from models import gpt
-        gcfg = _gpt_config(spec.config, vocab_size=data.vocab_size)
+        gcfg = gpt_config(spec.config, vocab_size=data.vocab_size)
         with torch.device("meta"):
             model = gpt.GPT(gcfg)
         return model, {"family": "gpt", **gcfg.to_dict()}, width
@@ -146,7 +147,7 @@ def build_workload(spec: ModelSpec, data, init_context=contextlib.nullcontext) -
         from models import gpt
         if data.task != "lm":
             raise ConfigError(f"model.name {name} is a language model but data.kind gives a {data.task} task")
-        gcfg = _gpt_config(cfg, vocab_size=data.vocab_size)
+        gcfg = gpt_config(cfg, vocab_size=data.vocab_size)
         if data.vocab_size and gcfg.vocab_size < data.vocab_size:
             raise ConfigError(f"model.vocab_size {gcfg.vocab_size} is smaller than the data's vocabulary "
                               f"{data.vocab_size}; raise model.vocab_size")

@@ -61,7 +61,7 @@ def frontier(tmp_path_factory):
     why = memcap.can_cap()
     if why is not None:
         pytest.skip(f"cannot create a memory cgroup here ({why}): the fit frontier needs a kernel-enforced limit")
-    from models import _gpt_config
+    from models import gpt_config
     from train.plan.estimate import Batch, Device, estimate, gpt_shape, strategy_from_json
     work = tmp_path_factory.mktemp("frontier")
     family = fp32_family(work / "fp32")
@@ -75,7 +75,7 @@ def frontier(tmp_path_factory):
     runtime = resolved["memory_budget"]["runtime_bytes"]
     # 2. The cap: halfway between DDP's plan and ZeRO-3's plan plus the 10% headroom auto keeps.
     cfg = frontier_config()
-    shape = gpt_shape("frontier", _gpt_config(cfg.model, vocab_size=256))
+    shape = gpt_shape("frontier", gpt_config(cfg.model, vocab_size=256))
     batch, device = Batch(1, 64), Device("cpu", runtime)
     peak = {name: estimate(shape, strategy_from_json(name, Path(family) / f"{name}.json", None, shape.width), 2,
                            batch, device=device).device_total for name in ("ddp", "zero3")}

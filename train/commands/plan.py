@@ -168,13 +168,13 @@ def resolve_model(spec: str) -> tuple[ModelShape, dict]:
     if spec in gpt.PRESETS:
         return gpt_shape(spec, gpt.PRESETS[spec]), {}
     if Path(spec).suffix in (".yaml", ".yml", ".json") or Path(spec).is_file():
-        from models import _gpt_config
+        from models import gpt_config
         from train.config import load_config
         cfg = load_config(spec)
         if cfg.model.name not in gpt.PRESETS:
             raise ConfigError(f"{spec}: model.name {cfg.model.name!r} is not a GPT preset; zerotrain plan sizes "
                               f"GPTs from the run file, other models by parameter count (e.g. zerotrain plan 25M)")
-        gcfg = _gpt_config(cfg.model, vocab_size=None)
+        gcfg = gpt_config(cfg.model, vocab_size=None)
         return gpt_shape(cfg.model.name, gcfg), {
             "micro_batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len or gcfg.seq_len,
             "grad_accum": cfg.train.grad_accum_steps or 1,
