@@ -128,6 +128,14 @@ def test_bad_hostfile_is_caught_by_zerotrain_check(case, tmp_path, capsys):
     assert e.value.code == 2 and needle in err, err
 
 
+def test_zerotrain_check_names_an_unknown_model(tmp_path, capsys):
+    """`check` resolves the model as training does: a typo fails before any cluster time is spent."""
+    with pytest.raises(SystemExit) as e:
+        check_main(["--config", write(tmp_path, "run.yaml", "model:\n  name: gpt-tiniest\n")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and 'model.name "gpt-tiniest" is unknown (did you mean "gpt-tiny"?)' in err, err
+
+
 def test_accelerate_yaml_disagreeing_with_hostfile_is_caught(tmp_path, capsys):
     hf = write(tmp_path, "hostfile", "node0 slots=2\nnode1 slots=2\n")
     yaml_path = str(REPO / "ds_configs" / "accelerate" / "multinode_zero2.yaml")  # says 16 processes
