@@ -164,7 +164,9 @@ def test_hosts_are_probed_in_parallel_with_a_timeout_and_pdsh_is_looked_for(tmp_
     finally:
         silent.close()
     took = time.monotonic() - t0
-    assert CONNECT_TIMEOUT_S <= took < 2 * CONNECT_TIMEOUT_S, took
+    # In parallel: about one timeout. One after another would take 4; the bound leaves a loaded
+    # machine 2 timeouts of slack to start four ssh clients.
+    assert CONNECT_TIMEOUT_S <= took < 3 * CONNECT_TIMEOUT_S, took
     msg = str(e.value)
     assert "4 of 4 failed" in msg, msg
     assert all(f"  {n:<9}  port {port} sent no ssh greeting within 5 s" in msg for n in names), msg

@@ -84,32 +84,32 @@ def hostfile(workdir: Path, rig) -> Path:
 # ---------------------------------------------------------------------------------------- ssh + pdsh
 @pytest.mark.multiproc
 @pytest.mark.multinode
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_deepspeed_hostfile_over_ssh_trains_like_one_node(two_nodes, fp32_configs, tmp_path_factory, tmp_path,
-                                                          stage):
-    rig, ds = two_nodes, fp32_configs[stage]
+def test_deepspeed_hostfile_over_ssh_trains_like_one_node(two_nodes, fp32_configs, tmp_path_factory, tmp_path):
+    """ZeRO-3 (parameters partitioned across the nodes), W&B offline and a checkpoint at the end:
+    the ssh + pdsh path once, with the most that crosses nodes. ZeRO-2 across nodes is every
+    other launcher's test below."""
+    rig, ds = two_nodes, fp32_configs["zero3"]
     ref = reference(tmp_path_factory, rig, ds)
     hostfile(tmp_path, rig)
     run_dir = tmp_path / "run"
     # WANDB_MODE must reach node1 too (every rank takes part in W&B's start-up broadcast).
-    env = node_env(rig, {"WANDB_MODE": "offline"} if stage == "zero2" else None)
+    env = node_env(rig, {"WANDB_MODE": "offline"})
     made = zerotrain(["deepspeed-env"], cwd=tmp_path, env=env)
     assert made.returncode == 0, made.stderr
     ds_env = (tmp_path / ".deepspeed_env").read_text()
     assert "GLOO_SOCKET_IFNAME=ztnet\n" in ds_env and f"PATH={BIN}:" in ds_env
     assert f"TORCH_EXTENSIONS_DIR={rig.ext_dir}\n" in ds_env
-    extra = ["--checkpoint.save_at_end", "true"] if stage == "zero2" else []
     la = start(rig, rig.nodes[0], [str(BIN / "deepspeed"), "--hostfile", "hostfile", "--master_addr",
                                    rig.nodes[0].addr, "--master_port", str(rig.port()),
-                                   *node_args(ds, run_dir, *extra)], tmp_path, "pdsh", env)
+                                   *node_args(ds, run_dir, "--checkpoint.save_at_end", "true")], tmp_path, "pdsh", env)
     assert finish(rig, [la], LAUNCH_TIMEOUT_S) == [0], logs([la])
     out = la.output()
     assert "pdsh -S" in out  # the multi-node (pdsh) path, not a local launch
     assert_on_two_nodes(run_dir, out, rig, "deepspeed")
     assert_same_training(run_dir, ref)
-    if stage == "zero2":
-        assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1, "W&B run must be written once (rank 0)"
-        assert_one_checkpoint_written_collectively(run_dir)
+    assert all(info["zero3"]["partitioned_tensors"] > 0 for info in rank_infos(run_dir))
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1, "W&B run must be written once (rank 0)"
+    assert_one_checkpoint_written_collectively(run_dir)
 
 
 def assert_one_checkpoint_written_collectively(run_dir: Path):
@@ -366,7 +366,9 @@ def test_watchdog_names_a_silent_node_and_an_unreachable_store():
     servers = [td.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)]
     client = td.TCPStore("127.0.0.1", servers[0].port, is_master=False, timeout=datetime.timedelta(seconds=2))
 
-    def watch(beat_s: float, verdict_within_s: float, then=lambda: None, timeout_s: float = 1.0):
+    # timeout_s 2 s, heartbeats every 0.1 s: only a test thread starved for 2 s on a loaded machine
+    # could miss one, and a verdict is allowed up to 3x timeout_s.
+    def watch(beat_s: float, verdict_within_s: float, then=lambda: None, timeout_s: float = 2.0):
         lost = []
         dog = PeerWatchdog(client, node_rank=0, num_nodes=2, timeout_s=timeout_s,
                            on_lost=lambda nodes, silent_s: lost.append((nodes, silent_s)))
@@ -380,8 +382,8 @@ def test_watchdog_names_a_silent_node_and_an_unreachable_store():
         dog.stopped.set()
         return lost[0] if lost else None
 
-    assert watch(beat_s=4.0, verdict_within_s=0) is None       # node 1 beats: no verdict in 4x timeout_s
-    nodes, silent_s = watch(beat_s=0, verdict_within_s=3.0)    # node 1 silent: named after ~timeout_s
-    assert nodes == [1] and 1.0 < silent_s < 3.0
-    nodes, silent_s = watch(beat_s=1.0, verdict_within_s=3.0, then=servers.clear)  # the store's host goes away
-    assert nodes is None and 1.0 < silent_s < 3.0
+    assert watch(beat_s=5.0, verdict_within_s=0) is None       # node 1 beats: no verdict in 2.5x timeout_s
+    nodes, silent_s = watch(beat_s=0, verdict_within_s=6.0)    # node 1 silent: named after ~timeout_s
+    assert nodes == [1] and 2.0 < silent_s < 6.0
+    nodes, silent_s = watch(beat_s=1.0, verdict_within_s=6.0, then=servers.clear)  # the store's host goes away
+    assert nodes is None and 2.0 < silent_s < 6.0
