@@ -20,11 +20,16 @@ last bits: the softmax is exp((x - max) - log sum) exactly as log_softmax forms 
 gradient rounded once to the logits' dtype.
 
 ignore_index (default -100, as F.cross_entropy): rows whose target is ignore_index add
-nothing and the mean is over the other rows. zerotrain's own data never produces it
-(train/data: labels are the next tokens), but a batch from elsewhere may. If every row is
-ignored the loss is 0 with zero gradients (F.cross_entropy gives nan: 0/0), so a fully
-masked micro-batch cannot poison a run. Device-agnostic: only ordinary tensor ops, no
-host synchronisation in forward or backward.
+nothing and the mean is over the other rows. Instruction data (data.kind sft) ignores its
+prompt and padding tokens this way. If every row is ignored the loss is 0 with zero
+gradients (F.cross_entropy gives nan: 0/0), so a fully masked micro-batch cannot poison a run.
+
+denominator (optional fp32 scalar tensor): divide the summed loss by it instead of by this
+batch's number of valid rows. The trainer passes (global count of valid rows of the optimizer
+step) / (accumulation x world), so that after the engines' own averaging over micro-batches
+and ranks the gradient is that of sum / global count (train/training/trainer.py).
+
+Device-agnostic: only ordinary tensor ops, no host synchronisation in forward or backward.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import contextlib
 import torch
 
 CHUNK_BYTES = 64 * 2 ** 20  # bound on each fp32 (rows, V) temporary
+IGNORE_INDEX = -100         # a label that adds no loss (F.cross_entropy's default)
 
 
 def _rows_per_chunk(vocab: int, chunk_bytes: int) -> int:
@@ -68,7 +74,7 @@ def _target_logits(logits: torch.Tensor, targets: torch.Tensor, ignore_index: in
     return logits.gather(1, safe[:, None]).squeeze(1).float(), valid, safe
 
 
-def token_losses(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+def token_losses(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX,
                  chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
     """Per-row cross-entropy, fp32 (N,), without gradient and without an fp32 (N, V) copy;
     0 for ignored rows (as F.cross_entropy(..., reduction="none"))."""
@@ -83,14 +89,17 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, ignore_index: int, chunk_bytes: int):
+    def forward(ctx, logits, targets, ignore_index: int, chunk_bytes: int, denominator=None):
         with _no_autocast(logits):
             m, logsum = _row_stats(logits, chunk_bytes)
             tgt, valid, safe = _target_logits(logits, targets, ignore_index)
             per_row = (m - tgt) + logsum
             per_row = torch.where(valid, per_row, torch.zeros_like(per_row))
-            count = valid.sum().to(torch.float32)
-            loss = per_row.sum() / count.clamp(min=1.0)  # all rows ignored: 0, not 0/0
+            # All rows ignored: 0, not 0/0. A given denominator may be below 1 (few tokens spread
+            # over many micro-batches): the caller keeps it positive.
+            count = valid.sum().to(torch.float32).clamp(min=1.0) if denominator is None \
+                else denominator.to(torch.float32)
+            loss = per_row.sum() / count
         ctx.save_for_backward(logits, m, logsum, safe, valid, count)
         ctx.chunk_bytes = chunk_bytes
         return loss
@@ -102,7 +111,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         n, v = logits.shape
         with _no_autocast(logits):
             # grad_out / count per valid row, 0 for ignored rows (and everywhere when count is 0)
-            scale = grad_out.float() / count.clamp(min=1.0)
+            scale = grad_out.float() / count
             row_scale = torch.where(valid, scale.expand(n), torch.zeros((), dtype=torch.float32, device=m.device))
             grad = torch.empty_like(logits)
             rows = _rows_per_chunk(v, ctx.chunk_bytes)
@@ -119,20 +128,23 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 b.mul_(row_scale[s:e, None])
                 if not fp32:
                     grad[s:e].copy_(b)      # one rounding to the logits' dtype
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                  chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX,
+                  chunk_bytes: int = CHUNK_BYTES, denominator: torch.Tensor | None = None) -> torch.Tensor:
     """Mean cross-entropy over the non-ignored rows of (N, V) logits (fp32, bf16 or fp16) and
     int64 targets (N,), as an fp32 scalar, computed in fp32 without ever holding an fp32
-    (N, V) tensor bigger than `chunk_bytes` (see the module docstring)."""
+    (N, V) tensor bigger than `chunk_bytes` (see the module docstring). With `denominator`
+    the summed loss is divided by it instead of by the number of non-ignored rows."""
     _check(logits, targets)
     targets = targets.long()
     if not logits.requires_grad:
         per_row = token_losses(logits, targets, ignore_index, chunk_bytes)
-        return per_row.sum() / (targets != ignore_index).sum().to(torch.float32).clamp(min=1.0)
-    return ChunkedCrossEntropy.apply(logits.contiguous(), targets, int(ignore_index), int(chunk_bytes))
+        count = (targets != ignore_index).sum().to(torch.float32).clamp(min=1.0) if denominator is None \
+            else denominator.to(torch.float32)
+        return per_row.sum() / count
+    return ChunkedCrossEntropy.apply(logits.contiguous(), targets, int(ignore_index), int(chunk_bytes), denominator)
 
 
 def _check(logits: torch.Tensor, targets: torch.Tensor):
@@ -156,4 +168,4 @@ def _no_autocast(t: torch.Tensor):
     return torch.autocast(device_type=dev, enabled=False) if on else contextlib.nullcontext()
 
 
-__all__ = ["CHUNK_BYTES", "ChunkedCrossEntropy", "cross_entropy", "token_losses"]
+__all__ = ["CHUNK_BYTES", "IGNORE_INDEX", "ChunkedCrossEntropy", "cross_entropy", "token_losses"]

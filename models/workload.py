@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.losses import cross_entropy, token_losses
+from models.losses import IGNORE_INDEX, cross_entropy, token_losses
 
 
 @dataclass
@@ -34,13 +34,16 @@ class Workload:
             return model(batch["pixel_values"])
         return model(batch["x"])
 
-    def loss(self, model, batch) -> torch.Tensor:
+    def loss(self, model, batch, denominator: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Mean loss over the micro-batch, in fp32. LMs: models/losses.py's chunked
         cross-entropy, the fp32 mathematics of F.cross_entropy(logits.float(), labels) without
-        an fp32 copy of the (B, T, V) logits or a saved fp32 log-softmax (issue 12)."""
+        an fp32 copy of the (B, T, V) logits or a saved fp32 log-softmax (issue 12).
+        `denominator` (LMs only): the summed token loss is divided by it instead of by this
+        micro-batch's number of labelled tokens (the trainer's token-count normalisation)."""
         out = self.logits(model, batch)
         if self.task == "lm":
-            return cross_entropy(out.reshape(-1, out.size(-1)), batch["labels"].reshape(-1))
+            return cross_entropy(out.reshape(-1, out.size(-1)), batch["labels"].reshape(-1), denominator=denominator)
+        assert denominator is None, "token-count normalisation is for language models"
         out = out.float()  # classification / regression outputs are small
         if self.task == "classify":
             return F.cross_entropy(out, batch["labels"])
@@ -53,7 +56,10 @@ class Workload:
         if self.task == "lm":
             labels = batch["labels"]
             per_tok = token_losses(out.reshape(-1, out.size(-1)), labels.reshape(-1)).view(labels.shape)  # (B, T)
-            return {"loss": per_tok.mean(1)}
+            # Per sample: the mean over its labelled tokens and their number, so that the
+            # validation loss is token-weighted (masked prompts, padding: samples differ in tokens).
+            tokens = (labels != IGNORE_INDEX).sum(1)                                             # (B,)
+            return {"loss": per_tok.sum(1) / tokens.clamp(min=1).to(per_tok.dtype), "tokens": tokens.to(per_tok.dtype)}
         out = out.float()
         if self.task == "classify":
             labels = batch["labels"]

@@ -21,4 +21,7 @@ class DataBundle:
     class_names: Optional[list[str]] = None
     num_features: Optional[int] = None
     decode: Optional[Callable] = None       # token ids -> text, for samples
+    # LM labels hold the ignore index (-100: prompts, padding), so micro-batches differ in labelled
+    # tokens: the trainer divides each optimizer step's summed loss by its global token count.
+    masked_labels: bool = False
     extra: dict = field(default_factory=dict)

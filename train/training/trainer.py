@@ -1,5 +1,9 @@
 """The training loop: accumulation, clipping, LR, evaluation, logging, stopping cleanly.
 
+An optimizer step's loss is the mean over its global batch: of samples, or for language-model
+data with masked labels (sft) of labelled tokens, counted over every micro-batch and rank before
+the first backward (_token_denominator).
+
 Everything here is the same for DDP and every ZeRO stage; the differences live in the
 Accelerator (distributed.py) and the two small `if self.ds.is_deepspeed` branches below
 (DeepSpeed steps and clips inside `backward`, DDP here).
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from models.losses import IGNORE_INDEX
 from train.checkpoint.state import TrainState
 from train.optim import loss_scale
 from train.optim.optimizer import set_lr
@@ -197,22 +202,51 @@ class Trainer:
         # its device values only at logging intervals (tests/test_sync_free.py counts).
         loss_sum = self._zero()
         grad_norm = None
-        for _ in range(self.batch.accum):
+        prefetched, denominator = [], None
+        if self.data.masked_labels:
+            # The step's micro-batches first: their labelled tokens, counted over every rank,
+            # normalise the loss before the first backward (_token_denominator).
             t0 = time.perf_counter()
-            batch = self._next_batch()
+            prefetched = [self._next_batch() for _ in range(self.batch.accum)]
+            t_data += time.perf_counter() - t0
+            denominator = self._token_denominator(prefetched)
+        for i in range(self.batch.accum):
+            t0 = time.perf_counter()
+            batch = prefetched[i] if prefetched else self._next_batch()
             t_data += time.perf_counter() - t0
             with acc.accumulate(model):
-                loss = self.workload.loss(model, batch)
+                loss = self.workload.loss(model, batch, denominator)
                 if faults.nan_loss_at(self.state.step + 1, self.topo.rank):
                     loss = loss * float("nan")
                 acc.backward(loss)
                 if acc.sync_gradients:
                     grad_norm = self._clip_and_step()
+            # reduce_window logs the mean over micro-batches and ranks: with a token denominator
+            # that mean is the step's normalised loss, sum / global count.
             loss_sum += loss.detach().to(torch.float64)
         self._advance_position()
         self.state.step += 1
         self._health.append((self.state.step, grad_norm, self._scale_now()))
         return {"loss_sum": loss_sum, "lr": lr, "data_s": t_data}
+
+    def _token_denominator(self, batches: list[dict]) -> torch.Tensor:
+        """What each micro-batch's summed token loss is divided by, so that the step's gradient
+        is d(sum of every labelled token's loss / their number) over the whole global batch.
+
+        Both engines average the micro-batch losses of a step: accelerate's backward divides the
+        loss by the accumulation steps (DDP), DeepSpeed's engine.backward does it itself
+        (scale_wrt_gas), and DDP / ZeRO average the gradients over the ranks. The gradient of a
+        step is therefore mean over (micro-batch, rank) of d(loss); with loss = summed loss /
+        (N / (accum x world)), N the step's global count of labelled tokens, it is d(sum / N).
+        N costs one all-reduce of a scalar per step (on the device: no host read). Uniform data
+        (every label counted, masked_labels false) keeps the per-micro-batch mean: the same number,
+        since there N / (accum x world) is exactly the micro-batch's own count, without the
+        collective. A step whose global batch has no labelled token divides by 1 (loss 0)."""
+        count = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()  # int64 scalar
+        dist = torch.distributed
+        if self.acc.num_processes > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(count)
+        return (count.clamp(min=1).to(torch.float64) / (self.batch.accum * self.acc.num_processes)).to(torch.float32)
 
     def _clip_and_step(self):
         """Returns the global gradient norm as the engine has it (a tensor on the device, or a
@@ -313,11 +347,16 @@ class Trainer:
             if self.ds.is_deepspeed and self.param_dtype != torch.float32:
                 batch = {k: v.to(self.param_dtype) if v.is_floating_point() else v for k, v in batch.items()}
             stats = self.acc.gather_for_metrics(self.workload.eval_stats(self.model, batch))
+            # LMs report each sample's labelled tokens: their statistics are token-weighted
+            # (a sample of 3 response tokens counts 3, not as much as one of 300).
+            weight = stats["tokens"].double() if "tokens" in stats else None
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + float(v.double().sum())
+                v = v.double() if weight is None or k == "tokens" else v.double() * weight
+                sums[k] = sums.get(k, 0.0) + float(v.sum())
             count += len(next(iter(stats.values())))
         self.model.train()
-        out = {f"val/{k}": v / max(1, count) for k, v in sums.items()}
+        per = max(1.0, sums.pop("tokens", 0.0)) if "tokens" in sums else max(1, count)
+        out = {f"val/{k}": v / per for k, v in sums.items()}
         out["val/samples"] = count
         if "val/loss" in out and self.workload.task == "lm":
             out["val/ppl"] = math.exp(min(50.0, out["val/loss"]))
