@@ -26,15 +26,25 @@ from train.errors import ConfigError, did_you_mean
 class DataConfig:
     kind: str = "text"
     """text (byte-level, default corpus: this Python's standard library sources), tokens
-    (flat uint16/uint32 token file), imagefolder (root/train/<class>/*, root/val/<class>/*),
-    regression (synthetic linear data)."""
+    (flat uint16/uint32 token file), sft (instruction JSONL: {"prompt", "response"} or chat
+    {"messages": [{"role", "content"}, ...]} records, loss on the responses only),
+    imagefolder (root/train/<class>/*, root/val/<class>/*), regression (synthetic linear data)."""
     path: Optional[str] = None
     """text: file or directory of text (None = the embedded default corpus); tokens: the
-    .bin file (a sibling .val.bin is the validation split if present); imagefolder: root."""
+    .bin file (a sibling .val.bin is the validation split if present); sft: the .jsonl file
+    (a sibling .val.jsonl is the validation split if present); imagefolder: root."""
     seq_len: Optional[int] = None
-    """LM sequence length; None = the model's context length."""
+    """LM sequence length; None = the model's context length. sft: each record is truncated
+    to it (seq_len + 1 tokens) and right-padded."""
     val_fraction: float = 0.05
-    """text/tokens/regression without a separate validation file: fraction held out."""
+    """text/tokens/regression/sft without a separate validation file: fraction held out
+    (sft: the last records of the file)."""
+    tokenizer: Optional[str] = None
+    """sft: local Hugging Face tokenizer directory; None = the hf:<dir> model's own directory,
+    or bytes (vocab 256, NUL ends a response) for zerotrain's GPT presets."""
+    chat_template: bool = True
+    """sft: render records with the tokenizer's chat template when it has one; false (or no
+    template): the plain format (prompt + response + EOS; chat turns as "role: content")."""
     max_bytes: int = 4_000_000
     """text: cap on corpus size read (the default corpus is larger than needed)."""
     token_dtype: Optional[str] = None
@@ -53,7 +63,7 @@ class DataConfig:
     regression data are memory-mapped or in memory and need none (0)."""
 
     def __post_init__(self):
-        kinds = ("text", "tokens", "imagefolder", "regression")
+        kinds = ("text", "tokens", "sft", "imagefolder", "regression")
         if self.kind not in kinds:
             raise ConfigError(f'data.kind "{self.kind}" is not one of {", ".join(kinds)}{did_you_mean(self.kind, kinds)}')
         if self.seq_len is not None and self.seq_len < 2:

@@ -8,8 +8,9 @@ from train.config import DataConfig
 from train.data.bundle import DataBundle  # noqa: F401 (what every builder returns; importable from here)
 
 
-def build_data(cfg: DataConfig, seq_len: Optional[int], seed: int) -> DataBundle:
-    """`seq_len`: the LM sequence length (data.seq_len or the model's context)."""
+def build_data(cfg: DataConfig, seq_len: Optional[int], seed: int, tokenizer: Optional[str] = None) -> DataBundle:
+    """`seq_len`: the LM sequence length (data.seq_len or the model's context); `tokenizer`:
+    sft's local Hugging Face tokenizer directory (None: bytes)."""
     if cfg.kind == "text":
         from train.data.text import VOCAB, TokenSequences, decode, read_bytes
         tokens, what = read_bytes(cfg.path, cfg.max_bytes)
@@ -29,6 +30,9 @@ def build_data(cfg: DataConfig, seq_len: Optional[int], seed: int) -> DataBundle
     if cfg.kind == "tokens":
         from train.data.tokens import build_tokens
         return build_tokens(cfg, seq_len)
+    if cfg.kind == "sft":
+        from train.data.sft import build_sft
+        return build_sft(cfg, seq_len, tokenizer)
     if cfg.kind == "imagefolder":
         from train.data.imagefolder import build_imagefolder
         return build_imagefolder(cfg)

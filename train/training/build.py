@@ -114,12 +114,14 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     # Data first: the model's vocabulary / classes / features come from it.
     ctx = spec.context
     seq_len = cfg.data.seq_len or ctx
-    if cfg.data.kind in ("text", "tokens") and seq_len is None:
+    if cfg.data.kind in ("text", "tokens", "sft") and seq_len is None:
         raise ConfigError(f'data.kind "{cfg.data.kind}" is language-model data but model.name "{cfg.model.name}" '
                           f"is not a language model; use a GPT preset or hf:<dir>, or another data.kind")
     if ctx is not None and seq_len > ctx:
         raise ConfigError(f"data.seq_len {seq_len} exceeds the model's context length {ctx} (model.seq_len)")
-    data = build_data(cfg.data, seq_len, cfg.train.seed)
+    # sft: data.tokenizer, else an hf:<dir> model's own tokenizer, else bytes (the GPT presets)
+    tokenizer = cfg.data.tokenizer or (spec.name[3:] if spec.family == "hf" else None)
+    data = build_data(cfg.data, seq_len, cfg.train.seed, tokenizer)
     sampler = GlobalBatchSampler(len(data.train), batch.micro, world, batch.accum, cfg.train.seed)
     max_steps = cfg.train.epochs * sampler.steps_per_epoch if cfg.train.epochs else cfg.train.max_steps
 

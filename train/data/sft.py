@@ -1,0 +1,281 @@
+"""Instruction data (`data.kind: sft`): JSONL records, the loss on the responses only.
+
+A record is one line, either
+    {"prompt": "...", "response": "..."}
+or a conversation
+    {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
+(at least one assistant message; every assistant message is trained on).
+
+Tokens. With the tokenizer's chat template (data.chat_template, when the tokenizer has one)
+the record is rendered turn by turn: the text a turn adds, template markup included, is
+tokenized as its own segment; an assistant turn's segment (its content and the template's
+end-of-turn markup after it) is trained, everything else (system and user turns, the
+generation prompt that introduces the assistant) is not. Without a template: BOS (if the
+tokenizer adds one) + prompt + response + EOS, or for conversations "role: content\n" per
+turn with an assistant turn's content + EOS trained. zerotrain's byte-level GPT reads the
+UTF-8 bytes (vocab 256) with NUL (0) as EOS.
+
+Samples. One record = one sample of data.seq_len tokens: its first seq_len + 1 tokens give
+input = ids[:-1] and labels = ids[1:], a label set to IGNORE_INDEX (-100) where its token is
+not trained. Shorter records are right-padded (pad id as input, -100 as label). Right padding
+needs no attention mask for causal models: a token attends only to the positions before it,
+never to the pads after it, and positions stay 0..T-1 as in an unpadded sequence. Records are
+not packed. The order is the GlobalBatchSampler's (train/data/sampler.py): per record,
+world-size independent and resumable, like every other kind.
+
+Validation: a sibling `<name>.val.jsonl` if present, else the last data.val_fraction of the
+records. A bad record stops the run before training with one line naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from models.losses import IGNORE_INDEX
+from train.config import DataConfig
+from train.data.text import VOCAB, decode as decode_bytes
+from train.data.bundle import DataBundle
+from train.errors import DataError
+
+ROLES = ("system", "user", "assistant")
+BYTE_EOS = 0  # NUL: never in text, so it cannot be confused with response content
+
+
+@dataclass
+class Encoder:
+    """What tokenizing a record needs from a tokenizer."""
+    name: str
+    vocab_size: int
+    encode: Callable[[str], list[int]]    # text -> ids, no special tokens added
+    eos: int
+    pad: int
+    bos: list[int]                        # prepended in the plain format ([] or [BOS])
+    decode: Callable
+    render: Optional[Callable] = None     # (messages, add_generation_prompt) -> text: the chat template
+
+
+def byte_encoder() -> Encoder:
+    return Encoder(name="bytes", vocab_size=VOCAB, encode=lambda s: list(s.encode("utf-8")), eos=BYTE_EOS,
+                   pad=BYTE_EOS, bos=[], decode=decode_bytes)
+
+
+def hf_encoder(directory: str, use_template: bool) -> Encoder:
+    d = Path(directory).expanduser()
+    if not d.is_dir():
+        raise DataError(f"data.tokenizer {d} is not a directory; give a local Hugging Face tokenizer directory")
+    from transformers import AutoTokenizer  # late: only sft runs with a Hugging Face tokenizer need it
+    try:
+        tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise DataError(f"data.kind sft: cannot load a tokenizer from {d} ({str(e).splitlines()[0][:200]}); "
+                        f"set data.tokenizer to a directory holding tokenizer.json / tokenizer.model") from None
+    if tok.eos_token_id is None:
+        raise DataError(f"the tokenizer in {d} has no EOS token: a response could not end; use another tokenizer")
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None and \
+        tok("a")["input_ids"][:1] == [tok.bos_token_id] else []  # only if the tokenizer itself adds it
+    def template(messages, add_generation_prompt):
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    render = template if use_template and getattr(tok, "chat_template", None) else None
+    return Encoder(name=str(d), vocab_size=len(tok), encode=lambda s: tok(s, add_special_tokens=False)["input_ids"],
+                   eos=tok.eos_token_id, pad=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                   bos=bos, decode=lambda ids: tok.decode(list(ids)), render=render)
+
+
+# ----------------------------------------------------------------------------- records
+
+def parse_record(line: str, where: str) -> tuple[list[tuple[str, str]], bool]:
+    """([(role, content)], is_chat) of one JSONL line; DataError naming `where` (file:line)."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not JSON ({e.msg}, column {e.colno}); data.kind sft reads JSONL, one "
+                        f'{{"prompt", "response"}} or {{"messages"}} object per line') from None
+    if not isinstance(rec, dict):
+        raise DataError(f'{where}: a JSON {type(rec).__name__}, not a record object ({{"prompt", "response"}} or '
+                        f'{{"messages": [...]}})')
+    if "messages" in rec:
+        msgs = rec["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
+        turns = []
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataError(f'{where}: messages[{j}] must be an object with string "role" and "content"')
+            if m["role"] not in ROLES:
+                raise DataError(f'{where}: messages[{j}] has the unknown role "{m["role"]}"; the roles are '
+                                f'{", ".join(ROLES)}')
+            turns.append((m["role"], m["content"]))
+        if not any(role == "assistant" and text for role, text in turns):
+            raise DataError(f"{where}: no assistant message with content: nothing to train on")
+        return turns, True
+    for key in ("prompt", "response"):
+        if key not in rec:
+            raise DataError(f'{where}: missing "{key}" (a record is {{"prompt", "response"}} or '
+                            f'{{"messages": [...]}})')
+        if not isinstance(rec[key], str):
+            raise DataError(f'{where}: "{key}" must be a string (got {type(rec[key]).__name__})')
+    if not rec["response"]:
+        raise DataError(f'{where}: empty "response": nothing to train on')
+    return [("user", rec["prompt"]), ("assistant", rec["response"])], False
+
+
+def segments(turns: list[tuple[str, str]], chat: bool, enc: Encoder, where: str) -> list[tuple[str, bool]]:
+    """The record as (text, trained) pieces, in order (module docstring)."""
+    if enc.render is None:
+        if not chat:
+            return [(turns[0][1], False), (turns[1][1], True)]
+        out = []
+        for role, text in turns:
+            out += [(f"{role}: ", False), (text, True)] if role == "assistant" else [(f"{role}: {text}\n", False)]
+        return out
+    msgs = [{"role": r, "content": c} for r, c in turns]
+    out, prev = [], ""
+
+    def add(text: str, trained: bool):
+        nonlocal prev
+        if not text.startswith(prev):  # the template rewrote earlier turns: no clean split into turns
+            raise DataError(f"{where}: the chat template of {enc.name} does not render this conversation turn "
+                            f"by turn (a later turn changes earlier text); set data.chat_template false")
+        out.append((text[len(prev):], trained))
+        prev = text
+
+    try:
+        for i, (role, _) in enumerate(turns):
+            if role == "assistant":
+                add(enc.render(msgs[:i], True), False)   # history + the generation prompt
+                add(enc.render(msgs[:i + 1], False), True)
+            else:
+                add(enc.render(msgs[:i + 1], False), False)
+    except DataError:
+        raise
+    except Exception as e:  # jinja's own errors (e.g. a template that refuses a system turn)
+        raise DataError(f"{where}: the chat template of {enc.name} refuses this record "
+                        f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); fix the record or set "
+                        f"data.chat_template false") from None
+    return out
+
+
+def tokenize(turns, chat: bool, enc: Encoder, where: str) -> tuple[list[int], list[bool]]:
+    """(ids, trained per id) of a whole record, before truncation."""
+    ids, trained = [], []
+    if enc.render is None:
+        ids += enc.bos
+        trained += [False] * len(enc.bos)
+    for text, train in segments(turns, chat, enc, where):
+        piece = enc.encode(text)
+        ids += piece
+        trained += [train] * len(piece)
+        if train and enc.render is None:  # plain format: the response ends with EOS, which is learnt
+            ids.append(enc.eos)
+            trained.append(True)
+    return ids, trained
+
+
+# ----------------------------------------------------------------------------- dataset
+
+class SFTSequences(Dataset):
+    """Records as ragged token arrays (int32 ids, bool trained flags, offsets): samples are cut
+    and padded to seq_len when read, so memory follows the tokens, not records x seq_len."""
+
+    def __init__(self, ids: np.ndarray, trained: np.ndarray, offsets: np.ndarray, seq_len: int, pad: int):
+        self.ids, self.trained, self.offsets = ids, trained, offsets
+        self.seq_len, self.pad = seq_len, pad
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        s, e = int(self.offsets[i]), int(self.offsets[i + 1])
+        ids = torch.from_numpy(self.ids[s:e].astype(np.int64))     # (n,), n <= seq_len + 1
+        keep = torch.from_numpy(self.trained[s + 1:e])               # (n-1,): is label j a trained token
+        n, T = e - s, self.seq_len
+        input_ids = torch.full((T,), self.pad, dtype=torch.int64)
+        labels = torch.full((T,), IGNORE_INDEX, dtype=torch.int64)
+        input_ids[:n - 1] = ids[:-1]
+        labels[:n - 1] = torch.where(keep, ids[1:], torch.full_like(ids[1:], IGNORE_INDEX))
+        return {"input_ids": input_ids, "labels": labels}
+
+
+def read_records(path: Path, enc: Encoder, seq_len: int) -> SFTSequences:
+    """Every record of a JSONL file, tokenized and truncated to seq_len + 1 tokens."""
+    all_ids, all_trained, offsets = [], [], [0]
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DataError(f"data.path {path}: cannot read it ({e.strerror})") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"{where}: not UTF-8 text; data.kind sft reads JSONL (UTF-8, one JSON object "
+                                f"per line)") from None
+            if not line.strip():
+                continue
+            turns, chat = parse_record(line, where)
+            ids, trained = tokenize(turns, chat, enc, where)
+            ids, trained = ids[:seq_len + 1], trained[:seq_len + 1]
+            if not any(trained[1:]):  # the first token is never a label
+                raise DataError(f"{where}: the response is empty after truncation to data.seq_len {seq_len} "
+                                f"(the record's prompt fills it); raise data.seq_len or shorten the prompt")
+            all_ids += ids
+            all_trained += trained
+            offsets.append(len(all_ids))
+    if len(offsets) == 1:
+        raise DataError(f"data.path {path} holds no records; data.kind sft needs JSONL records")
+    return SFTSequences(np.asarray(all_ids, dtype=np.int64 if enc.vocab_size > 2 ** 31 else np.int32),
+                        np.asarray(all_trained, dtype=np.bool_), np.asarray(offsets, dtype=np.int64),
+                        seq_len, enc.pad)
+
+
+def subset(seqs: SFTSequences, start: int, stop: int) -> SFTSequences:
+    """Records [start, stop) of `seqs` (views of its arrays)."""
+    o = seqs.offsets[start:stop + 1]
+    return SFTSequences(seqs.ids[o[0]:o[-1]], seqs.trained[o[0]:o[-1]], o - o[0], seqs.seq_len, seqs.pad)
+
+
+def val_path(path: Path) -> Path:
+    return path.with_suffix(".val.jsonl")
+
+
+def build_sft(cfg: DataConfig, seq_len: Optional[int], tokenizer: Optional[str]) -> DataBundle:
+    """`tokenizer`: a local Hugging Face tokenizer directory, or None for bytes."""
+    if cfg.path is None:
+        raise DataError('data.kind = sft needs data.path (a .jsonl file of {"prompt", "response"} or '
+                        '{"messages"} records)')
+    if seq_len is None:
+        raise DataError("data.kind = sft needs data.seq_len (the model has no context length to default to)")
+    path = Path(cfg.path).expanduser()
+    if not path.is_file():
+        raise DataError(f'data.path {path} does not exist (data.kind = sft expects a .jsonl file of {{"prompt", '
+                        f'"response"}} or {{"messages"}} records)')
+    enc = hf_encoder(tokenizer, cfg.chat_template) if tokenizer else byte_encoder()
+    records = read_records(path, enc, seq_len)
+    val_file = val_path(path)
+    if val_file.is_file() and val_file != path:
+        train, val, split = records, read_records(val_file, enc, seq_len), f"val: {val_file.name}"
+    else:
+        n_val = int(len(records) * cfg.val_fraction)
+        train, val = subset(records, 0, len(records) - n_val), (subset(records, len(records) - n_val, len(records))
+                                                                 if n_val else None)
+        split = f"val: last {n_val} records"
+    top = max(int(records.ids.max()), int(val.ids.max()) if val is not None else 0)
+    labelled = int(train.trained.sum()) - int(train.trained[train.offsets[:-1]].sum())  # first tokens are inputs only
+    fmt = "chat template" if enc.render else "plain format"
+    return DataBundle(train=train, val=val, task="lm", items_per_sample=seq_len, vocab_size=enc.vocab_size,
+                      seq_len=seq_len, decode=enc.decode, masked_labels=True,
+                      describe=f"instruction data {path} ({len(train)} records, {labelled} response tokens, "
+                               f"{'bytes' if enc.name == 'bytes' else 'tokenizer ' + enc.name} {fmt}, padded to "
+                               f"{seq_len}; {split})",
+                      extra={"max_token": top, "token_file": str(path), "tokenizer": enc.name})
