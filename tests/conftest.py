@@ -6,6 +6,7 @@ module imports torch.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,14 @@ def fp32_configs(tmp_path_factory) -> dict[str, str]:
     """fp32 copies of every shipped DeepSpeed JSON, at stable paths for the whole session."""
     d = tmp_path_factory.mktemp("ds_fp32")
     return {p.stem: fp32(d, p.stem) for p in (REPO / "ds_configs").glob("*.json")}
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """main() normalises RANK/WORLD_SIZE/... in os.environ; keep the test process clean."""
+    saved = dict(os.environ)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

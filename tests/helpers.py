@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -159,3 +160,47 @@ STAGE_ARGS = [*TINY, "--model.d_model", "256", "--model.n_layer", "2", "--train.
 
 
 STAGE_RUNS = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero3_offload")
+
+
+def run_main(capsys, argv) -> tuple[int, str]:
+    """train/main.py's main() in this process, expected to exit: (exit code, stderr)."""
+    import pytest
+    from train.main import main as train_main
+    with pytest.raises(SystemExit) as e:
+        train_main(argv)
+    err = capsys.readouterr().err
+    return e.value.code, err
+
+
+# Tiny local text and Hugging Face tokenizers (tokens, hf and sft tests).
+
+def make_tokenizer(out_dir: Path, texts: list[str], vocab_size: int = 384):
+    """A small byte-level BPE tokenizer trained on `texts`, saved as a local HF tokenizer dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def random_text(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "zeta", "theta", "kappa", "sigma", "omega", "lambda"]
+    out, size = [], 0
+    while size < n:
+        w = rng.choice(words) + rng.choice([" ", " ", " ", ", ", ".\n"])
+        out.append(w)
+        size += len(w)
+    return "".join(out)[:n]
+
+
+def write_texts(d: Path, texts: dict[str, str]) -> Path:
+    for name, text in texts.items():
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text(text)
+    return d

@@ -13,9 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import accelerate_yaml, fp32, metrics, rank_infos, run_train
+from helpers import accelerate_yaml, fp32, make_tokenizer, metrics, random_text, rank_infos, run_train, write_texts
 from models import build_workload, resolve
-from test_tokens import make_tokenizer, random_text, write_texts
 from train.config import DataConfig, ModelConfig
 from train.data import DataBundle, build_data
 from train.errors import ConfigError, DataError

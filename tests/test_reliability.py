@@ -13,27 +13,8 @@ import sys
 
 import pytest
 
-from helpers import MAIN, REPO, TINY, subprocess_env
+from helpers import MAIN, REPO, TINY, run_main, subprocess_env
 from train.commands.check import main as check_main
-from train.main import main as train_main
-
-
-@pytest.fixture
-def clean_env(monkeypatch):
-    """main() normalises RANK/WORLD_SIZE/... in os.environ; keep the test process clean."""
-    saved = dict(os.environ)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-def run_main(capsys, argv) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as e:
-        train_main(argv)
-    err = capsys.readouterr().err
-    return e.value.code, err
 
 
 def write(tmp_path, name, text):

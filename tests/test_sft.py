@@ -17,11 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import fp32, metrics, run_train
+from helpers import fp32, make_tokenizer, metrics, random_text, run_main, run_train
 from models import build_workload, resolve
 from models.losses import IGNORE_INDEX, cross_entropy
-from test_reliability import clean_env, run_main  # noqa: F401 (clean_env is a fixture)
-from test_tokens import make_tokenizer, random_text
 from train.config import DataConfig, ModelConfig
 from train.data import build_data
 from train.data.sft import BYTE_EOS

@@ -4,7 +4,6 @@ deterministic distributed sampler over it (each sequence once per epoch across r
 from __future__ import annotations
 
 import json
-import random
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -12,45 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import data_trace, fp32, metrics, run_train
+from helpers import data_trace, fp32, make_tokenizer, metrics, random_text, run_train, write_texts
 from models import build_workload, resolve
 from train.config import DataConfig, ModelConfig
 from train.data import build_data
 from train.data.sampler import GlobalBatchSampler
 from train.errors import ConfigError, DataError
 from train.commands.prepare import main as prepare
-
-
-def make_tokenizer(out_dir: Path, texts: list[str], vocab_size: int = 384):
-    """A small byte-level BPE tokenizer trained on `texts`, saved as a local HF tokenizer dir."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
-    fast.save_pretrained(str(out_dir))
-    return fast
-
-
-def random_text(n: int, seed: int) -> str:
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "zeta", "theta", "kappa", "sigma", "omega", "lambda"]
-    out, size = [], 0
-    while size < n:
-        w = rng.choice(words) + rng.choice([" ", " ", " ", ", ", ".\n"])
-        out.append(w)
-        size += len(w)
-    return "".join(out)[:n]
-
-
-def write_texts(d: Path, texts: dict[str, str]) -> Path:
-    for name, text in texts.items():
-        (d / name).parent.mkdir(parents=True, exist_ok=True)
-        (d / name).write_text(text)
-    return d
 
 
 def tokens_data(path, seq_len=16, **kw):
