@@ -272,7 +272,8 @@ def test_gpt_lora_on_init_from_weights_merges_back(tmp_path):
     run = tmp_path / "run"
     args = [*TINY, "--ds-config", fp32(tmp_path, "zero2"), "--model.init_from", str(tmp_path / "base"),
             "--model.lora.r", "4", "--model.lora.target_modules", "qkv,down", "--train.max_steps", "4",
-            "--train.eval_every", "0", "--checkpoint.every_steps", "2", "--train.run_dir", str(run)]
+            "--train.eval_every", "0", "--checkpoint.every_steps", "2", "--checkpoint.save_at_end", "true",
+            "--train.run_dir", str(run)]
     proc = run_train("python", 1, args)
     assert "initialised the frozen base weights from" in proc.stdout
     resumed = tmp_path / "resumed"
