@@ -33,6 +33,14 @@ if TYPE_CHECKING:
 def resolve(cfg: ModelConfig) -> ModelSpec:
     """The run's model, resolved once: the name checked (a ConfigError names the choices before
     any data is read), what is known before the data, a local model's config.json read."""
+    spec = _resolve(cfg)
+    if cfg.lora is not None:
+        from models.lora import check_family
+        check_family(spec)
+    return spec
+
+
+def _resolve(cfg: ModelConfig) -> ModelSpec:
     from models import gpt
     name = cfg.name
     if name.startswith("hf:"):
@@ -67,12 +75,14 @@ def hidden_size_of(spec: ModelSpec, data=None) -> Optional[int]:
     return None
 
 
-def partition_counts(model: nn.Module) -> dict:
+def partition_counts(model: nn.Module, leave_out=()) -> dict:
     """What ZeRO-3 did with this model's parameters on this rank, from the parameters themselves.
     `partitioned_*`: tensors held as a 1/world shard (`held_elements` of them here); `whole_*`:
     tensors every rank holds in full (built outside zero.Init, or at most
-    stage3_param_persistence_threshold elements once the engine has marked them)."""
-    params = list(model.parameters())
+    stage3_param_persistence_threshold elements once the engine has marked them).
+    `leave_out`: parameters not to count (LoRA adapters, in partition_summary)."""
+    skip = {id(p) for p in leave_out}
+    params = [p for p in model.parameters() if id(p) not in skip]
     parted = [p for p in params if hasattr(p, "ds_id") and not getattr(p, "ds_persist", False)]
     whole = [p for p in params if not (hasattr(p, "ds_id") and not getattr(p, "ds_persist", False))]
     numel = lambda p: int(getattr(p, "ds_numel", p.numel()))  # noqa: E731 - the full size, not the shard
@@ -85,13 +95,18 @@ def partition_counts(model: nn.Module) -> dict:
 
 def partition_summary(model: nn.Module, world_size: int) -> str:
     """How the model was built under ZeRO-3: partitioned at construction (every parameter a
-    DeepSpeed ZeRO-3 parameter holding only its shard) or whole."""
-    c = partition_counts(model)
+    DeepSpeed ZeRO-3 parameter holding only its shard) or whole. LoRA adapters are built whole
+    on purpose (models/lora.py) and partitioned by the DeepSpeed engine: said, not warned about."""
+    from models.lora import is_adapter
+    adapters = [p for n, p in model.named_parameters() if is_adapter(n)]
+    c = partition_counts(model, leave_out=adapters)
+    lora = (f"; {len(adapters)} LoRA adapter tensors ({sum(p.numel() for p in adapters) / 1e6:.3f}M parameters) "
+            f"built whole, partitioned when the DeepSpeed engine starts") if adapters else ""
     if c["built_outside_zero_init"]:
         return (f"WARNING: {c['built_outside_zero_init']} of {c['tensors']} parameters were built whole, outside "
-                f"deepspeed.zero.Init ({c['elements'] / 1e6:.2f}M parameters)")
+                f"deepspeed.zero.Init ({c['elements'] / 1e6:.2f}M parameters){lora}")
     return (f"model built partitioned by deepspeed.zero.Init: {c['elements'] / 1e6:.2f}M parameters, "
-            f"{c['held_elements'] / 1e6:.2f}M held by this rank ({world_size} ranks)")
+            f"{c['held_elements'] / 1e6:.2f}M held by this rank ({world_size} ranks){lora}")
 
 
 def gpt_config(cfg: ModelConfig, vocab_size):
@@ -113,14 +128,20 @@ def meta_model(spec: ModelSpec, data) -> tuple[nn.Module, dict, Optional[int]]:
     import torch
     width = hidden_size_of(spec, data)
     if spec.family == "hf":
-        from models.hf import meta_hf
+        from models.hf import meta_hf, tied_names
         model, model_config = meta_hf(spec)
+        if spec.config.lora is not None:
+            from models import lora
+            lora.apply(model, spec, tied_names(model), meta=True)
         return model, model_config, width
     if spec.family == "gpt":
         from models import gpt
-        gcfg = gpt_config(spec.config, vocab_size=data.vocab_size)
+        gcfg = gpt_config(spec.config, vocab_size=data.vocab_size if data is not None else None)
         with torch.device("meta"):
             model = gpt.GPT(gcfg)
+        if spec.config.lora is not None:
+            from models import lora
+            lora.apply(model, spec, _gpt_tied(gcfg), meta=True)
         return model, {"family": "gpt", **gcfg.to_dict()}, width
     if spec.family == "linear":
         from models.linear import LinearRegression
@@ -138,6 +159,19 @@ def build_workload(spec: ModelSpec, data, init_context=contextlib.nullcontext) -
     """`spec` from resolve; `data` is the DataBundle (vocab, classes, features); `init_context()`
     wraps construction (deepspeed.zero.Init under ZeRO-3, so that big models are built already
     partitioned)."""
+    workload = _build(spec, data, init_context)
+    if spec.config.lora is not None:
+        # After the base exists (partitioned under ZeRO-3) and outside init_context: models/lora.py says why.
+        from models import lora
+        workload.lora = lora.apply(workload.model, spec, workload.tied)
+    return workload
+
+
+def _gpt_tied(gcfg) -> list:
+    return [("lm_head.weight", "tok_emb.weight")] if gcfg.tie_embeddings else []
+
+
+def _build(spec: ModelSpec, data, init_context) -> Workload:
     from models.workload import Workload
     name, cfg = spec.name, spec.config
     if spec.family == "hf":
@@ -157,7 +191,7 @@ def build_workload(spec: ModelSpec, data, init_context=contextlib.nullcontext) -
             model = gpt.GPT(gcfg)
         return Workload(model=model, task="lm", family="gpt", model_config={"family": "gpt", **gcfg.to_dict()},
                         hidden_size=gcfg.d_model, flops_per_item=float(gcfg.flops_per_token(data.seq_len)),
-                        tied=[("lm_head.weight", "tok_emb.weight")] if gcfg.tie_embeddings else [])
+                        tied=_gpt_tied(gcfg))
     if spec.family == "linear":
         from models.linear import LinearRegression
         if data.task != "regress":

@@ -14,6 +14,33 @@ from models.errors import ConfigError
 
 
 @dataclass
+class LoraConfig:
+    """model.lora: train low-rank adapters (peft's LoRA) on a frozen language model."""
+
+    r: int = 8
+    """Rank of each adapter: a targeted Linear W (out x in) is trained as W + (alpha / r) B A with
+    A (r x in) and B (out x r); W stays frozen."""
+    alpha: float = 16.0
+    """LoRA scaling numerator (peft's lora_alpha): the update is multiplied by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (peft's lora_dropout)."""
+    target_modules: Optional[list[str]] = None
+    """Names of the Linear modules to adapt (the last part of their module path, e.g. q_proj,v_proj
+    for Llama, qkv,proj for the GPT presets). None = every Linear layer except the output head."""
+
+    def __post_init__(self):
+        if self.r <= 0:
+            raise ConfigError(f"model.lora.r must be a positive integer (got {self.r})")
+        if self.alpha <= 0:
+            raise ConfigError(f"model.lora.alpha must be > 0 (got {self.alpha})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.lora.dropout must be in [0, 1) (got {self.dropout})")
+        if self.target_modules is not None and (not self.target_modules or not all(self.target_modules)):
+            raise ConfigError(f"model.lora.target_modules must list module names, e.g. q_proj,v_proj, or be null "
+                              f"(every Linear layer but the output head); got {self.target_modules}")
+
+
+@dataclass
 class ModelConfig:
     name: str = "gpt-small-cpu"
     """GPT preset (gpt-tiny, gpt-small-cpu, gpt2-124m, gpt-350m, ... gpt-7b), a torchvision
@@ -44,6 +71,10 @@ class ModelConfig:
     GPU, off elsewhere (on CPU it brings nothing measurable for these models)."""
     init_from: Optional[str] = None
     """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json."""
+    lora: Optional[LoraConfig] = None
+    """LoRA fine-tuning (GPT presets and hf: models): only low-rank adapters are trained, the base
+    weights stay frozen and are not saved in checkpoints (docs/lora.md). None = off; set any key,
+    e.g. --model.lora.r 16, to turn it on."""
 
     def __post_init__(self):
         for k in ("n_layer", "n_head", "n_kv_head", "d_model", "seq_len", "vocab_size", "num_classes"):

@@ -24,6 +24,7 @@ class Workload:
     hidden_size: Optional[int] = None
     flops_per_item: Optional[float] = None  # training FLOPs per token (LM) or per sample
     tied: list = field(default_factory=list)  # [(alias, source)] parameter names sharing storage
+    lora: Optional[dict] = None             # model.lora's adapter (models/lora.py apply): r, alpha, targets, base
 
     def logits(self, model, batch):
         if self.family == "hf":

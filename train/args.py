@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import typing
 from dataclasses import dataclass, field
 
 from train.cli_args import ArgumentParser, Value
@@ -47,20 +48,30 @@ def _field_docs(cls) -> dict[str, str]:
     return docs
 
 
+def _optional_section(tp):
+    """The dataclass of an `Optional[Section]` field (a section that is off when null), else None."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
+
+
 def options_help() -> str:
     lines = []
 
     def walk(cls, prefix):
         docs = _field_docs(cls)
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            tp = cls.__annotations__.get(f.name)
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            doc = docs.get(f.name, "")
             if dataclasses.is_dataclass(default):
                 walk(type(default), f"{prefix}{f.name}.")
                 continue
-            doc = docs.get(f.name, "")
+            section = _optional_section(hints[f.name])
+            if section is not None:  # off by default (model.lora): its line, then its keys
+                lines.append(f"  --{prefix}{f.name} ({default!r})" + (f"\n      {doc}" if doc else ""))
+                walk(section, f"{prefix}{f.name}.")
+                continue
             lines.append(f"  --{prefix}{f.name} ({default!r})" + (f"\n      {doc}" if doc else ""))
-            del tp
 
     walk(RunConfig, "")
     return "\n".join(lines)

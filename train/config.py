@@ -365,6 +365,13 @@ def _unwrap_optional(tp):
     return tp, False
 
 
+def _section(tp):
+    """(the dataclass, optional?) when `tp` is a section (`Optional[Section]`: null = off, e.g.
+    model.lora), else (None, False)."""
+    base, optional = _unwrap_optional(tp)
+    return (base, optional) if dataclasses.is_dataclass(base) else (None, False)
+
+
 def _type_name(tp) -> str:
     """'an integer', 'a number or null', ... for error messages."""
     tp, opt = _unwrap_optional(tp)
@@ -450,8 +457,9 @@ def _build(cls, data: dict, prefix: str):
             raise ConfigError(f'unknown key "{prefix}{k}"{did_you_mean(k, names)}; '
                               f'valid keys here: {", ".join(names)}')
         tp = hints[k]
-        if dataclasses.is_dataclass(tp):
-            kwargs[k] = _build(tp, v, f"{prefix}{k}.")
+        section, optional = _section(tp)
+        if section is not None:
+            kwargs[k] = None if v is None and optional else _build(section, v, f"{prefix}{k}.")
         else:
             kwargs[k] = _coerce(v, tp, prefix + k, from_cli=False)
     return cls(**kwargs)
@@ -468,18 +476,25 @@ def _set_dotted(raw: dict, dotted: str, text: str):
             raise ConfigError(f'unknown option "--{dotted}"{did_you_mean(part, names)}; '
                               f'valid keys under {here or "the top level"}: {", ".join(names)}')
         tp = _hints(cls)[part]
+        section, optional = _section(tp)
         if i == len(parts) - 1:
-            if dataclasses.is_dataclass(tp):
+            if section is not None:
+                if optional and text.lower() in ("null", "none"):  # an optional section switched off
+                    node[part] = None
+                    return
                 raise ConfigError(f'"--{dotted}" is a section; set one of its keys, e.g. --{dotted}.'
-                                  f"{dataclasses.fields(tp)[0].name}")
+                                  f"{dataclasses.fields(section)[0].name}"
+                                  + (f" (or --{dotted} null to turn it off)" if optional else ""))
             node[part] = _coerce(text, tp, dotted, from_cli=True)
             return
-        if not dataclasses.is_dataclass(tp):
+        if section is None:
             raise ConfigError(f'"--{dotted}": {".".join(parts[:i + 1])} is not a section')
-        node = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or switched off (null) in the run file: a key turns it on
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
             raise ConfigError(f"{'.'.join(parts[:i + 1])} in the run file must be a mapping")
-        cls = tp
+        cls = section
 
 
 def read_mapping(path: str | Path) -> dict:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from models.lora import base_name, is_adapter
+from train.checkpoint import adapter
 from train.checkpoint import files as io
 from train.checkpoint.holders import MOMENTS, make_holder, persistent_buffers
 from train.checkpoint.state import TrainState
@@ -179,7 +181,7 @@ class Checkpointer:
         sources, skeleton = {}, {}
         for s in self.holder.slots:
             a, b = s.save
-            if b <= a:
+            if b <= a or not self._saved(s):
                 continue
             for kind in ("param",) + (MOMENTS if s.trainable else ()):
                 key = io.piece_key(kind, s.name, a)
@@ -206,6 +208,16 @@ class Checkpointer:
         if self.is_main:
             records[io.META] = io.write_json(tmp / io.META, self._meta(state))
         return records
+
+    @property
+    def lora(self) -> dict | None:
+        """The LoRA adapter (models/lora.py) when model.lora is set: then only trained tensors are saved."""
+        return self.workload.lora
+
+    def _saved(self, slot) -> bool:
+        """Whether a checkpoint holds this parameter: all of them, except a LoRA run's frozen base
+        (re-read from its weights directory on resume: checkpoints are adapter-sized)."""
+        return slot.trainable or self.lora is None
 
     def _piece(self, src) -> torch.Tensor:
         if isinstance(src, tuple):
@@ -257,7 +269,10 @@ class Checkpointer:
             "world_size": self.world, "holder": h.name,
             "strategy": {"backend": ds.backend, "zero_stage": ds.stage, "precision": ds.precision},
             "params": {s.name: {"shape": list(s.shape), "trainable": s.trainable,
-                                **({"optimizer_step": h.step_of(s)} if s.trainable else {})} for s in h.slots},
+                                **({"optimizer_step": h.step_of(s)} if s.trainable else {})}
+                       for s in h.slots if self._saved(s)},
+            **({"lora": adapter.checkpoint_meta(self.lora, [s for s in h.slots if not self._saved(s)])}
+               if self.lora is not None else {}),
             "buffers": {n: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
                         for n, b in persistent_buffers(self.raw_model)},
             "moments": list(MOMENTS),
@@ -310,7 +325,9 @@ class Checkpointer:
         return st
 
     def _check_fits(self, ckpt: Path, meta: dict):
+        adapter.check_resume(ckpt, meta.get("lora"), self.lora)
         want = {n: tuple(p["shape"]) for n, p in meta["params"].items()}
+        want.update({n: tuple(shape) for n, shape in (meta.get("lora") or {}).get("frozen", {}).items()})
         have = {s.name: tuple(s.shape) for s in self.holder.slots}
         diff = shape_mismatch(want, have, "checkpoint", "model")
         if diff:
@@ -339,10 +356,12 @@ class Checkpointer:
             h.prepare_moments()
         with torch.no_grad():
             for s in h.slots:
+                src = meta["params"].get(s.name)
+                if src is None:
+                    continue  # a LoRA checkpoint's frozen base: its weights came from the base directory
                 a, b = s.need
                 if b > a:
                     h.write(s, "param", reader.read("param", s.name, a, b))
-                src = meta["params"][s.name]
                 if not (moments and s.trainable and src.get("trainable")):
                     continue  # a parameter frozen in the checkpoint keeps fresh moments here
                 if b > a:
@@ -408,7 +427,11 @@ class Checkpointer:
         tied = self.workload.tied
         w.add_ties(tied)
         h = self.holder
-        have = {s.name: tuple(s.shape) for s in h.slots}
+        # A LoRA run takes the frozen base from the weights, under the base model's names; the
+        # adapters keep their fresh initialisation (or what a resume then loads).
+        slots = [s for s in h.slots if not (self.lora and is_adapter(s.name))]
+        source = base_name if self.lora else (lambda n: n)
+        have = {source(s.name): tuple(s.shape) for s in slots}
         have.update({n: tuple(b.shape) for n, b in persistent_buffers(self.raw_model)})
         found = w.shapes(ignore={alias for alias, _ in tied})
         diff = shape_mismatch(have, found, "model", "weights")
@@ -417,16 +440,16 @@ class Checkpointer:
                               f"point model.init_from at weights exported from the same architecture")
         h.begin_load()
         with torch.no_grad():
-            for s in h.slots:
+            for s in slots:
                 a, b = s.need
                 if b > a:
-                    h.write(s, "param", w.read(s.name, a, b))
+                    h.write(s, "param", w.read(source(s.name), a, b))
             for name, buf in persistent_buffers(self.raw_model):
                 buf.copy_(w.read(name, 0, buf.numel(), buf.dtype).view_as(buf))
         h.finish_load()
         w.close()
         _barrier()
-        self._say(f"initialised weights from {path} ({len(h.slots)} tensors)")
+        self._say(f"initialised {'the frozen base ' if self.lora else ''}weights from {path} ({len(slots)} tensors)")
 
     def export(self, out_dir: str | Path | None = None) -> str:
         """Consolidated weights (HF layout) from the live state: ranks gather one tensor at a
@@ -435,6 +458,19 @@ class Checkpointer:
         t0 = time.perf_counter()
         out = Path(out_dir) if out_dir else self.export_dir
         h = self.holder
+        if self.lora is not None:
+            # The adapter in PEFT's layout: gathered tensor by tensor (under ZeRO-3 a partitioned adapter
+            # is a shard here; full_param is DeepSpeed's collective gather), written by rank 0.
+            trained, tensors = [s for s in h.slots if s.trainable], {}
+            for s in trained:
+                t = h.full_param(s)  # a collective under ZeRO: every rank, in slot order
+                if self.is_main:
+                    tensors[s.name] = t
+            adapter.write_adapter(out, self.lora, tensors, EXPORT_DTYPES[self.cfg.export_dtype], self.is_main)
+            _barrier()
+            self._say(f"exported the {self.cfg.export_dtype} LoRA adapter ({len(trained)} tensors) to {out} in "
+                      f"{time.perf_counter() - t0:.2f} s (zerotrain export --merge: full merged weights)")
+            return str(out)
         slots = {s.name: s for s in h.slots}
         buffers = dict(persistent_buffers(self.raw_model))
         entries = [(s.name, s.shape, torch.float32) for s in h.slots] + \

@@ -1,5 +1,7 @@
 """`zerotrain export CHECKPOINT OUT_DIR`: a resumable checkpoint (any world size, any ZeRO
-stage) -> Hugging Face safetensors weights, offline, on CPU (train/checkpoint/weights.py does it)."""
+stage) -> Hugging Face safetensors weights, offline, on CPU (train/checkpoint/weights.py does it).
+A LoRA checkpoint (model.lora) gives PEFT's adapter directory, or with --merge the base weights
+with the adapter merged in (train/checkpoint/adapter.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import argparse
 import sys
 import time
 
+from train.checkpoint import files as io
+from train.checkpoint.adapter import export_lora_checkpoint
 from train.checkpoint.weights import EXPORT_DTYPES, export_checkpoint
 from train.errors import user_errors
 
@@ -19,11 +23,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("out_dir")
     ap.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="default: the run's checkpoint.export_dtype")
     ap.add_argument("--max-shard-size", help='largest shard, e.g. "500MB" (default: the run\'s checkpoint.max_shard_size)')
+    ap.add_argument("--merge", action="store_true",
+                    help="LoRA checkpoints: write the base weights with the adapter merged in (a plain model "
+                         "transformers loads) instead of the PEFT adapter directory")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     a = ap.parse_args(argv)
     with user_errors(a.debug):
         t0 = time.perf_counter()
-        out = export_checkpoint(a.checkpoint, a.out_dir, a.dtype, a.max_shard_size)
+        ckpt = io.resolve_checkpoint(a.checkpoint)
+        if a.merge or "lora" in io.read_json(ckpt / io.META, "checkpoint metadata"):
+            out = export_lora_checkpoint(ckpt, a.out_dir, a.merge, a.dtype, a.max_shard_size)
+        else:
+            out = export_checkpoint(ckpt, a.out_dir, a.dtype, a.max_shard_size)
         files = sorted(p.name for p in out.iterdir())
         print(f"zerotrain: exported {a.checkpoint} -> {out} ({', '.join(files)}) in {time.perf_counter() - t0:.2f} s")
     return 0

@@ -43,7 +43,9 @@ def _gib(n: Optional[int]) -> str:
 
 def render(plan: Plan) -> str:
     c, b, dev = plan.cluster, plan.batch, plan.device
-    head = (f"zerotrain plan: {plan.shape.name} ({plan.shape.num_params / 1e6:,.1f}M params), "
+    trained = sum(plan.shape.tensors)
+    frozen = f", {trained / 1e6:,.3f}M trained" if plan.shape.frozen else ""  # LoRA: the adapters
+    head = (f"zerotrain plan: {plan.shape.name} ({plan.shape.num_params / 1e6:,.1f}M params{frozen}), "
             f"{c.nodes} node(s) x {c.devices_per_node} {'CPU rank' if dev.kind == 'cpu' else 'device'}(s) = {c.world}, "
             f"{c.device_mem / GiB:.2f} GiB/{'rank' if dev.kind == 'cpu' else 'device'}"
             + (f", {c.cpu_mem / GiB:.0f} GiB CPU/node" if c.cpu_mem else "")
@@ -171,14 +173,21 @@ def resolve_model(spec: str) -> tuple[ModelShape, dict]:
         from models import gpt_config
         from train.config import load_config
         cfg = load_config(spec)
+        batch = {"micro_batch": cfg.train.micro_batch_size, "grad_accum": cfg.train.grad_accum_steps or 1,
+                 "activation_checkpointing": cfg.model.activation_checkpointing}
+        if cfg.model.lora is not None or cfg.model.name.startswith("hf:"):
+            # Sized from the model itself, built on the meta device: a LoRA run's optimizer state and
+            # gradients are its adapters' (models/lora.py), an hf: model's shapes its config.json's.
+            from models import resolve
+            from train.plan.fit import model_shape
+            m = resolve(cfg.model)
+            return model_shape(m, None), {**batch, "seq_len": cfg.data.seq_len or m.context}
         if cfg.model.name not in gpt.PRESETS:
             raise ConfigError(f"{spec}: model.name {cfg.model.name!r} is not a GPT preset; zerotrain plan sizes "
-                              f"GPTs from the run file, other models by parameter count (e.g. zerotrain plan 25M)")
+                              f"GPTs and hf: models from the run file, other models by parameter count (e.g. "
+                              f"zerotrain plan 25M)")
         gcfg = gpt_config(cfg.model, vocab_size=None)
-        return gpt_shape(cfg.model.name, gcfg), {
-            "micro_batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len or gcfg.seq_len,
-            "grad_accum": cfg.train.grad_accum_steps or 1,
-            "activation_checkpointing": cfg.model.activation_checkpointing}
+        return gpt_shape(cfg.model.name, gcfg), {**batch, "seq_len": cfg.data.seq_len or gcfg.seq_len}
     n = parse_count(spec)
     if n is None or n <= 0:
         raise ConfigError(f"MODEL {spec!r} is not a GPT preset{did_you_mean(spec, gpt.PRESETS)}, a run file or a "

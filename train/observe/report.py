@@ -38,7 +38,7 @@ def banner(t) -> str:
         f"  world        {topo.world_size} process(es) on {topo.num_nodes} node(s), launcher {topo.launcher}, "
         f"{topo.device} / {topo.backend}",
         f"  strategy     {ds.describe()}   [{ds.path}]",
-        f"  model        {t.cfg.model.name}: {human(total)} params ({human(trainable)} trainable)",
+        f"  model        {t.cfg.model.name}: {human(total)} params ({human(trainable)} trainable)" + _lora_text(t),
         f"  data         {data.describe}: {len(data.train)} train samples"
         + (f", {len(data.val)} val" if data.val is not None else ""),
         f"  batch        micro {b.micro} x accum {b.accum} x world {b.world} = global {b.global_size} samples"
@@ -57,6 +57,13 @@ def banner(t) -> str:
     if t.wandb_status:  # rank 0: where W&B data goes, or why W&B is off (wandb_logger.start)
         lines.append(f"  {t.wandb_status}")
     return "\n".join(lines)
+
+
+def _lora_text(t) -> str:
+    lora = t.workload.lora
+    if lora is None:
+        return ""
+    return f", LoRA r={lora['r']} alpha={lora['alpha']:g} on {','.join(lora['target_modules'])}, base frozen"
 
 
 def _memory_text(memory) -> str:

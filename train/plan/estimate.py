@@ -446,7 +446,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         return {"model": self.shape.name, "num_params": self.shape.num_params,
-                "cluster": vars(self.cluster), "world": self.cluster.world, "batch": vars(self.batch),
+                "trained_params": sum(self.shape.tensors), "cluster": vars(self.cluster), "world": self.cluster.world, "batch": vars(self.batch),
                 "device": vars(self.device), "safety": self.safety, "options": [r.to_dict() for r in self.rows],
                 "recommended": self.recommended.strategy.label if self.recommended else None,
                 "recommended_ds_config": self.recommended.strategy.path if self.recommended else None}

@@ -47,6 +47,8 @@ def resolved_config(cfg: RunConfig, ds, batch, topo, max_steps: int, data, workl
     d["train"]["max_steps"] = max_steps
     d["data"]["seq_len"] = data.seq_len
     d["model"]["resolved"] = workload.model_config
+    if workload.lora is not None:
+        d["model"]["lora"]["resolved"] = workload.lora  # the target modules chosen, where the base comes from
     d["distributed"]["ds_config"] = ds.path
     d["resolved"] = {
         "deepspeed_config": ds.resolved, "backend": ds.backend, "zero_stage": ds.stage, "precision": ds.precision,
@@ -224,6 +226,11 @@ def _restore(ckpt, cfg: RunConfig) -> TrainState:
     """Checkpoint resume (checkpoint.resume) or initial weights (model.init_from), before
     start(): W&B and the banner see the restored step and run id. Returns the TrainState the
     run starts from (a fresh one unless a checkpoint was resumed)."""
+    if cfg.model.lora is not None and cfg.model.init_from:
+        # A LoRA checkpoint holds no base: the frozen base weights come from init_from every time.
+        ckpt.init_from(cfg.model.init_from)
+        resumed = ckpt.resume(cfg.checkpoint.resume, load_optimizer=cfg.checkpoint.load_optimizer)
+        return resumed if resumed is not None else TrainState()
     resumed = ckpt.resume(cfg.checkpoint.resume, load_optimizer=cfg.checkpoint.load_optimizer)
     if cfg.model.init_from and resumed is None:
         ckpt.init_from(cfg.model.init_from)
