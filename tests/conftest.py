@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, STAGE_ARGS, STAGE_RUNS, cached_run, fp32
+from helpers import REPO, STAGE_ARGS, STAGE_RUNS, cached_run, fp32, make_tokenizer, random_text, write_texts
 
 
 @pytest.fixture
@@ -47,3 +47,17 @@ def clean_env(monkeypatch):
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """Text -> a local BPE tokenizer -> token files (train + sibling val) via `zerotrain prepare`."""
+    from train.commands.prepare import main as prepare
+    d = tmp_path_factory.mktemp("hf")
+    docs = {f"doc{i}.txt": random_text(4000, 100 + i) for i in range(4)}
+    src = write_texts(d / "src", docs)
+    val = write_texts(d / "val", {"v.txt": random_text(2500, 200)})
+    tok = make_tokenizer(d / "tok", list(docs.values()), vocab_size=320)
+    out = d / "corpus.bin"
+    assert prepare([str(src), "--val", str(val), "--out", str(out), "--tokenizer", str(d / "tok")]) == 0
+    return {"dir": d, "tok_dir": d / "tok", "vocab": len(tok), "tokens": out}

@@ -204,3 +204,55 @@ def write_texts(d: Path, texts: dict[str, str]) -> Path:
         (d / name).parent.mkdir(parents=True, exist_ok=True)
         (d / name).write_text(text)
     return d
+
+
+# Tiny local Hugging Face causal LMs (hf, lora and sft tests).
+
+SEQ = 32
+
+
+def save_tiny(kind: str, out: Path, vocab: int, tokenizer_dir: Path | None = None, weights: bool = True) -> Path:
+    """A randomly initialised tiny GPT-2 (tied embeddings) or Llama (GQA, untied), saved locally."""
+    import torch  # (here and below: this module is imported before torch may be, see CPU_ONLY)
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(cfg)
+    else:
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+        model = LlamaForCausalLM(cfg)
+    if weights:
+        model.save_pretrained(str(out))
+    else:
+        cfg.save_pretrained(str(out))
+    if tokenizer_dir is not None:
+        for f in tokenizer_dir.iterdir():
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def lm_bundle(vocab: int, max_token: int | None = None):
+    from train.data import DataBundle
+    return DataBundle(train=None, val=None, task="lm", describe="", vocab_size=vocab, seq_len=SEQ,
+                      extra={} if max_token is None else {"max_token": max_token, "token_file": "x.bin"})
+
+
+def hf_val_loss(model, tokens_path: Path) -> tuple[float, int]:
+    """Mean per-sequence loss over the whole validation file, as the trainer defines it."""
+    import torch
+    import torch.nn.functional as F
+
+    from train.config import DataConfig
+    from train.data import build_data
+    data = build_data(DataConfig(kind="tokens", path=str(tokens_path)), SEQ, 0)
+    losses = []
+    with torch.no_grad():
+        for i in range(len(data.val)):
+            s = data.val[i]
+            logits = model(input_ids=s["input_ids"][None]).logits[0]
+            losses.append(float(F.cross_entropy(logits.float(), s["labels"])))
+    return sum(losses) / len(losses), len(losses)

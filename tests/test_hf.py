@@ -7,62 +7,17 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from helpers import accelerate_yaml, fp32, make_tokenizer, metrics, random_text, rank_infos, run_train, write_texts
+from helpers import SEQ, accelerate_yaml, fp32, hf_val_loss, lm_bundle, metrics, rank_infos, run_train, save_tiny
 from models import build_workload, resolve
-from train.config import DataConfig, ModelConfig
-from train.data import DataBundle, build_data
+from train.config import ModelConfig
+from train.data import DataBundle
 from train.errors import ConfigError, DataError
-from train.commands.prepare import main as prepare
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may touch the network
-SEQ = 32
-
-
-def save_tiny(kind: str, out: Path, vocab: int, tokenizer_dir: Path | None = None, weights: bool = True) -> Path:
-    """A randomly initialised tiny GPT-2 (tied embeddings) or Llama (GQA, untied), saved locally."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        cfg = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
-                         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        model = GPT2LMHeadModel(cfg)
-    else:
-        cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
-        model = LlamaForCausalLM(cfg)
-    if weights:
-        model.save_pretrained(str(out))
-    else:
-        cfg.save_pretrained(str(out))
-    if tokenizer_dir is not None:
-        for f in tokenizer_dir.iterdir():
-            (out / f.name).write_bytes(f.read_bytes())
-    return out
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """Text -> a local BPE tokenizer -> token files (train + sibling val) via `zerotrain prepare`."""
-    d = tmp_path_factory.mktemp("hf")
-    docs = {f"doc{i}.txt": random_text(4000, 100 + i) for i in range(4)}
-    src = write_texts(d / "src", docs)
-    val = write_texts(d / "val", {"v.txt": random_text(2500, 200)})
-    tok = make_tokenizer(d / "tok", list(docs.values()), vocab_size=320)
-    out = d / "corpus.bin"
-    assert prepare([str(src), "--val", str(val), "--out", str(out), "--tokenizer", str(d / "tok")]) == 0
-    return {"dir": d, "tok_dir": d / "tok", "vocab": len(tok), "tokens": out}
-
-
-def lm_bundle(vocab: int, max_token: int | None = None) -> DataBundle:
-    return DataBundle(train=None, val=None, task="lm", describe="", vocab_size=vocab, seq_len=SEQ,
-                      extra={} if max_token is None else {"max_token": max_token, "token_file": "x.bin"})
 
 
 # ----------------------------------------------------------------------------- loading
@@ -160,18 +115,6 @@ def test_save_hf_config_makes_a_loadable_directory(tmp_path, corpus):
 
 # ----------------------------------------------------------------------------- fine-tuning on 2 processes
 
-def _val_loss(model, tokens_path: Path) -> tuple[float, int]:
-    """Mean per-sequence loss over the whole validation file, as the trainer defines it."""
-    data = build_data(DataConfig(kind="tokens", path=str(tokens_path)), SEQ, 0)
-    losses = []
-    with torch.no_grad():
-        for i in range(len(data.val)):
-            s = data.val[i]
-            logits = model(input_ids=s["input_ids"][None]).logits[0]
-            losses.append(float(F.cross_entropy(logits.float(), s["labels"])))
-    return sum(losses) / len(losses), len(losses)
-
-
 @pytest.mark.multiproc
 @pytest.mark.parametrize("arch,stage,launcher", [("gpt2", "zero2", "torchrun"), ("llama", "zero3", "accelerate")])
 def test_finetune_and_export_loads_back_with_identical_outputs(tmp_path, corpus, arch, stage, launcher):
@@ -215,12 +158,12 @@ def test_finetune_and_export_loads_back_with_identical_outputs(tmp_path, corpus,
     assert len(AutoTokenizer.from_pretrained(str(export), local_files_only=True)) == corpus["vocab"]
     model.eval()
     # The exported model reproduces the 2-rank validation loss of the trained one ...
-    loss, n = _val_loss(model, corpus["tokens"])
+    loss, n = hf_val_loss(model, corpus["tokens"])
     assert n == val["val/samples"]
     assert math.isclose(loss, val["val/loss"], rel_tol=1e-4), (loss, val["val/loss"])
     # ... it was really trained (not the initial weights) ...
     init = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32, local_files_only=True).eval()
-    assert _val_loss(init, corpus["tokens"])[0] > loss + 0.3
+    assert hf_val_loss(init, corpus["tokens"])[0] > loss + 0.3
     # ... and from_pretrained reads exactly the exported tensors: identical logits to a manual load.
     manual = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(export)), dtype=torch.float32)
     state = load_file(str(export / "model.safetensors"))

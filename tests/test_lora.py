@@ -14,11 +14,10 @@ import os
 import pytest
 import torch
 
-from helpers import fp32, metrics, rank_infos, run_train, train_losses
+from helpers import SEQ, fp32, hf_val_loss, lm_bundle, metrics, rank_infos, run_train, save_tiny, train_losses
 from models import build_workload, resolve
 from models.config import LoraConfig
 from models.lora import adapter_key, is_adapter
-from test_hf import SEQ, _val_loss, corpus, lm_bundle, save_tiny  # noqa: F401 - corpus: the shared fixture
 from train.config import ModelConfig, load_config
 from train.errors import ConfigError
 
@@ -240,7 +239,7 @@ def test_lora_round_trip_under_partitioned_zero3(tmp_path, corpus):
         logits = peft_model(input_ids=x).logits
         diff_adapter = (logits - trained(input_ids=x).logits).abs().max().item()
     val = [r for r in metrics(a) if "val/loss" in r][-1]
-    assert math.isclose(_val_loss(peft_model, corpus["tokens"])[0], val["val/loss"], rel_tol=1e-4)
+    assert math.isclose(hf_val_loss(peft_model, corpus["tokens"])[0], val["val/loss"], rel_tol=1e-4)
 
     # Merged: plain transformers weights, the base names, the same logits within 1e-5 (fp32).
     assert export([str(ckpt6), str(tmp_path / "merged"), "--merge", "--dtype", "fp32"]) == 0

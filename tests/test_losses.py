@@ -229,7 +229,7 @@ def test_workload_lm_loss_and_eval_match_the_fp32_formula(dtype):
 
 def test_hf_workload_uses_the_same_loss(tmp_path):
     pytest.importorskip("transformers")
-    from test_hf import lm_bundle, save_tiny
+    from helpers import lm_bundle, save_tiny
 
     from models import build_workload, resolve
     from train.config import ModelConfig

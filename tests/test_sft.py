@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import fp32, make_tokenizer, metrics, random_text, run_main, run_train
+from helpers import fp32, make_tokenizer, metrics, random_text, run_main, run_train, save_tiny
 from models import build_workload, resolve
 from models.losses import IGNORE_INDEX, cross_entropy
 from train.config import DataConfig, ModelConfig
@@ -176,7 +176,6 @@ def test_step_loss_and_weights_do_not_depend_on_accumulation_processes_or_stage(
     scaling) and 2 processes x micro 1 x accum 4 (DDP, ZeRO-2, ZeRO-3) give the same step
     losses and the same trained weights. Averaging each micro-batch's mean (the old loss)
     does not: micro-batches hold 2 to 15 labelled tokens."""
-    from test_hf import save_tiny
     from transformers import AutoTokenizer
     vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True))
     model = save_tiny("llama", tmp_path / "llama", vocab, tokenizer_dir=tokenizer_dir)

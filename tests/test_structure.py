@@ -125,3 +125,15 @@ def test_dependencies_point_down_the_layers():
     bad = [f"{m} ({LAYERS[_layer(m)][0]}) imports {d} ({LAYERS[_layer(d)][0]})"
            for m, deps in sorted(graph.items()) for d in sorted(deps) if _layer(d) < _layer(m)]
     assert not bad, bad
+
+
+def test_test_modules_share_helpers_not_each_other():
+    """Shared test code lives in tests/helpers.py (functions) and tests/conftest.py (fixtures):
+    a test module importing another one runs that module's imports and hides where a helper is."""
+    bad = []
+    for path in sorted((REPO / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            bad += [f"{path.name} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not bad, bad
