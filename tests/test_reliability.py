@@ -27,6 +27,11 @@ def ds(tmp_path, body: dict, name="ds.json"):
     return write(tmp_path, name, json.dumps(body))
 
 
+def sft_args(tmp_path, bad_line: str) -> list[str]:
+    path = write(tmp_path, "d.jsonl", json.dumps({"prompt": "fine", "response": "ok"}) + "\n" + bad_line + "\n")
+    return ["--model.name", "gpt-tiny", "--data.kind", "sft", "--data.path", path, "--data.seq_len", "32"]
+
+
 BAD_CONFIGS = {
     # name: (argv builder, substring of the message)
     "malformed yaml": (lambda t: ["--config", write(t, "run.yaml", "train:\n  max_steps: 3\n   x: 1\n")],
@@ -63,6 +68,16 @@ BAD_CONFIGS = {
     "sequence longer than the context": (lambda t: ["--model.name", "gpt-tiny", "--data.seq_len", "65"],
                                          "data.seq_len 65 exceeds the model's context length 64"),
     "unknown model": (lambda t: ["--model.name", "gpt-tiniest"], 'model.name "gpt-tiniest" is unknown'),
+    # Instruction data (data.kind sft): the bad record is line 2 of d.jsonl, after a good one.
+    **{f"sft: {case}": ((lambda line: lambda t: sft_args(t, line))(line), needle) for case, (line, needle) in {
+        "not JSONL": ("this is not json", "d.jsonl:2: not JSON"),
+        "missing response": ('{"prompt": "x"}', 'd.jsonl:2: missing "response"'),
+        "wrong type": ('{"prompt": "x", "response": 3}', 'd.jsonl:2: "response" must be a string (got int)'),
+        "empty after truncation": (json.dumps({"prompt": "x" * 100, "response": "y"}),
+                                   "d.jsonl:2: the response is empty after truncation to data.seq_len 32"),
+        "unknown role": (json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}),
+                         'd.jsonl:2: messages[1] has the unknown role "bot"'),
+    }.items()},
 }
 
 

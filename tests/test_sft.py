@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import fp32, make_tokenizer, metrics, random_text, run_main, run_train, save_tiny
+from helpers import fp32, make_tokenizer, metrics, random_text, run_train, save_tiny
 from models import build_workload, resolve
 from models.losses import IGNORE_INDEX, cross_entropy
 from train.config import DataConfig, ModelConfig
@@ -124,31 +124,6 @@ def test_a_given_denominator_divides_the_summed_token_loss():
     torch.testing.assert_close(g, g_ref)
     with torch.no_grad():
         torch.testing.assert_close(cross_entropy(logits, targets, denominator=torch.tensor(3.0)), summed / 3.0)
-
-
-# ----------------------------------------------------------------------------- bad records
-
-BAD_RECORDS = {
-    "not JSONL": ("this is not json", "d.jsonl:2: not JSON"),
-    "missing response": ('{"prompt": "x"}', 'd.jsonl:2: missing "response"'),
-    "wrong type": ('{"prompt": "x", "response": 3}', 'd.jsonl:2: "response" must be a string (got int)'),
-    "empty after truncation": (json.dumps({"prompt": "x" * 100, "response": "y"}),
-                               "d.jsonl:2: the response is empty after truncation to data.seq_len 32"),
-    "unknown role": (json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}),
-                     'd.jsonl:2: messages[1] has the unknown role "bot"'),
-}
-
-
-@pytest.mark.parametrize("case", sorted(BAD_RECORDS))
-def test_bad_record_gives_one_line_naming_file_and_line_and_exit_2(case, tmp_path, capsys, clean_env):  # noqa: F811
-    line, needle = BAD_RECORDS[case]
-    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "fine", "response": "ok"}, line])
-    code, err = run_main(capsys, ["--model.name", "gpt-tiny", "--data.kind", "sft", "--data.path", str(path),
-                                  "--data.seq_len", "32", "--train.run_dir", str(tmp_path / "run")])
-    assert code == 2, err
-    assert needle in err, err
-    assert err.startswith("zerotrain: error: ") and "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1, err
 
 
 # ----------------------------------------------------------------------------- normalisation, end to end
