@@ -147,10 +147,10 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.multiproc
 def test_step_loss_and_weights_do_not_depend_on_accumulation_processes_or_stage(tmp_path, tokenizer_dir):
     """fp32, 3 steps of 8 variable-length masked records each: micro 8 x accum 1 (DDP, 1 process)
-    is the reference; micro 1 x accum 8 (ZeRO-2, 1 process: DeepSpeed's own accumulation
-    scaling) and 2 processes x micro 1 x accum 4 (DDP, ZeRO-2, ZeRO-3) give the same step
-    losses and the same trained weights. Averaging each micro-batch's mean (the old loss)
-    does not: micro-batches hold 2 to 15 labelled tokens."""
+    is the reference; micro 1 x accum 8 (ZeRO-1, 1 process: DeepSpeed's own accumulation
+    scaling) and 2 processes x micro 1 x accum 4 (DDP, ZeRO-0, ZeRO-2, ZeRO-3) give the same
+    step losses and the same trained weights: DDP and every ZeRO stage. Averaging each
+    micro-batch's mean (the old loss) does not: micro-batches hold 2 to 15 labelled tokens."""
     from transformers import AutoTokenizer
     vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True))
     model = save_tiny("llama", tmp_path / "llama", vocab, tokenizer_dir=tokenizer_dir)
@@ -161,8 +161,9 @@ def test_step_loss_and_weights_do_not_depend_on_accumulation_processes_or_stage(
             "--train.progress", "false", "--logging.every_steps", "1", "--checkpoint.save_at_end", "false",
             "--checkpoint.export", "true", "--checkpoint.export_dtype", "fp32"]
     runs = {"ddp 1x micro8 accum1": ("python", 1, "ddp", 8, 1),
-            "zero2 1x micro1 accum8": ("python", 1, "zero2", 1, 8),
+            "zero1 1x micro1 accum8": ("python", 1, "zero1", 1, 8),
             "ddp 2x micro1 accum4": ("torchrun", 2, "ddp", 1, 4),
+            "zero0 2x micro1 accum4": ("torchrun", 2, "zero0", 1, 4),
             "zero2 2x micro1 accum4": ("torchrun", 2, "zero2", 1, 4),
             "zero3 2x micro1 accum4": ("torchrun", 2, "zero3", 1, 4)}
     losses, weights, vals = {}, {}, {}
