@@ -292,8 +292,8 @@ def read_prepared(path: Path, enc: Encoder, seq_len: int) -> tuple[SFTSequences,
     """A set from `zerotrain prepare --sft` (train/data/sft_file.py), memory-mapped: the same
     samples as read_records on its source JSONL, provided it was tokenized the way this run
     would tokenize (the same tokenizer content and chat-template use; else refused)."""
-    from train.data import sft_file
-    prep = sft_file.read(path)
+    from train.data.sft_file import read  # late: only prepared sets need it
+    prep = read(path)
     meta, fix = prep.meta, f"re-run `zerotrain prepare --sft {prep.meta['source']['path']} --out {path}`"
     if meta["tokenizer_sha256"] != enc.identity():
         raise DataError(f"{path} was prepared with tokenizer {meta['tokenizer']}, this run tokenizes with {enc.name} "
