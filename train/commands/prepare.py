@@ -8,9 +8,9 @@ instruction records -> a prepared set for data.kind = sft.
 
 --sft: one JSONL file of {"prompt", "response"} / {"messages"} records is tokenized exactly as
 data.kind sft does at start-up (the same code), but once: training with data.path
-data/sft.bin memory-maps it instead of every rank tokenizing every record (measured: 20,000
-records with a BPE tokenizer and its chat template, build_data 9.9s from JSONL vs 0.03s prepared;
-docs/workloads.md). Records are stored whole with a trained flag per token, so data.seq_len
+data/sft.bin memory-maps it instead of every rank tokenizing every record (measured with
+bench/sft_startup.py: 20,000 records, a BPE tokenizer and its chat template, build_data 16.2s
+from the JSONL vs 0.003s from the prepared set, per rank; prepare itself took 14.9s). Records are stored whole with a trained flag per token, so data.seq_len
 stays a training-time choice. --val FILE, else a sibling <records>.val.jsonl, gives
 data/sft.val.bin. The sidecar data/sft.json records the tokenizer (by content), whether its
 chat template was used (--no-chat-template = data.chat_template false) and the source's size
@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                    "); with --sft one JSONL file of instruction records")
     p.add_argument("--out", required=True, help="output token file, e.g. data/corpus.bin (sidecar: data/corpus.json)")
     p.add_argument("--val", nargs="+", default=None, metavar="PATH",
-                   help="held-out text files/directories -> <out>.val.bin (else training holds out data.val_fraction)")
+                   help="held-out text files/directories -> <out>.val.bin (else training holds out data.val_fraction); "
+                        "with --sft one JSONL file (default: a sibling <input>.val.jsonl if there is one)")
     p.add_argument("--tokenizer", default=None,
                    help="local Hugging Face tokenizer directory (default: bytes, vocab 256)")
     p.add_argument("--sft", action="store_true",

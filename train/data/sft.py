@@ -25,6 +25,11 @@ world-size independent and resumable, like every other kind.
 
 Validation: a sibling `<name>.val.jsonl` if present, else the last data.val_fraction of the
 records. A bad record stops the run before training with one line naming the file and line.
+
+Prepared sets: `zerotrain prepare --sft` runs encoded_records (the one record -> tokens
+function) once and stores whole records (train/data/sft_file.py); a .bin data.path is read
+memory-mapped into the same SFTSequences, which cut to seq_len when read: the same samples as
+from the JSONL, refused if made with another tokenizer or chat-template setting.
 """
 
 from __future__ import annotations
