@@ -47,6 +47,8 @@ from models.losses import IGNORE_INDEX
 from train.config import DataConfig
 from train.data.text import VOCAB, decode as decode_bytes
 from train.data.bundle import DataBundle
+import train.data.sft_file as sft_file
+from train.data.sft_file import first_label
 from train.errors import DataError
 
 ROLES = ("system", "user", "assistant")
@@ -247,12 +249,6 @@ def encoded_records(lines: Iterable[bytes], name, enc: Encoder) -> Iterator[tupl
         yield lineno, ids, trained
 
 
-def first_label(trained) -> int:
-    """Position of the first trained token that is a label (position >= 1), len(trained) if none:
-    a record cut to seq_len + 1 tokens keeps a label iff this is <= seq_len."""
-    return next((j for j in range(1, len(trained)) if trained[j]), len(trained))
-
-
 def truncated_away(where: str, seq_len: int) -> DataError:
     return DataError(f"{where}: the response is empty after truncation to data.seq_len {seq_len} "
                      f"(the record's prompt fills it); raise data.seq_len or shorten the prompt")
@@ -297,8 +293,7 @@ def read_prepared(path: Path, enc: Encoder, seq_len: int) -> tuple[SFTSequences,
     """A set from `zerotrain prepare --sft` (train/data/sft_file.py), memory-mapped: the same
     samples as read_records on its source JSONL, provided it was tokenized the way this run
     would tokenize (the same tokenizer content and chat-template use; else refused)."""
-    from train.data.sft_file import read  # late: only prepared sets need it
-    prep = read(path)
+    prep = sft_file.read(path)
     meta, fix = prep.meta, f"re-run `zerotrain prepare --sft {prep.meta['source']['path']} --out {path}`"
     if meta["tokenizer_sha256"] != enc.identity():
         raise DataError(f"{path} was prepared with tokenizer {meta['tokenizer']}, this run tokenizes with {enc.name} "
@@ -326,8 +321,7 @@ def _jsonl_sets(path: Path, enc: Encoder, seq_len: int):
 
 def _prepared_sets(path: Path, enc: Encoder, seq_len: int):
     """The same from a prepared set: counts come from its sidecar, no token is read."""
-    from train.data.sft_file import val_path as prepared_val
-    (records, meta), val_file, val_meta = read_prepared(path, enc, seq_len), prepared_val(path), {}
+    (records, meta), val_file, val_meta = read_prepared(path, enc, seq_len), sft_file.val_path(path), {}
     val = None
     if val_file.is_file():
         val, val_meta = read_prepared(val_file, enc, seq_len)

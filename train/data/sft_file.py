@@ -51,6 +51,12 @@ def val_path(out: Path) -> Path:
 
 # ----------------------------------------------------------------------------- writing
 
+def first_label(trained) -> int:
+    """Position of the first trained token that is a label (position >= 1), len(trained) if none:
+    a record cut to seq_len + 1 tokens keeps a label iff this is <= seq_len (and < its length)."""
+    return next((j for j in range(1, len(trained)) if trained[j]), len(trained))
+
+
 def hashed_lines(f, h) -> Iterator[bytes]:
     """The lines of binary file `f`, fed to hash `h` as they are read: the source is hashed in
     the same pass that tokenizes it."""
@@ -73,7 +79,7 @@ class _Writer:
         self.num_tokens, self.num_trained, self.max_token = 0, 0, 0
 
     def add(self, lineno: int, ids: list[int], trained: list[bool]):
-        first = next((j for j in range(1, len(trained)) if trained[j]), len(trained))
+        first = first_label(trained)
         self.ids += ids
         self.trained += trained
         self.num_tokens += len(ids)
