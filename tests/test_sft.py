@@ -23,6 +23,7 @@ from models.losses import IGNORE_INDEX, cross_entropy
 from train.config import DataConfig, ModelConfig
 from train.data import build_data
 from train.data.sft import BYTE_EOS
+from train.errors import DataError
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may touch the network
 
@@ -192,3 +193,122 @@ def test_step_loss_and_weights_do_not_depend_on_accumulation_processes_or_stage(
     from safetensors.torch import load_file
     init = load_file(str(model / "model.safetensors"))
     assert max(float((weights[ref][k] - init[k]).abs().max()) for k in init) > 1e-4
+
+
+# ----------------------------------------------------------------------------- prepared sets (prepare --sft)
+
+def prepare_sft(argv: list) -> int:
+    from train.commands.prepare import main as prepare
+    return prepare(["--sft", *map(str, argv)])
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """tokenizer_dir plus ChatML markup tokens and a ChatML chat template."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    out = tmp_path_factory.mktemp("sft_chat") / "chat"
+    tok.save_pretrained(str(out))
+    return out
+
+
+def _mixed_records(n: int, seed: int) -> list[dict]:
+    """Prompt/response and conversation records, some longer than the seq_len used (truncated)."""
+    out = []
+    for i, r in enumerate(_records(n, seed)):
+        r["prompt"] = " ".join(r["prompt"].split()[:2])  # short prompts: truncation cuts responses, not all of them
+        if i % 3 == 2:
+            r = {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]},
+                              {"role": "user", "content": "more"}, {"role": "assistant", "content": r["prompt"]}]}
+        out.append(r)
+    return out
+
+
+def _same_samples(a, b):
+    assert (a is None) == (b is None)
+    if a is None:
+        return
+    assert len(a) == len(b) > 0
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), (i, k)
+
+
+@pytest.mark.parametrize("tok", ["bytes", "bpe plain", "bpe chat template"])
+def test_prepared_set_gives_exactly_the_jsonl_samples(tok, tmp_path, tokenizer_dir, chat_tokenizer_dir):
+    tokenizer = {"bytes": None, "bpe plain": tokenizer_dir, "bpe chat template": chat_tokenizer_dir}[tok]
+    src = write_jsonl(tmp_path / "r.jsonl", _mixed_records(30, 1))
+    out = tmp_path / "prep" / "r.bin"
+    assert prepare_sft([src, "--out", out] + (["--tokenizer", tokenizer] if tokenizer else [])) == 0
+    assert not list(out.parent.glob("*.tmp"))
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert (meta["records"], meta["chat_template"]) == (30, tok == "bpe chat template")
+    seq_len = 32 if tok == "bytes" else 24  # short enough that many records are cut
+    for val_fraction in (0.0, 0.2):
+        kw = dict(val_fraction=val_fraction, tokenizer=str(tokenizer) if tokenizer else None)
+        jsonl, prep = sft(src, seq_len, **kw), sft(out, seq_len, **kw)
+        _same_samples(jsonl.train, prep.train)
+        _same_samples(jsonl.val, prep.val)
+        assert (prep.vocab_size, prep.extra["max_token"]) == (jsonl.vocab_size, jsonl.extra["max_token"])
+        assert "prepared instruction data" in prep.describe
+    assert any(int(jsonl.train.offsets[i + 1] - jsonl.train.offsets[i]) == seq_len + 1 for i in range(20))
+    # the sibling validation file becomes <out>.val.bin and is picked up like <name>.val.jsonl
+    write_jsonl(tmp_path / "r.val.jsonl", _mixed_records(5, 2))
+    assert prepare_sft([src, "--out", out] + (["--tokenizer", tokenizer] if tokenizer else [])) == 0
+    kw = dict(val_fraction=0.2, tokenizer=str(tokenizer) if tokenizer else None)
+    jsonl, prep = sft(src, seq_len, **kw), sft(out, seq_len, **kw)
+    assert len(prep.val) == 5 and "r.val.bin" in prep.describe
+    _same_samples(jsonl.train, prep.train)
+    _same_samples(jsonl.val, prep.val)
+
+
+def test_prepared_set_made_differently_or_from_a_changed_source_is_refused(tmp_path, capsys, clean_env,
+                                                                             tokenizer_dir, chat_tokenizer_dir):
+    src = write_jsonl(tmp_path / "r.jsonl", _mixed_records(9, 3))
+    out = tmp_path / "r.bin"
+    assert prepare_sft([src, "--out", out, "--tokenizer", chat_tokenizer_dir]) == 0
+    capsys.readouterr()
+    cases = {  # what the run does differently -> what the one line says
+        "another tokenizer": (dict(tokenizer=str(tokenizer_dir)), "was prepared with tokenizer"),
+        "bytes": (dict(tokenizer=None), "was prepared with tokenizer"),
+        "no template": (dict(tokenizer=str(chat_tokenizer_dir), chat_template=False),
+                        "was prepared with the chat template, this run renders records without it"),
+        "seq_len too short": (dict(tokenizer=str(chat_tokenizer_dir), seq_len=4),
+                              f"{src.resolve()}:1: the response is empty after truncation to data.seq_len 4"),
+    }
+    for name, (kw, needle) in cases.items():
+        with pytest.raises(DataError) as e:
+            sft(out, kw.pop("seq_len", 32), val_fraction=0.0, **kw)
+        assert needle in str(e.value), (name, str(e.value))
+    # the same tokenizer copied elsewhere (e.g. into a model directory) is the same tokenizer
+    import shutil
+    shutil.copytree(chat_tokenizer_dir, tmp_path / "copy")
+    assert len(sft(out, 32, tokenizer=str(tmp_path / "copy"), val_fraction=0.0).train) == 9
+    # the source changed after prepare (same size, new content): stale, through the CLI (one line, exit 2)
+    text = src.read_text()
+    src.write_text(text.replace("alpha", "omega", 1) if "alpha" in text else text.replace("beta", "gamma", 1))
+    code, err = run_main(capsys, ["--model.name", "gpt-tiny", "--data.kind", "sft", "--data.path", str(out),
+                                  "--data.tokenizer", str(chat_tokenizer_dir), "--data.seq_len", "32",
+                                  "--train.run_dir", str(tmp_path / "run")])
+    assert code == 2 and "is stale: its source" in err and len(err.strip().splitlines()) == 1, err
+    # a truncated ids file is caught by its size
+    assert prepare_sft([src, "--out", out, "--tokenizer", chat_tokenizer_dir]) == 0
+    out.write_bytes(out.read_bytes()[:-2])
+    with pytest.raises(DataError, match="the set was changed after"):
+        sft(out, 32, tokenizer=str(chat_tokenizer_dir), val_fraction=0.0)
+
+
+@pytest.mark.parametrize("case", sorted(set(BAD_RECORDS) - {"empty after truncation"}))  # seq_len: training's
+def test_prepare_names_a_bad_record_by_file_and_line_and_leaves_no_output(case, tmp_path, capsys):
+    line, needle = BAD_RECORDS[case]
+    src = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "fine", "response": "ok"}, line])
+    out = tmp_path / "out" / "d.bin"
+    with pytest.raises(SystemExit) as e:
+        prepare_sft([src, "--out", out])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert list(out.parent.iterdir()) == []  # not even a temporary file

@@ -14,7 +14,7 @@ COMMANDS = {
     "check": ("train.commands.check", "main", "validate run file, DeepSpeed JSON, hostfile and accelerate YAML together"),
     "deepspeed-env": ("train.commands.deepspeed_env", "main", "write .deepspeed_env: the environment remote ranks need"),
     "plot": ("train.commands.plot", "main", "loss / lr / throughput curves of run dirs (metrics.jsonl) to PNG"),
-    "prepare": ("train.commands.prepare", "main", "tokenize text files into a token file for data.kind = tokens"),
+    "prepare": ("train.commands.prepare", "main", "tokenize text files (data.kind tokens) or, with --sft, JSONL records (data.kind sft) once"),
     "make-shapes": ("train.data.make_shapes", "main", "generate a small labelled shapes/colours ImageFolder set"),
     "export": ("train.commands.export", "main", "checkpoint -> Hugging Face safetensors weights (offline, CPU, any world size)"),
     "plan": ("train.commands.plan", "main", "per-device memory of DDP / ZeRO-1/2/3 / offload for a model and cluster; "

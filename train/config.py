@@ -32,7 +32,8 @@ class DataConfig:
     path: Optional[str] = None
     """text: file or directory of text (None = the embedded default corpus); tokens: the
     .bin file (a sibling .val.bin is the validation split if present); sft: the .jsonl file
-    (a sibling .val.jsonl is the validation split if present); imagefolder: root."""
+    (a sibling .val.jsonl is the validation split if present), or a .bin set made from it by
+    `zerotrain prepare --sft` (tokenized once, memory-mapped; sibling .val.bin); imagefolder: root."""
     seq_len: Optional[int] = None
     """LM sequence length; None = the model's context length. sft: each record is truncated
     to it (seq_len + 1 tokens) and right-padded."""

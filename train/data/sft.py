@@ -25,6 +25,11 @@ world-size independent and resumable, like every other kind.
 
 Validation: a sibling `<name>.val.jsonl` if present, else the last data.val_fraction of the
 records. A bad record stops the run before training with one line naming the file and line.
+
+Prepared sets: `zerotrain prepare --sft` runs encoded_records (the one record -> tokens
+function) once and stores whole records (train/data/sft_file.py); a .bin data.path is read
+memory-mapped into the same SFTSequences, which cut to seq_len when read: the same samples as
+from the JSONL, refused if made with another tokenizer or chat-template setting.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -42,6 +47,8 @@ from models.losses import IGNORE_INDEX
 from train.config import DataConfig
 from train.data.text import VOCAB, decode as decode_bytes
 from train.data.bundle import DataBundle
+import train.data.sft_file as sft_file
+from train.data.sft_file import first_label
 from train.errors import DataError
 
 ROLES = ("system", "user", "assistant")
@@ -59,6 +66,7 @@ class Encoder:
     bos: list[int]                        # prepended in the plain format ([] or [BOS])
     decode: Callable
     render: Optional[Callable] = None     # (messages, add_generation_prompt) -> text: the chat template
+    identity: Callable[[], str] = lambda: "bytes"  # sha256 of what fixes the ids (prepared sets must match)
 
 
 def byte_encoder() -> Encoder:
@@ -84,9 +92,22 @@ def hf_encoder(directory: str, use_template: bool) -> Encoder:
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     render = template if use_template and getattr(tok, "chat_template", None) else None
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     return Encoder(name=str(d), vocab_size=len(tok), encode=lambda s: tok(s, add_special_tokens=False)["input_ids"],
-                   eos=tok.eos_token_id, pad=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-                   bos=bos, decode=lambda ids: tok.decode(list(ids)), render=render)
+                   eos=tok.eos_token_id, pad=pad, bos=bos, decode=lambda ids: tok.decode(list(ids)), render=render,
+                   identity=lambda: tokenizer_identity(tok, bos, pad))
+
+
+def tokenizer_identity(tok, bos: list[int], pad: int) -> str:
+    """sha256 over everything that decides a record's ids: the whole tokenizer (its tokenizer.json
+    serialisation when it is a fast one, else its vocabulary), the special ids and the chat
+    template. By content, not path: the same tokenizer copied into a model directory matches."""
+    import hashlib
+    backend = getattr(tok, "backend_tokenizer", None)
+    h = hashlib.sha256(backend.to_str().encode() if backend is not None else
+                       json.dumps(sorted(tok.get_vocab().items())).encode())
+    h.update(json.dumps([bos, tok.eos_token_id, pad, getattr(tok, "chat_template", None)]).encode())
+    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------- records
@@ -182,8 +203,9 @@ def tokenize(turns, chat: bool, enc: Encoder, where: str) -> tuple[list[int], li
 # ----------------------------------------------------------------------------- dataset
 
 class SFTSequences(Dataset):
-    """Records as ragged token arrays (int32 ids, bool trained flags, offsets): samples are cut
-    and padded to seq_len when read, so memory follows the tokens, not records x seq_len."""
+    """Records as ragged token arrays (ids, bool trained flags, offsets; in memory from JSONL or
+    memory-mapped from a prepared set): samples are cut and padded to seq_len when read, so
+    memory follows the tokens, not records x seq_len."""
 
     def __init__(self, ids: np.ndarray, trained: np.ndarray, offsets: np.ndarray, seq_len: int, pad: int):
         self.ids, self.trained, self.offsets = ids, trained, offsets
@@ -196,8 +218,10 @@ class SFTSequences(Dataset):
         if not 0 <= i < len(self):
             raise IndexError(i)
         s, e = int(self.offsets[i]), int(self.offsets[i + 1])
+        e = min(e, s + self.seq_len + 1)  # prepared records are stored whole: cut here, as read_records does
         ids = torch.from_numpy(self.ids[s:e].astype(np.int64))     # (n,), n <= seq_len + 1
-        keep = torch.from_numpy(self.trained[s + 1:e])               # (n-1,): is label j a trained token
+        # a copy: prepared flags are a read-only memmap, which torch.from_numpy warns about
+        keep = torch.from_numpy(self.trained[s + 1:e].astype(np.bool_))  # (n-1,): is label j a trained token
         n, T = e - s, self.seq_len
         input_ids = torch.full((T,), self.pad, dtype=torch.int64)
         labels = torch.full((T,), IGNORE_INDEX, dtype=torch.int64)
@@ -206,29 +230,45 @@ class SFTSequences(Dataset):
         return {"input_ids": input_ids, "labels": labels}
 
 
+def encoded_records(lines: Iterable[bytes], name, enc: Encoder) -> Iterator[tuple[int, list[int], list[bool]]]:
+    """(line number, ids, trained per id) of every record in JSONL `lines`, full length: the one
+    record -> tokens function, shared by training (read_records) and `zerotrain prepare --sft`, so
+    both validate and tokenize alike. Blank lines are skipped; a bad one raises DataError naming
+    `name`:line."""
+    for lineno, raw in enumerate(lines, 1):
+        where = f"{name}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"{where}: not UTF-8 text; data.kind sft reads JSONL (UTF-8, one JSON object "
+                            f"per line)") from None
+        if not line.strip():
+            continue
+        turns, chat = parse_record(line, where)
+        ids, trained = tokenize(turns, chat, enc, where)
+        yield lineno, ids, trained
+
+
+def truncated_away(where: str, seq_len: int) -> DataError:
+    return DataError(f"{where}: the response is empty after truncation to data.seq_len {seq_len} "
+                     f"(the record's prompt fills it); raise data.seq_len or shorten the prompt")
+
+
+def open_jsonl(path: Path):
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise DataError(f"data.path {path}: cannot read it ({e.strerror})") from None
+
+
 def read_records(path: Path, enc: Encoder, seq_len: int) -> SFTSequences:
     """Every record of a JSONL file, tokenized and truncated to seq_len + 1 tokens."""
     all_ids, all_trained, offsets = [], [], [0]
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise DataError(f"data.path {path}: cannot read it ({e.strerror})") from None
-    with f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise DataError(f"{where}: not UTF-8 text; data.kind sft reads JSONL (UTF-8, one JSON object "
-                                f"per line)") from None
-            if not line.strip():
-                continue
-            turns, chat = parse_record(line, where)
-            ids, trained = tokenize(turns, chat, enc, where)
+    with open_jsonl(path) as f:
+        for lineno, ids, trained in encoded_records(f, path, enc):
             ids, trained = ids[:seq_len + 1], trained[:seq_len + 1]
-            if not any(trained[1:]):  # the first token is never a label
-                raise DataError(f"{where}: the response is empty after truncation to data.seq_len {seq_len} "
-                                f"(the record's prompt fills it); raise data.seq_len or shorten the prompt")
+            if first_label(trained) >= len(trained):  # the first token is never a label
+                raise truncated_away(f"{path}:{lineno}", seq_len)
             all_ids += ids
             all_trained += trained
             offsets.append(len(all_ids))
@@ -249,33 +289,76 @@ def val_path(path: Path) -> Path:
     return path.with_suffix(".val.jsonl")
 
 
+def read_prepared(path: Path, enc: Encoder, seq_len: int) -> tuple[SFTSequences, dict]:
+    """A set from `zerotrain prepare --sft` (train/data/sft_file.py), memory-mapped: the same
+    samples as read_records on its source JSONL, provided it was tokenized the way this run
+    would tokenize (the same tokenizer content and chat-template use; else refused)."""
+    prep = sft_file.read(path)
+    meta, fix = prep.meta, f"re-run `zerotrain prepare --sft {prep.meta['source']['path']} --out {path}`"
+    if meta["tokenizer_sha256"] != enc.identity():
+        raise DataError(f"{path} was prepared with tokenizer {meta['tokenizer']}, this run tokenizes with {enc.name} "
+                        f"(a different tokenizer); {fix}{'' if enc.name == 'bytes' else ' --tokenizer ' + enc.name}, or set "
+                        f"data.tokenizer to the one it was prepared with")
+    if meta["chat_template"] != (enc.render is not None):
+        raise DataError(f"{path} was prepared {'with' if meta['chat_template'] else 'without'} the chat template, "
+                        f"this run renders records {'with' if enc.render else 'without'} it (data.chat_template "
+                        f"{'true' if enc.render else 'false'}); {fix}{'' if enc.render else ' --no-chat-template'}"
+                        f" or set data.chat_template {'true' if meta['chat_template'] else 'false'}")
+    lengths = np.diff(prep.offsets)
+    bad = np.flatnonzero((prep.index[:, 1] > seq_len) | (prep.index[:, 1] >= lengths))  # no label left in seq_len + 1
+    if len(bad):
+        raise truncated_away(f"{meta['source']['path']}:{int(prep.index[bad[0], 0])}", seq_len)
+    return SFTSequences(prep.ids, prep.trained, prep.offsets, seq_len, enc.pad), meta
+
+
+def _jsonl_sets(path: Path, enc: Encoder, seq_len: int):
+    """(records, sibling validation records or None, its name, largest id, what) from JSONL."""
+    records, val_file = read_records(path, enc, seq_len), val_path(path)
+    val = read_records(val_file, enc, seq_len) if val_file.is_file() and val_file != path else None
+    top = max(int(records.ids.max()), int(val.ids.max()) if val is not None else 0)
+    return records, val, val_file.name, top, "instruction data"
+
+
+def _prepared_sets(path: Path, enc: Encoder, seq_len: int):
+    """The same from a prepared set: counts come from its sidecar, no token is read."""
+    (records, meta), val_file, val_meta = read_prepared(path, enc, seq_len), sft_file.val_path(path), {}
+    val = None
+    if val_file.is_file():
+        val, val_meta = read_prepared(val_file, enc, seq_len)
+    top = max(meta["max_token"], val_meta.get("max_token", 0))
+    return records, val, val_file.name, top, f"prepared instruction data (from {Path(meta['source']['path']).name})"
+
+
 def build_sft(cfg: DataConfig, seq_len: Optional[int], tokenizer: Optional[str]) -> DataBundle:
-    """`tokenizer`: a local Hugging Face tokenizer directory, or None for bytes."""
+    """`tokenizer`: a local Hugging Face tokenizer directory, or None for bytes. data.path is a
+    JSONL file, or a .bin set from `zerotrain prepare --sft` (the same samples, memory-mapped)."""
     if cfg.path is None:
         raise DataError('data.kind = sft needs data.path (a .jsonl file of {"prompt", "response"} or '
-                        '{"messages"} records)')
+                        '{"messages"} records, or a .bin set from `zerotrain prepare --sft`)')
     if seq_len is None:
         raise DataError("data.kind = sft needs data.seq_len (the model has no context length to default to)")
     path = Path(cfg.path).expanduser()
     if not path.is_file():
         raise DataError(f'data.path {path} does not exist (data.kind = sft expects a .jsonl file of {{"prompt", '
-                        f'"response"}} or {{"messages"}} records)')
+                        f'"response"}} or {{"messages"}} records, or a .bin set from `zerotrain prepare --sft`)')
     enc = hf_encoder(tokenizer, cfg.chat_template) if tokenizer else byte_encoder()
-    records = read_records(path, enc, seq_len)
-    val_file = val_path(path)
-    if val_file.is_file() and val_file != path:
-        train, val, split = records, read_records(val_file, enc, seq_len), f"val: {val_file.name}"
+    sets = _prepared_sets if path.suffix == ".bin" else _jsonl_sets
+    records, sibling, val_name, top, what = sets(path, enc, seq_len)
+    if sibling is not None:
+        train, val, split = records, sibling, f"val: {val_name}"
     else:
         n_val = int(len(records) * cfg.val_fraction)
         train, val = subset(records, 0, len(records) - n_val), (subset(records, len(records) - n_val, len(records))
                                                                  if n_val else None)
         split = f"val: last {n_val} records"
-    top = max(int(records.ids.max()), int(val.ids.max()) if val is not None else 0)
-    labelled = int(train.trained.sum()) - int(train.trained[train.offsets[:-1]].sum())  # first tokens are inputs only
     fmt = "chat template" if enc.render else "plain format"
+    counted = ""
+    if sets is _jsonl_sets:  # in memory: cheap to count (a prepared set's tokens are not read here)
+        labelled = int(train.trained.sum()) - int(train.trained[train.offsets[:-1]].sum())  # first tokens: inputs only
+        counted = f", {labelled} response tokens"
     return DataBundle(train=train, val=val, task="lm", items_per_sample=seq_len, vocab_size=enc.vocab_size,
                       seq_len=seq_len, decode=enc.decode, masked_labels=True,
-                      describe=f"instruction data {path} ({len(train)} records, {labelled} response tokens, "
+                      describe=f"{what} {path} ({len(train)} records{counted}, "
                                f"{'bytes' if enc.name == 'bytes' else 'tokenizer ' + enc.name} {fmt}, padded to "
                                f"{seq_len}; {split})",
                       extra={"max_token": top, "token_file": str(path), "tokenizer": enc.name})
