@@ -256,3 +256,17 @@ def hf_val_loss(model, tokens_path: Path) -> tuple[float, int]:
             logits = model(input_ids=s["input_ids"][None]).logits[0]
             losses.append(float(F.cross_entropy(logits.float(), s["labels"])))
     return sum(losses) / len(losses), len(losses)
+
+
+# Bad instruction-data records (data.kind sft), each as line 2 of d.jsonl after a good one, and
+# the one line that names it: the reliability catalogue runs them through training, test_sft
+# through `zerotrain prepare --sft`.
+BAD_SFT_RECORDS = {
+    "not JSONL": ("this is not json", "d.jsonl:2: not JSON"),
+    "missing response": ('{"prompt": "x"}', 'd.jsonl:2: missing "response"'),
+    "wrong type": ('{"prompt": "x", "response": 3}', 'd.jsonl:2: "response" must be a string (got int)'),
+    "empty after truncation": (json.dumps({"prompt": "x" * 100, "response": "y"}),
+                               "d.jsonl:2: the response is empty after truncation to data.seq_len 32"),
+    "unknown role": (json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}),
+                     'd.jsonl:2: messages[1] has the unknown role "bot"'),
+}

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from helpers import MAIN, REPO, TINY, run_main, subprocess_env
+from helpers import BAD_SFT_RECORDS, MAIN, REPO, TINY, run_main, subprocess_env
 from train.commands.check import main as check_main
 
 
@@ -69,15 +69,8 @@ BAD_CONFIGS = {
                                          "data.seq_len 65 exceeds the model's context length 64"),
     "unknown model": (lambda t: ["--model.name", "gpt-tiniest"], 'model.name "gpt-tiniest" is unknown'),
     # Instruction data (data.kind sft): the bad record is line 2 of d.jsonl, after a good one.
-    **{f"sft: {case}": ((lambda line: lambda t: sft_args(t, line))(line), needle) for case, (line, needle) in {
-        "not JSONL": ("this is not json", "d.jsonl:2: not JSON"),
-        "missing response": ('{"prompt": "x"}', 'd.jsonl:2: missing "response"'),
-        "wrong type": ('{"prompt": "x", "response": 3}', 'd.jsonl:2: "response" must be a string (got int)'),
-        "empty after truncation": (json.dumps({"prompt": "x" * 100, "response": "y"}),
-                                   "d.jsonl:2: the response is empty after truncation to data.seq_len 32"),
-        "unknown role": (json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}),
-                         'd.jsonl:2: messages[1] has the unknown role "bot"'),
-    }.items()},
+    **{f"sft: {case}": ((lambda line: lambda t: sft_args(t, line))(line), needle)
+       for case, (line, needle) in BAD_SFT_RECORDS.items()},
 }
 
 

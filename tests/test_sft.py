@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import fp32, make_tokenizer, metrics, random_text, run_train, save_tiny
+from helpers import BAD_SFT_RECORDS, fp32, make_tokenizer, metrics, random_text, run_main, run_train, save_tiny
 from models import build_workload, resolve
 from models.losses import IGNORE_INDEX, cross_entropy
 from train.config import DataConfig, ModelConfig
@@ -302,9 +302,9 @@ def test_prepared_set_made_differently_or_from_a_changed_source_is_refused(tmp_p
         sft(out, 32, tokenizer=str(chat_tokenizer_dir), val_fraction=0.0)
 
 
-@pytest.mark.parametrize("case", sorted(set(BAD_RECORDS) - {"empty after truncation"}))  # seq_len: training's
+@pytest.mark.parametrize("case", sorted(set(BAD_SFT_RECORDS) - {"empty after truncation"}))  # seq_len: training's
 def test_prepare_names_a_bad_record_by_file_and_line_and_leaves_no_output(case, tmp_path, capsys):
-    line, needle = BAD_RECORDS[case]
+    line, needle = BAD_SFT_RECORDS[case]
     src = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "fine", "response": "ok"}, line])
     out = tmp_path / "out" / "d.bin"
     with pytest.raises(SystemExit) as e:
