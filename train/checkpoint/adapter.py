@@ -20,7 +20,6 @@ Exports:
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -65,18 +64,6 @@ def check_resume(ckpt: Path, saved: dict | None, current: dict | None):
                               f"on its own base; point model.name / model.init_from at that base")
 
 
-def _replace_dir(tmp: Path, out: Path):
-    """Move a completely written directory into place (the previous one removed only after)."""
-    io.fsync_path(tmp)
-    old = out.with_name(f".{out.name}.old")
-    io.remove_tree(old)
-    if out.exists():
-        os.rename(out, old)
-    os.rename(tmp, out)
-    io.fsync_path(out.parent)
-    io.remove_tree(old)
-
-
 def write_adapter(out_dir, lora: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                   is_writer: bool = True) -> Path:
     """PEFT's adapter directory from whole adapter tensors {our parameter name: tensor}."""
@@ -95,7 +82,7 @@ def write_adapter(out_dir, lora: dict, tensors: dict[str, torch.Tensor], dtype: 
     save_file(state, str(tmp / lora_names.ADAPTER_WEIGHTS), metadata={"format": "pt"})
     io.fsync_path(tmp / lora_names.ADAPTER_WEIGHTS)
     lora_names.write_adapter_config(lora, tmp)
-    _replace_dir(tmp, out)
+    io.replace_dir(tmp, out)
     return out
 
 

@@ -186,6 +186,20 @@ def remove_tree(path: Path):
     shutil.rmtree(path, ignore_errors=True)
 
 
+def replace_dir(tmp: Path, out: Path):
+    """Move a completely written directory into place; the previous one is removed only after
+    the rename, so a crash at any point leaves one complete directory (new, or old under
+    .<name>.old)."""
+    fsync_path(tmp)
+    old = out.with_name(f".{out.name}.old")
+    remove_tree(old)
+    if out.exists():
+        os.rename(out, old)
+    os.rename(tmp, out)
+    fsync_path(out.parent)
+    remove_tree(old)
+
+
 # ---------------------------------------------------------------------------- pieces
 
 def piece_key(kind: str, name: str, start: int) -> str:

@@ -13,7 +13,6 @@ and `load_weights` re-ties them. The writer holds one shard at a time.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -71,14 +70,7 @@ def write_weights(out_dir: Path, entries, get_tensor, *, dtype, max_shard_size, 
     if split.is_sharded:
         io.write_json(tmp / INDEX, {"metadata": {**split.metadata, **aliases}, "weight_map": split.tensor_to_filename})
     _write_config(tmp, family, model_config, dtype)
-    io.fsync_path(tmp)
-    old = out_dir.with_name(f".{out_dir.name}.old")
-    io.remove_tree(old)
-    if out_dir.exists():
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    io.fsync_path(out_dir.parent)
-    io.remove_tree(old)
+    io.replace_dir(tmp, out_dir)
     return out_dir
 
 
