@@ -145,6 +145,25 @@ def cached_run(tmp_path_factory, launcher: str, nproc: int, args: list[str], **k
     return _RUNS[key]
 
 
+def assert_resumable_checkpoint(ckpt_root: Path, step: int) -> dict:
+    """`latest` names step `step`'s checkpoint, every file in it matches the manifest (size and
+    sha256: what --resume checks before loading), and its train state puts the data position
+    at that step's boundary. What a resume needs from a save, without a launch (resuming a
+    complete checkpoint exactly is tests/test_checkpoint.py's promise). Returns meta.json."""
+    from train.checkpoint import files as io
+    ckpt = ckpt_root / (ckpt_root / io.LATEST).read_text().strip()
+    assert ckpt.name == io.step_dir_name(step), ckpt
+    manifest = io.read_manifest(ckpt)
+    assert manifest["step"] == step and io.META in manifest["files"]
+    assert [io.check_file(ckpt, n, rec) for n, rec in manifest["files"].items()] == [None] * len(manifest["files"])
+    assert not [p.name for p in ckpt_root.iterdir() if p.name.startswith(io.TMP_PREFIX)]  # no half-written save
+    meta = io.read_json(ckpt / io.META, "meta")
+    st, data = meta["train_state"], meta["data"]
+    assert st["step"] == step
+    assert st["epoch"] * data["steps_per_epoch"] * data["global_batch"] + st["offset"] == step * data["global_batch"]
+    return meta
+
+
 def small_run_args(ds_json: str, steps: int = 4) -> list[str]:
     """The tiny GPT for a few steps with every rank's data recorded: the launcher, multi-node
     and bf16 tests share these launches (same args = one launch per session)."""

@@ -87,7 +87,7 @@ def test_console_banner_progress_and_summary(observed):
     start = out.index("zerotrain ---")
     lines = out[start:].splitlines()
     banner = "\n".join(lines[:1 + next(i for i, x in enumerate(lines[1:]) if not x.startswith("  "))])
-    assert "2 process(es) on 1 node(s), launcher deepspeed, cpu / gloo" in banner
+    assert "2 process(es) on 1 node(s), launcher torchrun, cpu / gloo" in banner
     assert "ZeRO-2 (fp32)" in banner
     assert "global 8 samples = 512 tokens/step" in banner
     assert "115.01k params" in banner

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from helpers import BAD_SFT_RECORDS, MAIN, REPO, TINY, run_main, subprocess_env
+from helpers import BAD_SFT_RECORDS, MAIN, REPO, TINY, assert_resumable_checkpoint, run_main, subprocess_env
 from train.commands.check import main as check_main
 
 
@@ -204,10 +204,10 @@ def _rank_pids(run):
 
 @pytest.mark.multiproc
 def test_sigterm_finishes_the_step_checkpoints_and_exits_0(tmp_path, fp32_configs):
-    """A scheduler's preemption signal to the ranks: they agree on a step, save, exit 0, and
-    --resume auto continues from exactly that step."""
+    """A scheduler's preemption signal to the ranks: they agree on a step, save, exit 0, and the
+    save is a complete checkpoint of exactly that step, `latest` for --resume auto."""
     import signal
-    from helpers import metrics, run_train
+    from helpers import metrics
     run = tmp_path / "run"
     args = [*TINY, "--ds-config", fp32_configs["zero2"], "--train.max_steps", "100000", "--train.eval_every", "0",
             "--logging.every_steps", "1", "--train.run_dir", str(run)]
@@ -217,22 +217,16 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0(tmp_path, fp32_config
         os.kill(pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out[-3000:]
-    latest = (run / "checkpoints" / "latest").read_text().strip()
-    stopped = int(latest.split("_")[1])
+    stopped = max(r["step"] for r in metrics(run) if "loss" in r)   # nothing ran past the save
     assert stopped >= 5 and "(stopped by signal: resume with --resume auto)" in out
-    assert max(r["step"] for r in metrics(run) if "loss" in r) == stopped   # nothing ran past the save
-    run_train("torchrun", 2, [*args[:-2], "--train.max_steps", str(stopped + 2), "--train.run_dir", str(run),
-                              "--resume", "auto"])
-    after = sorted(r["step"] for r in metrics(run) if "loss" in r and r["step"] > stopped)
-    assert after == [stopped + 1, stopped + 2]
+    assert_resumable_checkpoint(run / "checkpoints", stopped)
 
 
 @pytest.mark.multiproc
 def test_disk_full_while_saving_says_so_and_keeps_the_previous_checkpoint(tmp_path, fp32_configs):
     """The run dir on a 2.4 MiB tmpfs: the step-3 checkpoint (1.4 MiB) fits, the step-6 one cannot.
-    The error names the problem, the partial save is cleaned up, and the first checkpoint
-    still loads (copied to a roomy disk and resumed)."""
-    import shutil
+    The error names the problem, the partial save is cleaned up, and the first checkpoint is
+    still complete and `latest`."""
     from helpers import run_train
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs to fill needs root")
@@ -248,15 +242,9 @@ def test_disk_full_while_saving_says_so_and_keeps_the_previous_checkpoint(tmp_pa
                                          "--train.run_dir", str(run)], check=False)
         assert proc.returncode != 0, proc.stderr[-3000:]   # ranks exit 2; torchrun itself reports 1
         assert "disk full" in proc.stderr and "step_00000003" in proc.stderr, proc.stderr[-3000:]
-        ckpts = run / "checkpoints"
-        assert (ckpts / "latest").read_text().strip() == "step_00000003"
-        assert not any(p.name.startswith(".tmp") for p in ckpts.iterdir())   # no half-written save left
-        roomy = tmp_path / "roomy"
-        shutil.copytree(run, roomy)
+        assert_resumable_checkpoint(run / "checkpoints", 3)   # intact, `latest`, no half-written save left
     finally:
         subprocess.run(["umount", str(mnt)])
-    run_train("torchrun", 2, [*TINY, "--ds-config", fp32_configs["zero2"], "--train.max_steps", "4",
-                              "--train.eval_every", "0", "--train.run_dir", str(roomy), "--resume", "auto"])
 
 
 # ---------------------------------------------------------------------------- long run
@@ -264,33 +252,31 @@ def test_disk_full_while_saving_says_so_and_keeps_the_previous_checkpoint(tmp_pa
 @pytest.mark.soak
 @pytest.mark.multiproc
 def test_soak_kill_one_rank_then_resume_matches_an_uninterrupted_run(tmp_path, fp32_configs):
-    """150 steps over two epochs (40 kB of text), evaluation and checkpoints every 60 steps. One
-    rank is SIGKILLed after step 70: the other exits within the collective timeout instead of
-    hanging, `--resume auto` continues from step 60, and every loss after that - and the final
-    validation loss - equals the uninterrupted run's exactly. (The kill lands 50 steps before the
-    next checkpoint, so a slow machine cannot race past it.)"""
-    import signal
+    """40 steps over two epochs (12 kB of text), evaluation and checkpoints every 15 steps, dropout
+    on. Rank 1 dies by SIGKILL once step 20 is done (ZEROTRAIN_INJECT_KILL: at a known step, so
+    no machine is too fast or too slow for the kill to land between the checkpoints): the other
+    rank exits instead of hanging, `--resume auto` continues from step 15 - before the epoch
+    boundary - and every loss after it, and the final validation loss, equal the uninterrupted
+    run's exactly."""
     from helpers import metrics, run_train
-    common = [*TINY, "--ds-config", fp32_configs["zero2"], "--data.max_bytes", "40000", "--train.max_steps", "150",
-              "--train.eval_every", "60", "--checkpoint.every_steps", "60", "--checkpoint.keep_last", "2",
+    common = [*TINY, "--ds-config", fp32_configs["zero2"], "--data.max_bytes", "12000", "--train.max_steps", "40",
+              "--train.eval_every", "15", "--checkpoint.every_steps", "15", "--checkpoint.keep_last", "2",
               "--logging.every_steps", "1", "--model.dropout", "0.1", "--distributed.timeout_s", "60"]
     ref = tmp_path / "ref"
     run_train("torchrun", 2, [*common, "--train.run_dir", str(ref)])
     run = tmp_path / "run"
-    proc = _start([*common, "--train.run_dir", str(run)])
-    _wait_for_step(run, 70, proc)
-    os.kill(_rank_pids(run)[1], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=240)   # bounded: a hang would time out here
-    assert proc.returncode != 0
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000060"
+    killed = run_train("torchrun", 2, [*common, "--train.run_dir", str(run)], env={"ZEROTRAIN_INJECT_KILL": "1:20"},
+                       check=False, timeout=240)   # bounded: a hang would time out here
+    assert killed.returncode != 0
+    assert max(r["step"] for r in metrics(run) if "loss" in r) == 20  # rank 0 stopped at the dead peer
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000015"
     run_train("torchrun", 2, [*common, "--train.run_dir", str(run), "--resume", "auto"])
 
     def by_step(rows, key):
         return {r["step"]: r[key] for r in rows if key in r}
     ref_rows, run_rows = metrics(ref), metrics(run)
     ref_loss, run_loss = by_step(ref_rows, "loss"), by_step(run_rows, "loss")
-    # Rows logged again after the resume (61..150) replace the killed attempt's.
-    assert {s: run_loss[s] for s in range(61, 151)} == {s: ref_loss[s] for s in range(61, 151)}
-    assert by_step(run_rows, "val/loss")[150] == by_step(ref_rows, "val/loss")[150]
-    assert by_step(ref_rows, "epoch")[150] >= 1   # the run crossed an epoch boundary...
-    assert by_step(ref_rows, "epoch")[60] < 1 <= by_step(ref_rows, "epoch")[150]  # ...after the resume point
+    # Rows logged again after the resume (16..40) replace the killed attempt's.
+    assert {s: run_loss[s] for s in range(16, 41)} == {s: ref_loss[s] for s in range(16, 41)}
+    assert by_step(run_rows, "val/loss")[40] == by_step(ref_rows, "val/loss")[40]
+    assert by_step(ref_rows, "epoch")[15] < 1 <= by_step(ref_rows, "epoch")[40]  # the epoch ends after the resume point

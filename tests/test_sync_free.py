@@ -18,14 +18,12 @@ from helpers import BIN, REPO, TINY, ds_variant, free_port, subprocess_env
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("base,launcher", [("ddp", "torchrun"), ("zero2", "deepspeed")])
-def test_steps_between_log_lines_read_nothing_from_the_device(base, launcher, tmp_path):
+@pytest.mark.parametrize("base", ["ddp", "zero2"])  # the two engines' step paths (the launcher does not matter)
+def test_steps_between_log_lines_read_nothing_from_the_device(base, tmp_path):
     import subprocess
     ds = ds_variant(tmp_path, base, f"{base}_fp32", bf16={"enabled": False}, data_types=None)
     probe, port = tmp_path / "probe", str(free_port())
-    script = str(REPO / "tests" / "sync_probe.py")
-    launch = ([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", port, script] if launcher == "torchrun"
-              else [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, script])
+    launch = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", port, str(REPO / "tests" / "sync_probe.py")]
     args = [*TINY, "--ds-config", ds, "--train.max_steps", "12", "--logging.every_steps", "4",
             "--train.eval_every", "0", "--train.run_dir", str(tmp_path / "run")]
     proc = subprocess.run([*launch, *args], cwd=REPO, env=subprocess_env({"ZT_SYNC_PROBE_DIR": str(probe)}),

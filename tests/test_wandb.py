@@ -91,7 +91,8 @@ def test_resumed_training_continues_the_same_wandb_run(observed, tmp_path):
     shutil.copytree(observed[0], run_dir, symlinks=True)
     _, _, args, env = observed
     first = read_run(run_files(run_dir / "wandb")[0]).run_ids[0]
-    run_train("deepspeed", 2, [*args, "--train.run_dir", str(run_dir), "--resume", "auto", "--train.max_steps", "9"],
+    # The run id lives in the checkpoint: resuming continues the same W&B run.
+    run_train("torchrun", 2, [*args, "--train.run_dir", str(run_dir), "--resume", "auto", "--train.max_steps", "9"],
               env=env, timeout=900)
     files = run_files(run_dir / "wandb")
     assert len(files) == 2  # offline resume writes a second file for the same run id

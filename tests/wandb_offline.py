@@ -153,7 +153,7 @@ def wandb_env(home: Path) -> dict:
 
 
 def observed_run(tmp_path_factory):
-    """(run_dir, CompletedProcess) of a 2-process ZeRO-2 fp32 run under the deepspeed launcher
+    """(run_dir, CompletedProcess, args, env) of a 2-process ZeRO-2 fp32 run under torchrun
     with W&B offline; W&B files default to <run_dir>/wandb (WANDB_DIR unset)."""
     if "run" not in _OBSERVED:
         from helpers import TINY, fp32, run_train
@@ -162,6 +162,7 @@ def observed_run(tmp_path_factory):
         home.mkdir()
         args = [*TINY, "--ds-config", fp32(base, "zero2"), *OBSERVED_ARGS, "--train.run_dir", str(run_dir)]
         env = wandb_env(home)
-        proc = run_train("deepspeed", 2, args, env=env, timeout=900)  # 2 cores shared: imports alone can take minutes
+        # torchrun: W&B under the deepspeed launcher (pdsh, two nodes) is tests/test_multinode.py's first run.
+        proc = run_train("torchrun", 2, args, env=env, timeout=900)  # 2 cores shared: imports alone can take minutes
         _OBSERVED["run"] = (run_dir, proc, args, env)
     return _OBSERVED["run"]

@@ -6,8 +6,10 @@ without a download. Bytes are tokens (vocab 256), so no tokenizer is needed eith
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -18,10 +20,20 @@ from train.errors import DataError
 VOCAB = 256
 
 
-def default_corpus_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    # Sorted so that every process and every run sees the same corpus.
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+def default_corpus_files(directory: str | None = None) -> Iterator[Path]:
+    """The standard library's *.py files (site-packages excluded) in sorted path order, so that
+    every process and every run sees the same corpus. A lazy depth-first walk with each
+    directory's entries sorted yields exactly `sorted(root.rglob("*.py"))` (paths compare part
+    by part), but stops as soon as the reader has data.max_bytes: every rank of every launch
+    used to list all ~1,800 files first (0.5-1.1 s, measured), to read the first few dozen."""
+    with os.scandir(directory or sysconfig.get_paths()["stdlib"]) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        if e.is_dir(follow_symlinks=False):  # rglob does not descend into linked directories either
+            if e.name != "site-packages":
+                yield from default_corpus_files(e.path)
+        elif e.name.endswith(".py"):
+            yield Path(e.path)
 
 
 def read_bytes(path: str | None, max_bytes: int) -> tuple[np.ndarray, str]:

@@ -429,6 +429,7 @@ class Trainer:
                     self.checkpointer.save(st)
                 if bar:
                     bar.update(1)
+                faults.kill_after(st.step, self.topo.rank)
                 if stopping or diverged:
                     self.stop_reason = "diverged" if diverged else "signal"
                     break
