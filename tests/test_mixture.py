@@ -199,3 +199,57 @@ def test_sources_must_share_a_tokenizer_and_exist(tmp_path):
         mixture([str(a), str(tmp_path / "missing.bin")], [1, 1])
     with pytest.raises(DataError, match="data.sources b.bin: weight 1 gives it no sample in an epoch of 20"):
         MixturePlan(["a", "b"], [1000, 1], [10, 10], seed=0, paths=["a.bin", "b.bin"])
+
+
+# ----------------------------------------------------------------------------- the real program
+
+def _steps(run_dir, world: int, accum: int) -> dict[int, list[int]]:
+    """Global batch (crc32 per sample) of each optimizer step from the per-rank data traces: a
+    step's rows are its micro-batches in order (train.trace_data logs them before the step ends)."""
+    out: dict[int, list[int]] = {}
+    rows = [data_trace(run_dir, r) for r in range(world)]
+    for r0 in range(0, len(rows[0]), accum):
+        step = rows[0][r0]["step"]
+        assert all(rows[r][r0 + m]["step"] == step for r in range(world) for m in range(accum))
+        out[step] = [c for m in range(accum) for r in range(world) for c in rows[r][r0 + m]["crc"]]
+    return out
+
+
+@pytest.mark.multiproc
+def test_two_processes_equal_one_process_resumed_three_times(tmp_path):
+    """A: torchrun 2 processes, micro 2, accum 1, 8 steps uninterrupted. B: python 1 process,
+    micro 1, accum 4, stopped and resumed (--resume auto) after steps 2, 4 and 6. Same global
+    batches step by step, and the same per-source token counts, which are the trace's own."""
+    seq, lengths, weights = 32, [24, 6, 16], [0.5, 0.3, 0.2]  # 46 sequences: 11 steps of 4, 8 used
+    paths = make_sources(tmp_path, lengths, seq_len=seq)
+    sources = "[" + ", ".join(f"{{path: '{p}', weight: {w}}}" for p, w in zip(paths, weights)) + "]"
+    common = ["--ds-config", fp32(tmp_path, "ddp"), "--model.name", "gpt-tiny", "--data.kind", "tokens",
+              "--data.sources", sources, "--data.seq_len", str(seq), "--train.eval_every", "0",
+              "--train.eval_batches", "1", "--train.trace_data", "true", "--train.progress", "false",
+              "--train.sample_tokens", "0", "--logging.every_steps", "1", "--optim.warmup_steps", "2",
+              "--checkpoint.export", "false"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_train("torchrun", 2, [*common, "--train.micro_batch_size", "2", "--train.max_steps", "8",
+                              "--checkpoint.save_at_end", "false", "--train.run_dir", str(a)])
+    for stop in (2, 4, 6, 8):
+        proc = run_train("python", 1, [*common, "--train.micro_batch_size", "1", "--train.grad_accum_steps", "4",
+                                       "--train.max_steps", str(stop), "--checkpoint.save_at_end", "true",
+                                       "--resume", "auto", "--train.run_dir", str(b)])
+        if stop > 2:
+            assert f"step {stop - 2}, epoch 0" in proc.stdout  # resumed inside the first epoch
+    steps_a, steps_b = _steps(a, world=2, accum=1), _steps(b, world=1, accum=4)
+    assert sorted(steps_a) == list(range(8)) and steps_a == steps_b
+    # The logged counts are what was trained on: each sample's source from its content.
+    data = build_data(DataConfig(kind="tokens", sources=[SourceConfig(path=p, weight=w)
+                                                         for p, w in zip(paths, weights)]), seq, 0)
+    crc_source = {}
+    for s, src in enumerate(data.train.sources):
+        crc_source.update({zlib.crc32(src[i]["input_ids"].numpy().tobytes()): s for i in range(len(src))})
+    truth = Counter(crc_source[c] for step in steps_a.values() for c in step)
+    last_a = [r for r in metrics(a) if "loss" in r][-1]
+    last_b = [r for r in metrics(b) if "loss" in r][-1]
+    names = data.mixture.names
+    counts_a = {n: last_a[f"data/tokens/{n}"] for n in names}
+    assert counts_a == {n: last_b[f"data/tokens/{n}"] for n in names}
+    assert counts_a == {n: truth[s] * seq for s, n in enumerate(names)}
+    assert sum(counts_a.values()) == last_b["tokens_seen"] == 8 * 4 * seq
