@@ -158,7 +158,12 @@ class InterleavedVal(Dataset):
 def build_mixture(cfg: DataConfig, seq_len: Optional[int], seed: int) -> DataBundle:
     """One DataBundle from data.sources: each file read by build_tokens (checks, val split)."""
     from train.data.tokens import build_tokens
-    bundles = [build_tokens(dataclasses.replace(cfg, sources=[], path=src.path), seq_len) for src in cfg.sources]
+    bundles = []
+    for i, src in enumerate(cfg.sources):
+        try:
+            bundles.append(build_tokens(dataclasses.replace(cfg, sources=[], path=src.path), seq_len))
+        except DataError as e:  # its message says data.path: name the source it came from
+            raise DataError(f"data.sources[{i}] ({src.name}): {e}") from None
     _check_agree(cfg, bundles)
     plan = MixturePlan([s.name for s in cfg.sources], [s.weight for s in cfg.sources],
                        [len(b.train) for b in bundles], seed, paths=[s.path for s in cfg.sources])
