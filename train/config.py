@@ -56,7 +56,7 @@ class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)
     """tokens: a weighted mixture of token files instead of data.path, e.g.
     [{path: web.bin, weight: 0.7}, {path: code.bin, weight: 0.3, name: code}] (on the command
-    line as JSON). Each epoch has as many samples as the sources hold together; each source gets
+    line as flow-style YAML or JSON). Each epoch has as many samples as the sources hold together; each source gets
     its weight's share of them, drawn from its own seeded permutation (up-sampled: repeated, each
     sequence once per cycle; down-sampled: a fresh part every epoch). The order is the same for
     any world size or accumulation and resumes exactly; metrics log data/tokens/<name>. All
