@@ -289,3 +289,24 @@ BAD_SFT_RECORDS = {
     "unknown role": (json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}),
                      'd.jsonl:2: messages[1] has the unknown role "bot"'),
 }
+
+
+# Token files as `zerotrain prepare` writes them (.bin + sidecar .json): the mixture tests.
+
+def write_token_file(path: Path, tokens, tokenizer: str = "bytes", vocab_size: int = 256) -> Path:
+    import numpy as np
+    arr = np.asarray(tokens, dtype=np.uint16)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arr.tofile(path)
+    meta = {"format": "zerotrain-tokens", "version": 1, "dtype": "uint16", "vocab_size": vocab_size,
+            "num_tokens": int(arr.size), "max_token": int(arr.max()), "tokenizer": tokenizer, "files": 1}
+    path.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    return path
+
+
+def source_tokens(source: int, num_sequences: int, seq_len: int, seed: int = 0):
+    """Random tokens of `num_sequences` windows of seq_len (+1): source s draws ids from its own
+    band [64 s, 64 s + 64), so a sample tells which source it came from (ids // 64)."""
+    import numpy as np
+    rng = np.random.default_rng([seed, source])
+    return rng.integers(64 * source, 64 * source + 64, size=num_sequences * seq_len + 1)

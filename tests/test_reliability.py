@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from helpers import BAD_SFT_RECORDS, MAIN, REPO, TINY, assert_resumable_checkpoint, run_main, subprocess_env
+from helpers import (BAD_SFT_RECORDS, MAIN, REPO, TINY, assert_resumable_checkpoint, run_main, source_tokens,
+                     subprocess_env, write_token_file)
 from train.commands.check import main as check_main
 
 
@@ -30,6 +31,15 @@ def ds(tmp_path, body: dict, name="ds.json"):
 def sft_args(tmp_path, bad_line: str) -> list[str]:
     path = write(tmp_path, "d.jsonl", json.dumps({"prompt": "fine", "response": "ok"}) + "\n" + bad_line + "\n")
     return ["--model.name", "gpt-tiny", "--data.kind", "sft", "--data.path", path, "--data.seq_len", "32"]
+
+
+def mixture_args(tmp_path, sources: str, *more: str) -> list[str]:
+    """data.sources over two token files a.bin (bytes) and b.bin (another tokenizer); `sources`
+    is the flow-style list with {a} and {b} for their paths."""
+    a = write_token_file(tmp_path / "a.bin", source_tokens(0, 8, 32))
+    b = write_token_file(tmp_path / "b.bin", source_tokens(1, 8, 32), tokenizer="/tok/gpt2", vocab_size=50257)
+    return ["--model.name", "gpt-tiny", "--data.kind", "tokens", "--data.seq_len", "32",
+            "--data.sources", sources.format(a=a, b=b), *more]
 
 
 BAD_CONFIGS = {
@@ -68,6 +78,19 @@ BAD_CONFIGS = {
     "sequence longer than the context": (lambda t: ["--model.name", "gpt-tiny", "--data.seq_len", "65"],
                                          "data.seq_len 65 exceeds the model's context length 64"),
     "unknown model": (lambda t: ["--model.name", "gpt-tiniest"], 'model.name "gpt-tiniest" is unknown'),
+    # Weighted mixtures of token files (data.sources).
+    "mixture: unknown key in a source": (lambda t: mixture_args(t, "[{{path: '{a}', weight: 1, wieght: 2}}]"),
+                                         'unknown key "data.sources[0].wieght" (did you mean "weight"?)'),
+    "mixture: zero weight": (lambda t: mixture_args(t, "[{{path: '{a}', weight: 0}}]"),
+                             "must be a number > 0 (got 0.0)"),
+    "mixture: with data.path": (lambda t: mixture_args(t, "[{{path: '{a}', weight: 1}}]", "--data.path", "x.bin"),
+                                "data.sources and data.path are both set"),
+    "mixture: not token data": (lambda t: mixture_args(t, "[{{path: '{a}', weight: 1}}]", "--data.kind", "text"),
+                                'data.sources mixes token files: set data.kind to tokens (got "text")'),
+    "mixture: two tokenizers": (lambda t: mixture_args(t, "[{{path: '{a}', weight: 1}}, {{path: '{b}', weight: 1}}]"),
+                                "b.bin were tokenized differently"),
+    "mixture: missing file": (lambda t: mixture_args(t, "[{{path: '{a}', weight: 1}}, {{path: nope.bin, weight: 1}}]"),
+                              "data.sources[1] (nope): data.path nope.bin does not exist"),
     # Instruction data (data.kind sft): the bad record is line 2 of d.jsonl, after a good one.
     **{f"sft: {case}": ((lambda line: lambda t: sft_args(t, line))(line), needle)
        for case, (line, needle) in BAD_SFT_RECORDS.items()},

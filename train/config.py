@@ -23,12 +23,46 @@ from train.errors import ConfigError, did_you_mean
 
 
 @dataclass
+class SourceConfig:
+    """One token file of a weighted mixture (data.sources)."""
+    path: str
+    """The .bin token file (from `zerotrain prepare`); a sibling .val.bin is its validation split,
+    else the last data.val_fraction of it is held out."""
+    weight: float
+    """Relative share of training samples (> 0; normalised over the sources, need not sum to 1)."""
+    name: Optional[str] = None
+    """Metrics key (data/tokens/<name>); None = the file name without .bin. Unique per mixture."""
+
+    def __post_init__(self):
+        if not self.path:
+            raise ConfigError("a data.sources entry has an empty path; give the .bin token file")
+        if not (self.weight > 0 and math.isfinite(self.weight)):
+            raise ConfigError(f"data.sources weight of {self.path} must be a number > 0 (got {self.weight}); "
+                              f"drop the source instead of giving it weight 0")
+        if self.name is None:
+            self.name = Path(self.path).name.removesuffix(".bin")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+            raise ConfigError(f'data.sources name "{self.name}" ({self.path}) may only use letters, digits, '
+                              f"_ . - (it is a metrics key); set name: to one")
+
+
+@dataclass
 class DataConfig:
     kind: str = "text"
     """text (byte-level, default corpus: this Python's standard library sources), tokens
     (flat uint16/uint32 token file), sft (instruction JSONL: {"prompt", "response"} or chat
     {"messages": [{"role", "content"}, ...]} records, loss on the responses only),
     imagefolder (root/train/<class>/*, root/val/<class>/*), regression (synthetic linear data)."""
+    sources: list[SourceConfig] = field(default_factory=list)
+    """tokens: a weighted mixture of token files instead of data.path, e.g.
+    [{path: web.bin, weight: 0.7}, {path: code.bin, weight: 0.3, name: code}] (on the command
+    line as flow-style YAML or JSON). Each epoch has as many samples as the sources hold together; each source gets
+    its weight's share of them, drawn from its own seeded permutation (up-sampled: repeated, each
+    sequence once per cycle; down-sampled: a fresh part every epoch). The order is the same for
+    any world size or accumulation and resumes exactly; metrics log data/tokens/<name>. All
+    sources share data.seq_len, data.token_dtype, data.val_fraction and one tokenizer.
+    Validation: the sources' validation splits interleaved in proportion to the weights, so
+    val/loss (and its train.eval_batches prefix) measures the same mixture."""
     path: Optional[str] = None
     """text: file or directory of text (None = the embedded default corpus); tokens: the
     .bin file (a sibling .val.bin is the validation split if present); sft: the .jsonl file
@@ -80,6 +114,18 @@ class DataConfig:
                 raise ConfigError(f"data.{k} must be positive (got {getattr(self, k)})")
         if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0 (got {self.num_workers})")
+        if self.sources:
+            if self.kind != "tokens":
+                raise ConfigError(f'data.sources mixes token files: set data.kind to tokens (got "{self.kind}")')
+            if self.path is not None:
+                raise ConfigError("data.sources and data.path are both set; a mixture lists every file in "
+                                  "data.sources, so drop data.path")
+            seen = {}
+            for src in self.sources:
+                if src.name in seen:
+                    raise ConfigError(f'data.sources {seen[src.name]} and {src.path} are both named "{src.name}"; '
+                                      f"give one of them a distinct name: key")
+                seen[src.name] = src.path
 
 
 @dataclass
@@ -381,7 +427,8 @@ def _type_name(tp) -> str:
     if typing.get_origin(tp) is tuple:
         name = f"a list of {len(typing.get_args(tp))} numbers"
     elif typing.get_origin(tp) is list:
-        name = "a list of strings"
+        item = typing.get_args(tp)[0]
+        name = "a list of mappings" if dataclasses.is_dataclass(item) else "a list of strings"
     return f"{name} or null" if opt else name
 
 
@@ -431,6 +478,9 @@ def _coerce(value, tp, key: str, from_cli: bool):
         raise bad
     origin = typing.get_origin(base)
     if origin in (tuple, list):
+        args = typing.get_args(base)
+        if dataclasses.is_dataclass(args[0]):  # a list of sections (data.sources): each built strictly
+            return _section_list(value, args[0], key, from_cli)
         if from_cli and isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -438,13 +488,28 @@ def _coerce(value, tp, key: str, from_cli: bool):
                 value = [v for v in value.split(",") if v]
         if not isinstance(value, (list, tuple)):
             raise bad
-        args = typing.get_args(base)
         if origin is tuple:
             if len(value) != len(args):
                 raise bad
             return tuple(_coerce(v, a, key, from_cli) for v, a in zip(value, args))
         return [_coerce(v, args[0], key, from_cli) for v in value]
     raise bad  # pragma: no cover - every field type is handled above
+
+
+def _section_list(value, cls, key: str, from_cli: bool) -> list:
+    """A list of sections (data.sources); on the command line a flow-style YAML or JSON list,
+    e.g. --data.sources '[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]'."""
+    if from_cli and isinstance(value, str):
+        import yaml
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            value = None
+    if not isinstance(value, (list, tuple)):
+        first = dataclasses.fields(cls)[0].name
+        raise ConfigError(f"{key} must be a list of mappings, e.g. [{{{first}: ...}}, ...] (got {value!r})")
+    # (A command-line value was built when it was set; the run file's is built here.)
+    return [v if isinstance(v, cls) else _build(cls, v, f"{key}[{i}].") for i, v in enumerate(value)]
 
 
 def _build(cls, data: dict, prefix: str):
@@ -463,6 +528,11 @@ def _build(cls, data: dict, prefix: str):
             kwargs[k] = None if v is None and optional else _build(section, v, f"{prefix}{k}.")
         else:
             kwargs[k] = _coerce(v, tp, prefix + k, from_cli=False)
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [k for k in required if k not in kwargs]
+    if missing:  # only list items (data.sources) have required keys
+        raise ConfigError(f"{prefix}{missing[0]} is missing; each entry needs {' and '.join(required)}")
     return cls(**kwargs)
 
 

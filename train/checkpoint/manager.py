@@ -278,7 +278,8 @@ class Checkpointer:
             "moments": list(MOMENTS),
             "model": {"family": wl.family, "config": wl.model_config, "tied": [list(x) for x in wl.tied]},
             "data": {"global_batch": sampler.global_batch, "num_samples": sampler.num_samples,
-                     "steps_per_epoch": sampler.steps_per_epoch, "seed": sampler.seed},
+                     "steps_per_epoch": sampler.steps_per_epoch, "seed": sampler.seed,
+                     **({"mixture": sampler.plan.record()} if getattr(sampler, "plan", None) else {})},
             "engine": self._engine_counters(),
             "loss_scaler": self._scaler_state(),
             "config": self.resolved_config,
@@ -344,6 +345,10 @@ class Checkpointer:
                 f"{s.global_batch} (micro {b.micro} x accum {b.accum} x world "
                 f"{b.world}); set --train.global_batch_size {d['global_batch']} (any number of processes "
                 f"then reads the same data order)")
+        plan = getattr(s, "plan", None)
+        if (d.get("mixture") or None) != (plan.record() if plan else None):
+            self._say("warning: the checkpoint's data.sources mixture (names, weights, sizes) differs from this "
+                      "run's: the rest of the epoch follows this run's mixture")
         if d["seed"] != s.seed:
             self._say(f"warning: the checkpoint used train.seed {d['seed']}, this run {s.seed}: "
                       f"the rest of the epoch sees a different data order")

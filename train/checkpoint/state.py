@@ -3,7 +3,7 @@ checkpoint; the trainer advances it)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 
@@ -18,6 +18,7 @@ class TrainState:
     tokens_seen: int = 0
     skipped_steps: int = 0   # non-finite or fp16-overflow steps not applied
     wandb_run_id: Optional[str] = None
+    source_tokens: dict[str, int] = field(default_factory=dict)  # data.sources: tokens trained on per source name
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -27,6 +27,9 @@ def build_data(cfg: DataConfig, seq_len: Optional[int], seed: int, tokenizer: Op
                           val=Regression(n_val, cfg.num_features, cfg.noise, seed, "val") if n_val else None,
                           task="regress", describe=f"synthetic regression ({cfg.num_features} features)",
                           num_features=cfg.num_features)
+    if cfg.kind == "tokens" and cfg.sources:
+        from train.data.mixture import build_mixture
+        return build_mixture(cfg, seq_len, seed)
     if cfg.kind == "tokens":
         from train.data.tokens import build_tokens
         return build_tokens(cfg, seq_len)

@@ -25,3 +25,6 @@ class DataBundle:
     # tokens: the trainer divides each optimizer step's summed loss by its global token count.
     masked_labels: bool = False
     extra: dict = field(default_factory=dict)
+    # data.sources: the MixturePlan (train/data/mixture.py) behind `train`; the trainer counts
+    # each step's samples per source with it, build.py makes its MixtureSampler.
+    mixture: Optional[object] = None

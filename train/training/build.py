@@ -46,6 +46,8 @@ def resolved_config(cfg: RunConfig, ds, batch, topo, max_steps: int, data, workl
     d["train"]["global_batch_size"] = batch.global_size
     d["train"]["max_steps"] = max_steps
     d["data"]["seq_len"] = data.seq_len
+    if data.mixture is not None:
+        d["data"]["mixture"] = data.mixture.record()  # each source's sequences and samples per epoch
     d["model"]["resolved"] = workload.model_config
     if workload.lora is not None:
         d["model"]["lora"]["resolved"] = workload.lora  # the target modules chosen, where the base comes from
@@ -124,7 +126,11 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     # sft: data.tokenizer, else an hf:<dir> model's own tokenizer, else bytes (the GPT presets)
     tokenizer = cfg.data.tokenizer or (spec.name[3:] if spec.family == "hf" else None)
     data = build_data(cfg.data, seq_len, cfg.train.seed, tokenizer)
-    sampler = GlobalBatchSampler(len(data.train), batch.micro, world, batch.accum, cfg.train.seed)
+    if data.mixture is not None:  # data.sources: the same order, positions tagged with their epoch
+        from train.data.mixture import MixtureSampler
+        sampler = MixtureSampler(data.mixture, batch.micro, world, batch.accum, cfg.train.seed)
+    else:
+        sampler = GlobalBatchSampler(len(data.train), batch.micro, world, batch.accum, cfg.train.seed)
     max_steps = cfg.train.epochs * sampler.steps_per_epoch if cfg.train.epochs else cfg.train.max_steps
 
     from train.plan import fit

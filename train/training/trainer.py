@@ -184,6 +184,12 @@ class Trainer:
 
     def _advance_position(self):
         g = self.batch.global_size
+        if self.data.mixture is not None:
+            # The step's samples per source, from the plan (host arithmetic, the same on every rank).
+            counts = self.sampler.step_counts(self.state.epoch, self.state.offset)
+            per = self.state.source_tokens
+            for name, n in zip(self.data.mixture.names, counts.tolist()):
+                per[name] = per.get(name, 0) + n * self.data.items_per_sample
         self.state.offset += g
         self.state.samples_seen += g
         self.state.tokens_seen += g * self.data.items_per_sample
@@ -463,6 +469,7 @@ class Trainer:
              "step_time_s": elapsed / steps, "data_wait_s": red["data_wait_s"] / steps,
              "compute_s": (elapsed - red["data_wait_s"]) / steps,
              "samples_seen": self.state.samples_seen, "tokens_seen": self.state.tokens_seen,
+             **{f"data/tokens/{name}": n for name, n in self.state.source_tokens.items()},
              "peak_mem_bytes": red["peak_mem_bytes"]}
         if self.last_grad_norm is not None:
             m["grad_norm"] = self.last_grad_norm  # pre-clip, at the last step of the interval
