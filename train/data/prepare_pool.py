@@ -116,7 +116,8 @@ class Meter:
     """tokens/s on stderr: a \\r line on a terminal, a line every 10 s otherwise (logs)."""
 
     def __init__(self, what: str, start_tokens: int = 0):
-        self.what, self.t0, self.last, self.base = what, time.perf_counter(), 0.0, start_tokens
+        self.what, self.base = what, start_tokens
+        self.t0 = self.last = time.perf_counter()
         self.tty = sys.stderr.isatty()
         self.every = 0.5 if self.tty else 10.0
 
@@ -260,8 +261,12 @@ def _run_phase(phase, inputs, rec, state, tokenizer, out, dtype, shard_tokens, w
                stop_after, written):
     prefix = "shard" if phase == "shards" else "val"
     last = rec["entries"][-1]["resume"] if rec["entries"] else None
-    start, skip = (last["pos"], last["skip"]) if last else (None, 0)
+    start, skip = (last.get("pos"), last.get("skip", 0)) if last else (None, 0)
     counts = {"files": last["files"] if last else 0, "content": last["content"] if last else 0}
+    if last and last.get("end"):  # stopped right after the phase's final (short) shard
+        rec.update(done=True, files=counts["files"])
+        _write_json(progress, state)
+        return
     for stale in out.glob(f"{prefix}_*.bin*"):  # shards past the intact prefix, half-written .tmp files
         if stale.name not in {e["file"] for e in rec["entries"]}:
             stale.unlink()
@@ -287,7 +292,7 @@ def _run_phase(phase, inputs, rec, state, tokenizer, out, dtype, shard_tokens, w
         counts["files"] += bool(doc_end)
         tokens += len(ids)
         meter(tokens, len(writer.entries))
-    writer.close(None)
+    writer.close({"end": True, **counts})
     meter(tokens, len(writer.entries), final=True)
     if counts["content"] == 0:
         raise DataError(f"prepare: the {'--val ' if phase == 'val' else ''}input files are empty")
