@@ -180,8 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         if a.no_chat_template:
             raise ConfigError("--no-chat-template applies to --sft (instruction records) only")
         out = Path(a.out).expanduser()
-        if out.suffix != ".bin":
+        if out.is_dir() or not out.suffix:
             return prepare_sharded(a, out)
+        if out.suffix != ".bin":
+            raise ConfigError(f"--out {out}: use a .bin name for one token file (its sidecar is <name>.json, "
+                              f"validation <name>.val.bin), or a directory name without a suffix for shards")
         for flag, value in (("--shard-tokens", a.shard_tokens), ("--workers", a.workers), ("--text-field", a.text_field)):
             if value is not None:
                 raise ConfigError(f"{flag} applies to a sharded set (--out DIR, no .bin suffix); --out {out} is one file")
