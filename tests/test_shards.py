@@ -44,7 +44,7 @@ def test_shards_concatenate_to_the_single_file_and_one_shard_gives_its_samples(s
     assert b"".join(shard_bytes(d)) == flat
     assert [e["num_tokens"] for e in m["shards"]] == [5000] * (len(flat) // 2 // 5000) + [len(flat) // 2 % 5000]
     assert m["num_tokens"] == len(flat) // 2 and m["files"] == 6 and m["dtype"] == "uint16"
-    assert m["vocab_size"] == 256 and m["tokenizer"] == "bytes" and m["checksum"] == "blake2b-256"
+    assert m["vocab_size"] == 256 and m["tokenizer"] == "bytes" and m["checksum"] == "sha256"
     # One shard holding everything: exactly the single file's samples, train and val.
     assert prepare([str(src), "--out", str(big), "--workers", "1"]) == 0
     for kw in ({"val_fraction": 0.1}, {"val_fraction": 0.0}):
@@ -137,7 +137,7 @@ def test_corrupt_shards_are_named_in_one_line(src, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         prepare(["--verify", str(d)])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and err == (f"zerotrain: error: {shard}: checksum mismatch (blake2b differs from "
+    assert e.value.code == 2 and err == (f"zerotrain: error: {shard}: checksum mismatch (sha256 differs from "
                                          f"{d / 'manifest.json'}); re-run zerotrain prepare")
     shard.write_bytes(bytes(raw[:-2]))
     with pytest.raises(DataError, match=rf"^{shard}: 7998 bytes, the manifest says 8000 .*re-run zerotrain prepare$"):

@@ -244,7 +244,7 @@ def prepare_sharded(a, out: Path) -> int:
 
 
 def verify(a) -> int:
-    """--verify DIR: every shard's blake2b against the manifest (sizes alone are checked at training start)."""
+    """--verify DIR: every shard's sha256 against the manifest (sizes alone are checked at training start)."""
     t0 = time.perf_counter()
     corpus = Corpus(Path(a.verify).expanduser())
     n = corpus.verify()

@@ -182,7 +182,7 @@ class ShardWriter:
         self.f = None
         os.replace(self.out / (self.name + ".tmp"), self.out / self.name)
         entry = {"file": self.name, "num_tokens": self.n, "max_token": self.top,
-                 "bytes": self.n * np.dtype(self.dtype).itemsize, "blake2b": self.h.hexdigest(), "resume": resume}
+                 "bytes": self.n * np.dtype(self.dtype).itemsize, "sha256": self.h.hexdigest(), "resume": resume}
         self.entries.append(entry)
         self.on_shard(entry)
 
