@@ -5,6 +5,15 @@ instruction records -> a prepared set for data.kind = sft.
     zerotrain prepare corpus/ --out data/corpus.bin --tokenizer models/my-llama   # local HF tokenizer
     zerotrain prepare train/ --val held_out/ --out data/corpus.bin          # + data/corpus.val.bin
     zerotrain prepare --sft records.jsonl --out data/sft.bin --tokenizer models/my-llama  # sft, tokenized once
+    zerotrain prepare corpus/ --out data/corpus --tokenizer models/my-llama  # shards + manifest, all cores
+    zerotrain prepare data.parquet --text-field text --out data/corpus      # local HF dataset files
+    zerotrain prepare --verify data/corpus                                  # sha256 of every shard
+
+--out DIR (no .bin suffix): shards of --shard-tokens tokens + DIR/manifest.json, tokenized on
+--workers processes (identical shards for any number), resumable after an interruption by
+re-running the same command (train/data/prepare_pool.py, train/data/shards.py). Training checks
+shard sizes at start; --verify hashes them. With a tokenizer, invalid UTF-8 is an error naming
+the file and byte; byte-level takes any bytes.
 
 --sft: one JSONL file of {"prompt", "response"} / {"messages"} records is tokenized exactly as
 data.kind sft does at start-up (the same code), but once: training with data.path
@@ -172,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     with user_errors(a.debug):
         if a.verify:
+            if a.inputs or a.out:
+                raise ConfigError("--verify DIR checks an existing set: give no inputs or --out with it")
             return verify(a)
+        if a.sft and (a.shard_tokens or a.workers or a.text_field):
+            raise ConfigError("--shard-tokens/--workers/--text-field apply to a sharded set, not --sft")
         if not a.inputs or not a.out:
             raise ConfigError("prepare needs input files and --out (or --verify DIR)")
         if a.sft:
