@@ -65,7 +65,8 @@ class DataConfig:
     val/loss (and its train.eval_batches prefix) measures the same mixture."""
     path: Optional[str] = None
     """text: file or directory of text (None = the embedded default corpus); tokens: the
-    .bin file (a sibling .val.bin is the validation split if present); sft: the .jsonl file
+    .bin file (a sibling .val.bin is the validation split if present), or a shard directory
+    from `zerotrain prepare --out DIR` (or its manifest.json; val shards if listed); sft: the .jsonl file
     (a sibling .val.jsonl is the validation split if present), or a .bin set made from it by
     `zerotrain prepare --sft` (tokenized once, memory-mapped; sibling .val.bin); imagefolder: root."""
     seq_len: Optional[int] = None

@@ -5,6 +5,15 @@ instruction records -> a prepared set for data.kind = sft.
     zerotrain prepare corpus/ --out data/corpus.bin --tokenizer models/my-llama   # local HF tokenizer
     zerotrain prepare train/ --val held_out/ --out data/corpus.bin          # + data/corpus.val.bin
     zerotrain prepare --sft records.jsonl --out data/sft.bin --tokenizer models/my-llama  # sft, tokenized once
+    zerotrain prepare corpus/ --out data/corpus --tokenizer models/my-llama  # shards + manifest, all cores
+    zerotrain prepare data.parquet --text-field text --out data/corpus      # local HF dataset files
+    zerotrain prepare --verify data/corpus                                  # sha256 of every shard
+
+--out DIR (no .bin suffix): shards of --shard-tokens tokens + DIR/manifest.json, tokenized on
+--workers processes (identical shards for any number), resumable after an interruption by
+re-running the same command (train/data/prepare_pool.py, train/data/shards.py). Training checks
+shard sizes at start; --verify hashes them. With a tokenizer, invalid UTF-8 is an error naming
+the file and byte; byte-level takes any bytes.
 
 --sft: one JSONL file of {"prompt", "response"} / {"messages"} records is tokenized exactly as
 data.kind sft does at start-up (the same code), but once: training with data.path
@@ -38,6 +47,9 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from train.data import prepare_pool, prep_sources
+from train.data.prep_sources import ByteTokenizer, HFTokenizer  # noqa: F401 (moved there; importable from here)
+from train.data.shards import Corpus
 from train.data.tokens import FORMAT, sidecar_path, val_path
 from train.errors import ConfigError, DataError, user_errors
 
@@ -88,44 +100,6 @@ def _documents(files: Iterable[Path]) -> Iterator[tuple[bytes, bool]]:
                 yield prev, False
             prev = piece
         yield prev or b"", True
-
-
-class ByteTokenizer:
-    name = "bytes"
-    vocab_size = 256
-    separator = [10]  # "\n" between documents
-
-    def encode_batch(self, pieces: list[bytes]) -> list[np.ndarray]:
-        return [np.frombuffer(p, dtype=np.uint8) for p in pieces]
-
-
-class HFTokenizer:
-    """A local Hugging Face tokenizer directory (tokenizer.json / sentencepiece files); no network."""
-
-    def __init__(self, path: str):
-        d = Path(path).expanduser()
-        if not d.is_dir():
-            raise ConfigError(f"--tokenizer {d} is not a directory; give a local Hugging Face tokenizer directory "
-                              f"(the one holding tokenizer.json or tokenizer.model)")
-        from transformers import AutoTokenizer
-        try:
-            self.tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"--tokenizer {d}: cannot load a tokenizer from it ({str(e).splitlines()[0][:200]}); "
-                              f"it needs tokenizer.json (or tokenizer.model) and tokenizer_config.json") from None
-        self.tok.model_max_length = 1 << 62  # we tokenize whole files, not model inputs: no length warning
-        self.name = str(d.resolve())
-        self.vocab_size = len(self.tok)
-        eos = self.tok.eos_token_id
-        self.separator = [] if eos is None else [int(eos)]
-        # Rust tokenizer when there is one: encode_batch runs on all cores (same ids as tok(text)).
-        self.backend = getattr(self.tok, "backend_tokenizer", None)
-
-    def encode_batch(self, pieces: list[bytes]) -> list[np.ndarray]:
-        texts = [p.decode("utf-8", errors="replace") for p in pieces]
-        if self.backend is not None:
-            return [np.asarray(e.ids, dtype=np.int64) for e in self.backend.encode_batch(texts, add_special_tokens=False)]
-        return [np.asarray(self.tok(t, add_special_tokens=False)["input_ids"], dtype=np.int64) for t in texts]
 
 
 def write_tokens(files: Iterable[Path], tokenizer, out: Path, progress: Callable[[str], None] = lambda s: None,
@@ -179,9 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="zerotrain prepare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("inputs", nargs="+", help="text files or directories (searched for " + " ".join(TEXT_SUFFIXES) +
-                   "); with --sft one JSONL file of instruction records")
-    p.add_argument("--out", required=True, help="output token file, e.g. data/corpus.bin (sidecar: data/corpus.json)")
+    p.add_argument("inputs", nargs="*", help="text files or directories (searched for " + " ".join(TEXT_SUFFIXES) +
+                   "); with --sft one JSONL file of instruction records; with --text-field parquet/arrow/jsonl files")
+    p.add_argument("--out", help="output token file, e.g. data/corpus.bin (sidecar: data/corpus.json), or a "
+                                 "directory (no .bin suffix) for a sharded set: DIR/shard_*.bin + DIR/manifest.json")
+    p.add_argument("--shard-tokens", type=int, default=None,
+                   help=f"with --out DIR: tokens per shard (default {prepare_pool.DEFAULT_SHARD_TOKENS:,} = 2^27)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="with --out DIR: tokenizer processes (default: the CPUs this process may use)")
+    p.add_argument("--text-field", default=None, metavar="NAME",
+                   help="the inputs are local Hugging Face dataset files (.parquet, .arrow, .jsonl/.json, or "
+                        "directories of them); tokenize each record's NAME field (with --out DIR)")
+    p.add_argument("--verify", metavar="DIR", default=None,
+                   help="hash every shard of a sharded set against its manifest (the check training skips: "
+                        "it only compares sizes) and exit")
     p.add_argument("--val", nargs="+", default=None, metavar="PATH",
                    help="held-out text files/directories -> <out>.val.bin (else training holds out data.val_fraction); "
                         "with --sft one JSONL file (default: a sibling <input>.val.jsonl if there is one)")
@@ -195,13 +180,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     a = p.parse_args(argv)
     with user_errors(a.debug):
+        if a.verify:
+            if a.inputs or a.out:
+                raise ConfigError("--verify DIR checks an existing set: give no inputs or --out with it")
+            return verify(a)
+        if a.sft and (a.shard_tokens or a.workers or a.text_field):
+            raise ConfigError("--shard-tokens/--workers/--text-field apply to a sharded set, not --sft")
+        if not a.inputs or not a.out:
+            raise ConfigError("prepare needs input files and --out (or --verify DIR)")
         if a.sft:
             return prepare_sft(a)
         if a.no_chat_template:
             raise ConfigError("--no-chat-template applies to --sft (instruction records) only")
         out = Path(a.out).expanduser()
+        if out.is_dir() or not out.suffix:
+            return prepare_sharded(a, out)
         if out.suffix != ".bin":
-            raise ConfigError(f"--out {out}: use a .bin name (its sidecar is <name>.json, validation <name>.val.bin)")
+            raise ConfigError(f"--out {out}: use a .bin name for one token file (its sidecar is <name>.json, "
+                              f"validation <name>.val.bin), or a directory name without a suffix for shards")
+        for flag, value in (("--shard-tokens", a.shard_tokens), ("--workers", a.workers), ("--text-field", a.text_field)):
+            if value is not None:
+                raise ConfigError(f"{flag} applies to a sharded set (--out DIR, no .bin suffix); --out {out} is one file")
         tokenizer = HFTokenizer(a.tokenizer) if a.tokenizer else ByteTokenizer()
         jobs = [(find_text_files(a.inputs), out)]
         if a.val:
@@ -219,6 +218,52 @@ def main(argv: list[str] | None = None) -> int:
                   f"in {time.perf_counter() - t0:.1f}s", flush=True)
     return 0
 
+
+# ----------------------------------------------------------------------------- sharded (--out DIR)
+
+def prepare_sharded(a, out: Path) -> int:
+    """--out DIR: shards + manifest on every core, resumable (train/data/prepare_pool.py)."""
+    for flag, value in (("--sft", a.sft), ("--no-chat-template", a.no_chat_template)):
+        if value:
+            raise ConfigError(f"{flag} writes one .bin file: give --out NAME.bin")
+    if a.workers is not None and a.workers < 1:
+        raise ConfigError(f"--workers {a.workers}: give 1 or more")
+    tokenizer = prep_sources.make_tokenizer(a.tokenizer)
+    find = (lambda specs: prep_sources.find_dataset_files(specs)) if a.text_field else find_text_files
+    if not a.text_field:
+        odd = [s for s in a.inputs + (a.val or []) if Path(s).suffix.lower() in (".parquet", ".arrow")]
+        if odd:
+            raise ConfigError(f"{odd[0]} is a dataset file: pass --text-field NAME (the column holding the text)")
+    files, val = find(a.inputs), find(a.val) if a.val else []
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = a.workers or cpus
+    t0 = time.perf_counter()
+    try:
+        meta = prepare_pool.prepare_shards(files, val, tokenizer, out, a.shard_tokens or prepare_pool.DEFAULT_SHARD_TOKENS,
+                                           workers, a.text_field)
+    except prepare_pool.Stopped as e:
+        print(f"prepare: {e}", file=sys.stderr, flush=True)
+        return 3
+    if meta.get("up_to_date"):
+        print(f"{out} is complete for these inputs: nothing to do ({len(meta['shards'])} shards, "
+              f"{meta['num_tokens']:,} tokens)", flush=True)
+        return 0
+    val_note = f" (+ {len(meta['val'])} val shards)" if "val" in meta else ""
+    print(f"wrote {out}: {len(meta['shards'])} shards, {meta['num_tokens']:,} {meta['dtype']} tokens from "
+          f"{meta['files']} {'records' if a.text_field else 'files'}{val_note} "
+          f"(vocab {meta['vocab_size']}, max id {meta['max_token']}, tokenizer {meta['tokenizer']}, {workers} workers) "
+          f"in {time.perf_counter() - t0:.1f}s", flush=True)
+    return 0
+
+
+def verify(a) -> int:
+    """--verify DIR: every shard's sha256 against the manifest (sizes alone are checked at training start)."""
+    t0 = time.perf_counter()
+    corpus = Corpus(Path(a.verify).expanduser())
+    n = corpus.verify()
+    dt = time.perf_counter() - t0
+    print(f"{corpus.dir}: {len(corpus.shards)} shards ok ({n / 1e6:.1f} MB hashed in {dt:.1f}s)", flush=True)
+    return 0
 
 
 # ----------------------------------------------------------------------------- --sft

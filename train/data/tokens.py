@@ -6,6 +6,8 @@ Layout (written by `zerotrain prepare`, see train/commands/prepare.py):
     corpus.val.bin    optional validation tokens (+ corpus.val.json); without it the last
                       data.val_fraction of corpus.bin is held out
 
+or a directory of shards with a manifest (train/data/shards.py), same samples per shard.
+
 A file from elsewhere works too: pass data.token_dtype (and the model's vocabulary bounds
 the ids). Sequences are non-overlapping windows of seq_len+1 tokens (input, shifted
 labels); only the windows a batch needs are read. The sampler (train/data/sampler.py)
@@ -28,6 +30,7 @@ import numpy as np
 
 from train.config import DataConfig
 from train.data.bundle import DataBundle
+from train.data.shards import build_shards, is_sharded
 from train.errors import DataError
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -105,9 +108,12 @@ class TokenFile:
 def build_tokens(cfg: DataConfig, seq_len: Optional[int]):
     from train.data.text import TokenSequences
     if cfg.path is None:
-        raise DataError("data.kind = tokens needs data.path (a .bin token file from `zerotrain prepare`)")
+        raise DataError("data.kind = tokens needs data.path (a .bin token file or a shard directory from "
+                        "`zerotrain prepare`)")
     if seq_len is None:
         raise DataError("data.kind = tokens needs data.seq_len (the model has no context length to default to)")
+    if is_sharded(Path(cfg.path).expanduser()):  # a directory of shards (train/data/shards.py)
+        return build_shards(Path(cfg.path).expanduser(), cfg.token_dtype, cfg.val_fraction, seq_len)
     train = TokenFile(Path(cfg.path).expanduser(), cfg.token_dtype)
     val_file = val_path(train.path)
     val = TokenFile(val_file, cfg.token_dtype or train.dtype) if val_file.is_file() else None
