@@ -21,6 +21,8 @@ RUN         ?= examples/default.yaml
 HAS_GPU     := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
 DS_CONFIG   ?= $(if $(HAS_GPU),ds_configs/zero2.json,ds_configs/zero2_fp32.json)
 PYTEST_ARGS ?=
+# 2 pytest-xdist workers, a test module per worker at a time (tests/conftest.py); XDIST= runs serially.
+XDIST       ?= -n 2 --dist loadgroup
 
 .PHONY: install ops train test test-fast bench clean help
 
@@ -46,10 +48,10 @@ train: ops
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) train/main.py --config $(RUN) --ds-config $(DS_CONFIG)
 
 test: ops
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: ops
-	$(PY) -m pytest -m "not multiproc and not multinode and not soak" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not multiproc and not multinode and not soak" $(PYTEST_ARGS)
 
 bench: ops
 	$(PY) bench/stages.py

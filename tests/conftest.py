@@ -14,11 +14,12 @@ import pytest
 from helpers import REPO, STAGE_ARGS, STAGE_RUNS, cached_run, fp32, make_tokenizer, random_text, write_texts
 
 
-# Modules that read the same session-cached launches (tests/helpers.py cached_run: the ZeRO-2
-# torchrun reference, the stage runs; the two-node rig; the W&B-observed run) run on one
-# pytest-xdist worker, so that each launch still happens once; every other test is balanced
-# over the workers freely (`make test` runs 2: launches idle a core while a launcher starts,
-# ssh connects or a rank waits on its peer).
+# pytest-xdist (`make test` runs 2 workers) schedules whole modules: a module's fixtures then
+# launch once, on one worker. Modules that read the same session-cached launches
+# (tests/helpers.py cached_run: the ZeRO-2 torchrun reference, the stage runs; the two-node
+# rig; the W&B-observed run) share one worker. Two workers gain little on 2 cores (measured:
+# the serial suite already keeps ~1.7 cores busy); they fill the gaps while a launcher starts,
+# ssh connects or a rank waits on its peer.
 SHARED_LAUNCHES = {"test_launchers.py": "zero2-reference", "test_multinode.py": "zero2-reference",
                    "test_stages.py": "zero2-reference", "test_memory.py": "zero2-reference",
                    "test_observability.py": "observed", "test_wandb.py": "observed"}
@@ -26,9 +27,7 @@ SHARED_LAUNCHES = {"test_launchers.py": "zero2-reference", "test_multinode.py": 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        group = SHARED_LAUNCHES.get(item.path.name)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(SHARED_LAUNCHES.get(item.path.name, item.path.name)))
 
 
 @pytest.fixture
