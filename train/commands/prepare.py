@@ -58,19 +58,7 @@ PIECE_BYTES = 4 << 20
 
 
 def find_text_files(inputs: list[str], suffixes=TEXT_SUFFIXES) -> list[Path]:
-    files = []
-    for spec in inputs:
-        p = Path(spec).expanduser()
-        if p.is_file():
-            files.append(p)
-        elif p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes
-                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
-        else:
-            raise DataError(f"prepare: input {p} does not exist")
-    if not files:
-        raise DataError(f"prepare: no text files ({', '.join(suffixes)}) under {', '.join(inputs)}")
-    return files
+    return prep_sources.find_input_files(inputs, suffixes, "text files")
 
 
 def _pieces(path: Path) -> Iterator[bytes]:

@@ -120,22 +120,29 @@ def text_units(files: list[Path], start: Optional[list] = None) -> Iterator[tupl
         yield prev + (True,) if prev is not None else (b"", (str(path), 0), [fi, 0, 0], True)
 
 
-def find_dataset_files(inputs: list[str]) -> list[Path]:
+def find_input_files(inputs: list[str], suffixes, what: str, named_flag: Optional[str] = None) -> list[Path]:
+    """`prepare`'s inputs: named files, and the files with one of `suffixes` under named
+    directories (sorted, hidden parts skipped). `named_flag`: a named file must have one of
+    the suffixes too (else one line naming the flag); otherwise any named file is taken."""
     files = []
     for spec in inputs:
         p = Path(spec).expanduser()
         if p.is_file():
-            if p.suffix.lower() not in DATASET_SUFFIXES:
-                raise ConfigError(f"prepare --text-field: {p} is not a {'/'.join(DATASET_SUFFIXES)} file")
+            if named_flag and p.suffix.lower() not in suffixes:
+                raise ConfigError(f"prepare {named_flag}: {p} is not a {'/'.join(suffixes)} file")
             files.append(p)
         elif p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in DATASET_SUFFIXES
+            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes
                             and not any(part.startswith(".") for part in f.relative_to(p).parts))
         else:
             raise DataError(f"prepare: input {p} does not exist")
     if not files:
-        raise DataError(f"prepare: no dataset files ({', '.join(DATASET_SUFFIXES)}) under {', '.join(inputs)}")
+        raise DataError(f"prepare: no {what} ({', '.join(suffixes)}) under {', '.join(inputs)}")
     return files
+
+
+def find_dataset_files(inputs: list[str]) -> list[Path]:
+    return find_input_files(inputs, DATASET_SUFFIXES, "dataset files", named_flag="--text-field")
 
 
 def dataset_units(files: list[Path], field: str, start: Optional[list] = None) -> Iterator[tuple]:
