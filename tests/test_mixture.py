@@ -219,9 +219,17 @@ def _steps(run_dir, world: int, accum: int) -> dict[int, list[int]]:
 def test_two_processes_equal_one_process_resumed_three_times(tmp_path):
     """A: torchrun 2 processes, micro 2, accum 1, 8 steps uninterrupted. B: python 1 process,
     micro 1, accum 4, stopped and resumed (--resume auto) after steps 2, 4 and 6. Same global
-    batches step by step, and the same per-source token counts, which are the trace's own."""
-    seq, lengths, weights = 32, [24, 6, 16], [0.5, 0.3, 0.2]  # 46 sequences: 11 steps of 4, 8 used
+    batches step by step, and the same per-source token counts, which are the trace's own.
+    The first source is a shard directory (`zerotrain prepare --out DIR`, 4 shards): sharded
+    sets train end to end too."""
+    from train.commands.prepare import main as prepare
+    seq, lengths, weights = 32, [24, 6, 16], [0.5, 0.3, 0.2]  # 45 sequences (shard tails): 11 steps of 4, 8 used
     paths = make_sources(tmp_path, lengths, seq_len=seq)
+    raw = tmp_path / "src0.raw"  # source 0's ids (< 64) as bytes, for byte-level prepare
+    raw.write_bytes(np.fromfile(paths[0], dtype=np.uint16).astype(np.uint8).tobytes())
+    assert prepare([str(raw), "--out", str(tmp_path / "src0"), "--shard-tokens", "200", "--workers", "1"]) == 0
+    paths[0] = str(tmp_path / "src0")
+    assert len(list((tmp_path / "src0").glob("shard_*.bin"))) == 4
     sources = "[" + ", ".join(f"{{path: '{p}', weight: {w}}}" for p, w in zip(paths, weights)) + "]"
     common = ["--ds-config", fp32(tmp_path, "ddp"), "--model.name", "gpt-tiny", "--data.kind", "tokens",
               "--data.sources", sources, "--data.seq_len", str(seq), "--train.eval_every", "0",
