@@ -25,7 +25,8 @@ def default_corpus_files(directory: str | None = None) -> Iterator[Path]:
     every process and every run sees the same corpus. A lazy depth-first walk with each
     directory's entries sorted yields exactly `sorted(root.rglob("*.py"))` (paths compare part
     by part), but stops as soon as the reader has data.max_bytes: every rank of every launch
-    used to list all ~1,800 files first (0.5-1.1 s, measured), to read the first few dozen."""
+    used to list all ~1,800 files first (bench/import_time.py shows the difference), to read
+    the first few dozen."""
     with os.scandir(directory or sysconfig.get_paths()["stdlib"]) as it:
         entries = sorted(it, key=lambda e: e.name)
     for e in entries:
