@@ -24,18 +24,20 @@ from train.errors import ConfigError, did_you_mean
 
 @dataclass
 class SourceConfig:
-    """One token file of a weighted mixture (data.sources)."""
+    """One token source of a weighted mixture (data.sources)."""
     path: str
-    """The .bin token file (from `zerotrain prepare`); a sibling .val.bin is its validation split,
-    else the last data.val_fraction of it is held out."""
+    """A .bin token file or a shard directory (both from `zerotrain prepare`), read as data.path
+    would be: a sibling .val.bin / the manifest's val shards are its validation split, else the
+    last data.val_fraction of it is held out."""
     weight: float
     """Relative share of training samples (> 0; normalised over the sources, need not sum to 1)."""
     name: Optional[str] = None
-    """Metrics key (data/tokens/<name>); None = the file name without .bin. Unique per mixture."""
+    """Metrics key (data/tokens/<name>); None = the file or directory name without .bin. Unique
+    per mixture."""
 
     def __post_init__(self):
         if not self.path:
-            raise ConfigError("a data.sources entry has an empty path; give the .bin token file")
+            raise ConfigError("a data.sources entry has an empty path; give its token file or shard directory")
         if not (self.weight > 0 and math.isfinite(self.weight)):
             raise ConfigError(f"data.sources weight of {self.path} must be a number > 0 (got {self.weight}); "
                               f"drop the source instead of giving it weight 0")
@@ -54,7 +56,7 @@ class DataConfig:
     {"messages": [{"role", "content"}, ...]} records, loss on the responses only),
     imagefolder (root/train/<class>/*, root/val/<class>/*), regression (synthetic linear data)."""
     sources: list[SourceConfig] = field(default_factory=list)
-    """tokens: a weighted mixture of token files instead of data.path, e.g.
+    """tokens: a weighted mixture of token files / shard directories instead of data.path, e.g.
     [{path: web.bin, weight: 0.7}, {path: code.bin, weight: 0.3, name: code}] (on the command
     line as flow-style YAML or JSON). Each epoch has as many samples as the sources hold together; each source gets
     its weight's share of them, drawn from its own seeded permutation (up-sampled: repeated, each
