@@ -157,3 +157,22 @@ def test_auto_workers_read_sharded_corpora_and_loader_options(shard_dirs, tmp_pa
         "num_workers": 2, "pin_memory": True, "prefetch_factor": 4, "persistent_workers": True}
     assert hardware.loader_options(1, 1, cuda=False, train=False) == {
         "num_workers": 1, "pin_memory": False, "prefetch_factor": 2, "persistent_workers": False}
+
+
+def test_bench_corpora_are_real_shard_sets_that_verify(tmp_path):
+    import sys
+
+    from helpers import REPO
+    sys.path.insert(0, str(REPO / "bench"))
+    import data_scale
+    from train.data.shards import Corpus
+    d = tmp_path / "c"
+    meta = data_scale.generate(d, 2_000_000, shard_tokens=300_000)
+    assert len(meta["shards"]) == 4 and meta["num_tokens"] == 1_000_000 and meta["max_token"] <= 255
+    assert Corpus(d).verify() == 2_000_000  # real sha256 of every byte written
+    mtime = (d / "manifest.json").stat().st_mtime_ns
+    assert data_scale.generate(d, 2_000_000, shard_tokens=300_000) == meta  # reused, not rewritten
+    assert (d / "manifest.json").stat().st_mtime_ns == mtime
+    data_scale.evict(d)
+    bundle = build_data(tokens_cfg(path=str(d)), 128, 0)
+    assert bundle.vocab_size == 256 and len(bundle.train) == 3 * ((300_000 - 1) // 128) + (100_000 - 1) // 128
