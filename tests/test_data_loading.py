@@ -34,9 +34,9 @@ def tokens_cfg(**kw) -> DataConfig:
     return DataConfig(kind="tokens", val_fraction=0.0, **kw)
 
 
-def batches(dataset, batch_sampler, workers: int, accum: int = 1) -> list[torch.Tensor]:
+def batches(dataset, batch_sampler, workers: int, accum: int = 1, context=None) -> list[torch.Tensor]:
     opts = hardware.loader_options(workers, accum, cuda=False, train=True)
-    loader = DataLoader(dataset, batch_sampler=batch_sampler, **opts)
+    loader = DataLoader(dataset, batch_sampler=batch_sampler, multiprocessing_context=context, **opts)
     return [b["input_ids"] for b in loader]
 
 
@@ -63,6 +63,17 @@ def test_two_workers_yield_the_batches_of_the_main_process_over_a_mixture_of_sha
     got = batches(data.train, s, 2)
     s.epoch = 1
     got += batches(data.train, s, 2)
+    assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_spawned_workers_unpickle_a_mixture_that_has_been_read(shard_dirs):
+    """spawn pickles the dataset into each worker (fork copies it): after the main process has
+    read from every shard, the workers must open their own files and redraw their own orders."""
+    data = build_data(tokens_cfg(sources=[SourceConfig(path=str(d), weight=1) for d in shard_dirs]), SEQ, 0)
+    s = MixtureSampler(data.mixture, micro=8, world=1, accum=1, seed=0)
+    ref = batches(data.train, s, 0)
+    assert data.train.sources[0].corpus._fds and data.train.plan._perms
+    got = batches(data.train, s, 1, context="spawn")  # one worker: each costs an interpreter start
     assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
 
 
