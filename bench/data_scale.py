@@ -128,11 +128,14 @@ def evict(d: Path) -> None:
 # ----------------------------------------------------------------------------- memory sampling
 
 def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
+    """Child processes of every thread of pid (a child belongs to the thread that forked it)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
 
 
 def _pss(pid: int) -> int:
