@@ -70,7 +70,7 @@ def parse(argv):
     a.sizes = [float(x) for x in a.sizes_gb.split(",") if x.strip()]
     a.worker_settings = [w.strip() for w in a.workers.split(",") if w.strip()]
     bad = [w for w in a.worker_settings if w != "auto" and not w.isdigit()]
-    if bad or not a.sizes or a.steps < 2 * a.every:
+    if bad or not a.sizes or a.steps < 2 * a.every:  # (--workers "" --mixture: only the mixture run)
         p.error("--workers takes integers or auto; --steps must cover at least two logging intervals")
     return a
 
