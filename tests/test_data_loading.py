@@ -187,3 +187,20 @@ def test_bench_corpora_are_real_shard_sets_that_verify(tmp_path):
     data_scale.evict(d)
     bundle = build_data(tokens_cfg(path=str(d)), 128, 0)
     assert bundle.vocab_size == 256 and len(bundle.train) == 3 * ((300_000 - 1) // 128) + (100_000 - 1) // 128
+
+
+def test_an_up_sampled_source_draws_each_cycle_once_per_epoch(monkeypatch):
+    from train.data.mixture import MixturePlan
+    draws = []
+    real = np.random.default_rng
+    monkeypatch.setattr(np.random, "default_rng", lambda seed: draws.append(tuple(seed)) or real(seed))
+    plan = MixturePlan(["small", "big"], [1, 1], [10, 100], seed=0)  # small: 55 samples an epoch, 5.5 cycles
+    order = np.random.permutation(plan.epoch_samples)  # the sampler visits positions in random order
+    for epoch in range(2):
+        for pos in order:
+            plan.locate(epoch, int(pos))
+    small = [d for d in draws if d[1] == 0]
+    assert len(small) == len(set(small)) == 11  # 110 stream items = cycles 0..10, none redrawn
+    monkeypatch.setattr(mixture, "SMALL", 50)  # 10 sequences x 7 cycles no longer "fit": Feistel
+    lazy = MixturePlan(["small", "big"], [1, 1], [10, 100], seed=0)
+    assert isinstance(lazy._perm(0, 0), FeistelPermutation)

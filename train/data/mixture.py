@@ -88,8 +88,8 @@ class MixturePlan:
         (every small mixture, unchanged), else a Feistel permutation (no memory, nothing to redraw)."""
         cache = self._perms.setdefault(s, {})
         if cycle not in cache:
-            if len(cache) >= max(4, self.span[s]):  # the previous epoch's cycles
-                cache.pop(next(iter(cache)))
+            if len(cache) >= max(4, self.span[s]):  # the lowest cycle: an earlier epoch's (inserted in random order)
+                cache.pop(min(cache))
             n = self.lengths[s]
             cache[cycle] = FeistelPermutation(n, [self.seed % (1 << 64), s, cycle]) if n * self.span[s] > SMALL \
                 else np.random.default_rng([self.seed, s, cycle]).permutation(n)
