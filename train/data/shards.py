@@ -15,9 +15,9 @@ worker) opens only the shards its samples live in. Checksums are NOT verified at
 10 GB at every start is not acceptable): `zerotrain prepare --verify DIR` hashes every shard once.
 
 Reads are one pread per sample, not a memory map: every page a map has touched counts in the
-process's RSS until the kernel reclaims it, so a mapped corpus showed ~40 KB of RSS per sample
-read (readahead + fault-around, measured), growing with the steps run up to the corpus size per
-rank. pread leaves those pages in the shared page cache, outside any process's RSS, so a rank's
+process's RSS until the kernel reclaims it, so a mapped corpus showed 40-110 KB of RSS per
+sample read (readahead + fault-around; bench/read_rss.py: +523 MiB after 4,800 windows of a
+cold 1 GiB file), growing with the steps run up to the corpus size per rank. pread leaves those pages in the shared page cache, outside any process's RSS, so a rank's
 peak RSS does not depend on the corpus size or the run length (bench/data_scale.py,
 BENCHMARKS.md). At most MAX_OPEN shard files are held open per process (least recently used
 closed first), so a corpus of thousands of shards stays under the file-descriptor limit.
