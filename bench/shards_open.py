@@ -1,7 +1,7 @@
 """Opening a sharded token set: build_data on a manifest of N tiny shards (default 1,000).
 
-Opening reads the manifest and stats each shard (no open, no map); a shard is mapped when a
-sample from it is first read. Also times one sample read (maps one shard) and the sha256 vs
+Opening reads the manifest and stats each shard (no open, no map); a shard is opened when a
+sample from it is first read. Also times one sample read (opens one shard) and the sha256 vs
 blake2b hashing rate that --verify pays (why sha256).
 
     .venv/bin/python bench/shards_open.py [N=1000]
@@ -61,8 +61,8 @@ def main(n: int) -> None:
         bundle.train[len(bundle.train) // 2]
         first = time.perf_counter() - t0
         print(f"{n} shards, {len(bundle.train)} sequences: build_data {min(times) * 1e3:.1f} ms (best of 5, "
-              f"median {sorted(times)[2] * 1e3:.1f} ms); first sample read (maps 1 shard) {first * 1e3:.2f} ms; "
-              f"shards mapped: {len(bundle.train.corpus._maps)}")
+              f"median {sorted(times)[2] * 1e3:.1f} ms); first sample read (opens 1 shard) {first * 1e3:.2f} ms; "
+              f"shards opened: {len(bundle.train.corpus._fds)}")
     print(f"hashing (--verify): blake2b {hash_rate('blake2b'):.0f} MB/s, sha256 {hash_rate('sha256'):.0f} MB/s")
 
 

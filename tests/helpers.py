@@ -310,3 +310,18 @@ def source_tokens(source: int, num_sequences: int, seq_len: int, seed: int = 0):
     import numpy as np
     rng = np.random.default_rng([seed, source])
     return rng.integers(64 * source, 64 * source + 64, size=num_sequences * seq_len + 1)
+
+
+def write_shard_dir(path: Path, tokens, shard_tokens: int, vocab_size: int = 256) -> Path:
+    """A shard directory (manifest.json + shard_*.bin) of `tokens`, written by the real writer
+    (train/data/prepare_pool.py ShardWriter + manifest_meta) without tokenizing anything."""
+    import numpy as np
+
+    from train.data.prepare_pool import ShardWriter, manifest_meta, write_manifest
+    path.mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(path, "shard", np.uint16, shard_tokens, [], on_shard=lambda entry: None)
+    writer.write(np.asarray(tokens, dtype=np.uint16), lambda k: None)
+    writer.close(None)
+    write_manifest(path, manifest_meta(np.uint16, vocab_size, "bytes", shard_tokens, {"shards": writer.entries}, 0,
+                                       {"test": str(path)}))
+    return path

@@ -67,11 +67,11 @@ def test_many_shards_windows_stay_inside_a_shard_and_tails_are_counted(src, tmp_
         dropped += len(shard) - (n * 16 + 1 if n else 0)
     assert samples(bundle.train) == expected
     assert bundle.extra["dropped_tokens"] == dropped and f"{dropped} tokens of shard tails" in bundle.describe
-    # Lazy mapping: nothing mapped at open, only the shard a sample lives in when it is read.
+    # Lazy opening: nothing opened at open, only the shard a sample lives in when it is read.
     fresh = data(d, seq_len=16, val_fraction=0.0).train
-    assert fresh.corpus._maps == {}
+    assert fresh.corpus._fds == {}
     fresh[len(fresh) - 1]
-    assert list(fresh.corpus._maps) == [len(fresh.corpus.shards) - 1]
+    assert list(fresh.corpus._fds) == [len(fresh.corpus.shards) - 1]
 
 
 def test_one_and_two_workers_write_identical_shards_and_val(src, tmp_path):

@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 
 from train.config import DataConfig
 from train.data.bundle import DataBundle
+from train.data.permutation import SMALL, FeistelPermutation
 from train.data.sampler import GlobalBatchSampler
 from train.errors import DataError
 
@@ -58,6 +59,9 @@ class MixturePlan:
                                 f"{self.epoch_samples}; raise its weight or drop the source")
         self.ends = np.cumsum(self.counts)           # block s = positions [ends[s] - counts[s], ends[s])
         self.starts = self.ends - np.asarray(self.counts)
+        # Cycles of source s one epoch touches (its c_s stream items, in random order): all are kept,
+        # or a 1 GB source up-sampled 5x in a mixture redraws a 3.7M permutation for most samples.
+        self.span = [-(-c // n) + 1 for c, n in zip(self.counts, self.lengths)]
         self._perms: dict[int, dict[int, np.ndarray]] = {}
 
     def shares(self) -> list[float]:
@@ -78,16 +82,22 @@ class MixturePlan:
         cycle, k = divmod(t, self.lengths[s])
         return s, int(self._perm(s, cycle)[k])
 
-    def _perm(self, s: int, cycle: int) -> np.ndarray:
-        """Cycle `cycle` of source s: a permutation of its sequences, seeded by (seed, s, cycle)."""
+    def _perm(self, s: int, cycle: int):
+        """Cycle `cycle` of source s: a permutation of its sequences, seeded by (seed, s, cycle);
+        indexable by k. Materialised while an epoch's cycles of it fit in permutation.SMALL entries
+        (every small mixture, unchanged), else a Feistel permutation (no memory, nothing to redraw)."""
         cache = self._perms.setdefault(s, {})
         if cycle not in cache:
-            # An epoch of a large source spans one or two cycles; a small, up-sampled one spans
-            # many, but its permutations are cheap to redraw.
-            if len(cache) >= 4:
-                cache.pop(next(iter(cache)))
-            cache[cycle] = np.random.default_rng([self.seed, s, cycle]).permutation(self.lengths[s])
+            if len(cache) >= max(4, self.span[s]):  # the lowest cycle: an earlier epoch's (inserted in random order)
+                cache.pop(min(cache))
+            n = self.lengths[s]
+            cache[cycle] = FeistelPermutation(n, [self.seed % (1 << 64), s, cycle]) if n * self.span[s] > SMALL \
+                else np.random.default_rng([self.seed, s, cycle]).permutation(n)
         return cache[cycle]
+
+    def __getstate__(self):
+        # A DataLoader worker started by pickling (spawn) redraws what it needs.
+        return {**self.__dict__, "_perms": {}}
 
     def record(self) -> list[dict]:
         """The plan as config.json and checkpoints record it."""
@@ -127,8 +137,8 @@ class MixtureSampler(GlobalBatchSampler):
         """Samples per source in the global batch of `epoch` starting at `offset`: host-side
         arithmetic, identical on every rank."""
         if self._order[0] != epoch:
-            self._order = (epoch, self.order(epoch).numpy())
-        return self.plan.step_counts(self._order[1][offset:offset + self.global_batch])
+            self._order = (epoch, self.slicer(epoch))
+        return self.plan.step_counts(self._order[1](offset, offset + self.global_batch))
 
 
 class InterleavedVal(Dataset):

@@ -243,18 +243,31 @@ def prepare_shards(files: list[Path], val: list[Path], tokenizer, out: Path, sha
             _run_phase(phase, inputs, rec, state, tokenizer, out, dtype, shard_tokens, workers, text_field,
                        progress, stop_after, written)
         totals[phase] = rec
-    meta = {"format": FORMAT, "version": VERSION, "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size,
-            "tokenizer": tokenizer.name, "checksum": CHECKSUM, "shard_tokens": shard_tokens}
-    all_entries = [e for rec in totals.values() for e in rec["entries"]]
-    meta["num_tokens"] = sum(e["num_tokens"] for e in totals["shards"]["entries"])
-    meta["max_token"] = max(e["max_token"] for e in all_entries)
-    meta["files"] = totals["shards"]["files"]
-    for phase, rec in totals.items():
-        meta[phase] = [{k: v for k, v in e.items() if k != "resume"} for e in rec["entries"]]
-    meta["source"] = fp
+    meta = manifest_meta(dtype, tokenizer.vocab_size, tokenizer.name, shard_tokens,
+                         {phase: rec["entries"] for phase, rec in totals.items()}, totals["shards"]["files"], fp)
     _write_json(manifest, meta)
     progress.unlink(missing_ok=True)
     return meta
+
+
+def manifest_meta(dtype, vocab_size: int, tokenizer_name: str, shard_tokens: int, phases: dict[str, list[dict]],
+                  files: int, source) -> dict:
+    """manifest.json's content for the ShardWriter entries of each phase ("shards", "val")
+    (also what bench/data_scale.py writes for its generated corpora)."""
+    meta = {"format": FORMAT, "version": VERSION, "dtype": np.dtype(dtype).name, "vocab_size": vocab_size,
+            "tokenizer": tokenizer_name, "checksum": CHECKSUM, "shard_tokens": shard_tokens}
+    meta["num_tokens"] = sum(e["num_tokens"] for e in phases["shards"])
+    meta["max_token"] = max(e["max_token"] for entries in phases.values() for e in entries)
+    meta["files"] = files
+    for phase, entries in phases.items():
+        meta[phase] = [{k: v for k, v in e.items() if k != "resume"} for e in entries]
+    meta["source"] = source
+    return meta
+
+
+def write_manifest(out: Path, meta: dict) -> None:
+    """Written last and atomically: its presence means the set is complete."""
+    _write_json(out / MANIFEST, meta)
 
 
 def _run_phase(phase, inputs, rec, state, tokenizer, out, dtype, shard_tokens, workers, text_field, progress,

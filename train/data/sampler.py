@@ -5,12 +5,18 @@ gives each rank its own contiguous slice. Global optimizer step s therefore alwa
 samples perm[s*G : (s+1)*G] of the epoch's permutation (G = global batch), whatever the
 number of processes or the accumulation split, which is what lets a checkpoint taken on
 N processes resume on M with the same data order. Position = (epoch, samples consumed).
+
+The permutation is torch.randperm up to train/data/permutation.py's SMALL samples and a
+Feistel permutation computed per batch above it, so a corpus of any size costs no memory
+for its order (a materialised one is 8 bytes per sample on every rank).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from train.data.permutation import SMALL, FeistelPermutation
 from train.errors import DataError
 
 
@@ -36,16 +42,30 @@ class GlobalBatchSampler:
         self.epoch, self.offset = epoch, offset
 
     def order(self, epoch: int) -> torch.Tensor:
-        """The epoch's sample order (all of it, including the tail dropped to whole steps)."""
+        """The epoch's sample order (all of it, including the tail dropped to whole steps);
+        materialised, so for tests and small sets: the loop reads slices (slicer)."""
         if not self.shuffle:
             return torch.arange(self.num_samples)
+        if self.num_samples > SMALL:
+            return torch.from_numpy(self._feistel(epoch)(np.arange(self.num_samples)))
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_samples, generator=g)
 
+    def _feistel(self, epoch: int) -> FeistelPermutation:
+        return FeistelPermutation(self.num_samples, [self.seed % (1 << 64), epoch])
+
+    def slicer(self, epoch: int):
+        """(start, stop) -> that slice of the epoch's order, as a list of indices."""
+        if self.shuffle and self.num_samples > SMALL:
+            perm = self._feistel(epoch)
+            return lambda a, b: perm(np.arange(a, b)).tolist()
+        order = self.order(epoch)
+        return lambda a, b: order[a:b].tolist()
+
     def __iter__(self):
-        used = self.order(self.epoch)[: self.steps_per_epoch * self.global_batch]
-        for start in range(self.offset, len(used), self.batch_size):
-            yield used[start:start + self.batch_size].tolist()
+        take = self.slicer(self.epoch)
+        for start in range(self.offset, self.steps_per_epoch * self.global_batch, self.batch_size):
+            yield take(start, start + self.batch_size)
 
     def __len__(self) -> int:
         return (self.steps_per_epoch * self.global_batch - self.offset) // self.batch_size

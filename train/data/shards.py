@@ -10,9 +10,19 @@ Layout (written by `zerotrain prepare ... --out DIR`, see train/data/prepare_poo
 
 Opening costs O(1) per shard and no reads: the manifest is parsed and each shard's size is
 checked with one stat (1,000 shards open in a few ms, bench/shards_open.py, BENCHMARKS.md).
-A shard is memory-mapped only when a sample from it is first read, so each rank maps only
-the shards its samples live in. Checksums are NOT verified at open (hashing 10 GB at every
-start is not acceptable): `zerotrain prepare --verify DIR` hashes every shard once.
+A shard is opened only when a sample from it is first read, so each rank (and each DataLoader
+worker) opens only the shards its samples live in. Checksums are NOT verified at open (hashing
+10 GB at every start is not acceptable): `zerotrain prepare --verify DIR` hashes every shard once.
+
+Reads are one pread per sample, not a memory map: every page a map has touched counts in the
+process's RSS until the kernel reclaims it, so a mapped corpus showed 40-110 KB of RSS per
+sample read (readahead + fault-around; bench/read_rss.py: +523 MiB after 4,800 windows of a
+cold 1 GiB file), growing with the steps run up to the corpus size per rank. pread leaves those pages in the shared page cache, outside any process's RSS, so a rank's
+peak RSS does not depend on the corpus size or the run length (bench/data_scale.py,
+BENCHMARKS.md). At most MAX_OPEN shard files are held open per process (least recently used
+closed first), so a corpus of thousands of shards stays under the file-descriptor limit.
+Descriptors are never pickled (spawned DataLoader workers open their own); forked workers
+inherit the parent's, which pread shares safely (no file position involved).
 
 Samples: each shard (or a part of one, see the val split) is cut into windows of
 seq_len+1 tokens with stride seq_len exactly like a single token file (train/data/text.py
@@ -45,6 +55,7 @@ MANIFEST = "manifest.json"
 CHECKSUM = "sha256"
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 REPREPARE = "re-run zerotrain prepare"
+MAX_OPEN = 64  # shard files held open per process (LRU)
 
 
 def is_sharded(path: Path) -> bool:
@@ -113,18 +124,36 @@ class Corpus:
                                 f"{REPREPARE}")
         self.paths = [self.dir / n for n in names]
         self.vocab_size = meta.get("vocab_size")
-        self._maps: dict[int, np.ndarray] = {}
+        self._fds: dict[int, int] = {}  # shard -> open descriptor, least recently used first
 
-    def tokens(self, shard: int) -> np.ndarray:
-        """The shard's memmap, created on first use (per process: not pickled to workers)."""
-        m = self._maps.get(shard)
-        if m is None:
-            m = self._maps[shard] = np.memmap(self.paths[shard], dtype=DTYPES[self.dtype], mode="r",
-                                              shape=(int(self.sizes[shard]),))
-        return m
+    def read(self, shard: int, start: int, count: int) -> np.ndarray:
+        """`count` tokens of `shard` from token `start`: one pread (the shard opened on first use)."""
+        fd = self._fds.pop(shard, None)
+        if fd is None:
+            if len(self._fds) >= MAX_OPEN:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            fd = os.open(self.paths[shard], os.O_RDONLY)
+        self._fds[shard] = fd  # now the most recently used
+        want = count * self.width
+        b = os.pread(fd, want, start * self.width)
+        if len(b) != want:
+            raise DataError(f"{self.paths[shard]}: short read at token {start} (the file shrank after the run "
+                            f"started); {REPREPARE}")
+        return np.frombuffer(b, dtype=DTYPES[self.dtype])
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.popitem()[1])
+
+    def __del__(self):
+        try:
+            self.close()
+        except (OSError, AttributeError, TypeError):  # interpreter shutdown
+            pass
 
     def __getstate__(self):
-        return {**self.__dict__, "_maps": {}}
+        # Descriptors are per process: a pickled copy (a spawned worker) opens its own.
+        return {**self.__dict__, "_fds": {}}
 
     def verify(self, progress=lambda name: None) -> int:
         """Hash every shard against the manifest (the explicit, slow check); returns the bytes read."""
@@ -164,8 +193,8 @@ class ShardSequences(Dataset):
         w = i - (int(self.ends[k - 1]) if k else 0)
         shard, start, _ = (int(x) for x in self.segments[k])
         lo = start + w * self.seq_len
-        window = self.corpus.tokens(shard)[lo: lo + self.seq_len + 1]
-        t = torch.from_numpy(np.asarray(window, dtype=np.int64))
+        window = self.corpus.read(shard, lo, self.seq_len + 1)
+        t = torch.from_numpy(window.astype(np.int64))
         return {"input_ids": t[:-1], "labels": t[1:]}
 
 

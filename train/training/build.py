@@ -171,11 +171,10 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     raw_optimizer = build_optimizer(workload.model, cfg.optim, ds)
     set_seed(cfg.train.seed + topo.rank)  # dropout etc. differ per rank, deterministically
 
-    pin = cuda  # pinned host batches: the copy to the GPU runs asynchronously (non_blocking)
     workers = hardware.data_workers(cfg.data, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    train_loader = DataLoader(data.train, batch_sampler=sampler, num_workers=workers, pin_memory=pin,
+    train_loader = DataLoader(data.train, batch_sampler=sampler,
                               generator=torch.Generator().manual_seed(cfg.train.seed),
-                              persistent_workers=False)
+                              **hardware.loader_options(workers, batch.accum, cuda, train=True))
     val_loader = None
     if data.val is not None and len(data.val) > 0:
         val = data.val
@@ -185,7 +184,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
             n = min(len(val), cfg.train.eval_batches * batch.micro * world)
             val = torch.utils.data.Subset(val, range(n))
         val_loader = DataLoader(val, batch_sampler=EvalBatchSampler(len(val), batch.micro, world),
-                                num_workers=workers, pin_memory=pin)
+                                **hardware.loader_options(workers, 1, cuda, train=False))
     if val_loader is not None:
         model, optimizer, train_loader, val_loader = acc.prepare(workload.model, raw_optimizer, train_loader,
                                                                  val_loader)

@@ -7,6 +7,7 @@ tested on CPU; build.py applies them.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -59,11 +60,37 @@ def cores_per_rank(local_world: int) -> int:
     return max(1, cores // max(1, local_world))
 
 
+SHARD_WORKERS = 1  # auto workers per rank for a sharded corpus (DataConfig.num_workers says why)
+
+
+def is_sharded_corpus(data: DataConfig) -> bool:
+    """data.path, or any data.sources entry, is a shard directory (a disk-sized corpus)."""
+    from train.data.shards import is_sharded
+    if data.kind != "tokens":
+        return False
+    paths = [s.path for s in data.sources] if data.sources else [data.path]
+    return any(p is not None and is_sharded(Path(p).expanduser()) for p in paths)
+
+
 def data_workers(data: DataConfig, local_world: int) -> int:
     """data.num_workers; None = decode images in worker processes (leaving a core for the
-    training loop), nothing for data that is already in memory or memory-mapped."""
+    training loop), SHARD_WORKERS to read a sharded corpus from disk, nothing for data that
+    is already in memory or in one small memory-mapped file."""
     if data.num_workers is not None:
         return data.num_workers
-    if data.kind != "imagefolder":
-        return 0
-    return min(8, cores_per_rank(local_world) - 1)
+    if data.kind == "imagefolder":
+        return min(8, cores_per_rank(local_world) - 1)
+    return SHARD_WORKERS if is_sharded_corpus(data) else 0
+
+
+def loader_options(workers: int, accum: int, cuda: bool, train: bool) -> dict:
+    """DataLoader keyword arguments around the worker count. Pinned host batches only on CUDA
+    (the copy to the GPU then runs asynchronously; on a CPU pinning is pure overhead). With
+    workers: each keeps max(2, accum / workers) micro-batches in flight, so a whole optimizer
+    step's micro-batches are ready before it starts; the training loader's workers persist
+    across epochs (no re-fork of a large rank process per epoch, and they resume where the
+    sampler says), the validation loader's exit after each evaluation (idle between evals)."""
+    opts = {"num_workers": workers, "pin_memory": cuda}
+    if workers > 0:
+        opts.update(prefetch_factor=max(2, -(-accum // workers)), persistent_workers=train)
+    return opts
