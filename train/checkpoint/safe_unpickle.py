@@ -115,8 +115,13 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 def _pickle_module(source: str):
     mod = types.ModuleType("zerotrain_restricted_pickle")
-    mod.Unpickler = type("Unpickler", (RestrictedUnpickler,), {"source": source})
-    mod.load = pickle.load  # unused by torch.load; present for its API check
+    mod.Unpickler = cls = type("Unpickler", (RestrictedUnpickler,), {"source": source})
+
+    def load(f, **kwargs):  # torch's legacy (non-zip) format reads its header with pickle_module.load
+        return cls(f, **kwargs).load()
+
+    mod.load = load
+    mod.loads = None  # nothing may fall back to the unrestricted pickle functions
     mod.__name__ = "pickle"
     return mod
 
