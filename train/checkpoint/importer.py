@@ -95,7 +95,7 @@ def read_deepspeed(step_dir: Path, optimizer_order=None) -> Imported:
     if not optim_files:
         return _read_zero0(step_dir, model_files[0], optimizer_order)
     from deepspeed.utils import zero_to_fp32 as z
-    with torch_load_restricted():
+    with torch_load_restricted(), _quiet(z):
         zms = z.parse_model_states([str(f) for f in model_files])
         optim = [restricted_load(f) for f in _natural(optim_files)]
     osd = [o["optimizer_state_dict"] for o in optim]
@@ -121,7 +121,7 @@ def read_deepspeed(step_dir: Path, optimizer_order=None) -> Imported:
             sd = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat, zms, flat is not groups)
         return {k: v for k, v in z.to_torch_tensor(sd).items()}
 
-    with torch_load_restricted():
+    with torch_load_restricted(), _quiet(z):
         full = merge(groups)
         moments = {}
         for kind in MOMENTS:
@@ -144,6 +144,23 @@ def read_deepspeed(step_dir: Path, optimizer_order=None) -> Imported:
                     buffers={n: b.float() if b.is_floating_point() else b for n, b in buffers.items()}, tied=tied,
                     global_steps=int(ms.get("global_steps", 0)), global_samples=ms.get("global_samples"),
                     skipped_steps=int(ms.get("skipped_steps", 0) or 0))
+
+
+def _quiet(z):
+    """zero_to_fp32 prints its progress (print + tqdm); the import prints its own summary."""
+    import contextlib
+    import io as _io
+
+    @contextlib.contextmanager
+    def cm():
+        saved = getattr(z, "tqdm", None)
+        z.tqdm = lambda it, *a, **k: it
+        try:
+            with contextlib.redirect_stdout(_io.StringIO()):
+                yield
+        finally:
+            z.tqdm = saved
+    return cm()
 
 
 def _natural(files):
