@@ -305,3 +305,56 @@ def test_resume_continues_the_deepspeed_loop(native, imported, run_yaml, tmp_pat
     diffs = [abs(got[SAVE_AT + 1 + i] - w) for i, w in enumerate(want)]
     print(f"ZeRO-{stage} -> {nproc} proc {strategy}: max |loss diff| {max(diffs):.2e}")
     assert max(diffs) < 1e-6, (got, want)
+
+
+# ---------------------------------------------------------------------------- HF Trainer (one launch + one resume)
+
+@pytest.fixture(scope="module")
+def hf_native(tmp_path_factory) -> tuple[Path, Path, list]:
+    """A tiny local GPT-2 trained by transformers.Trainer on zerotrain's data in zerotrain's order
+    (tests/hf_trainer_loop.py): checkpoint-3 and the losses of steps 1..6."""
+    from helpers import save_tiny
+    root = tmp_path_factory.mktemp("hf_native")
+    model = save_tiny("gpt2", root / "model", 256)
+    cfg = root / "run.yaml"
+    cfg.write_text(RUN_YAML.replace("{name: gpt-tiny}", f'{{name: "hf:{model}"}}')
+                   .replace("seq_len: 64, max_bytes: 300000", "seq_len: 32, max_bytes: 200000")
+                   .replace("warmup_steps: 0}", "warmup_steps: 0, weight_decay: 0.0}"))
+    out = root / "out"
+    p = subprocess.run([sys.executable, str(REPO / "tests" / "hf_trainer_loop.py"), str(cfg), str(out), str(SAVE_AT),
+                        str(CONTINUE)], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return cfg, out, json.loads((out / "losses.json").read_text())
+
+
+@pytest.mark.multiproc
+def test_hf_trainer_checkpoint_imports_exactly_and_resumes(hf_native, tmp_path, capsys):
+    cfg, out, losses = hf_native
+    src = out / f"checkpoint-{SAVE_AT}"
+    code, _ = zt_import([str(src), "--out", str(tmp_path / "z"), "--config", str(cfg), "--trust-pickle"], capsys)
+    assert code == 0
+    got = read_ckpt(tmp_path / "z")
+    from safetensors.torch import load_file
+    weights = load_file(str(src / "model.safetensors"))
+    assert sorted(n for k, n in got if k == "param") == sorted(weights)  # lm_head.weight: tied, not saved by HF
+    for n, t in weights.items():
+        assert torch.equal(got[("param", n)], t), n
+    # optimizer.pt by position, in the Trainer's grouping (decay, then no decay; named_parameters order)
+    opt = torch.load(src / "optimizer.pt", weights_only=True)
+    from transformers import AutoModelForCausalLM, Trainer
+    m = AutoModelForCausalLM.from_pretrained(str(src))
+    decay = set(Trainer.get_decay_parameter_names(None, m))
+    names = [n for n, _ in m.named_parameters() if n in decay] + [n for n, _ in m.named_parameters() if n not in decay]
+    idx = [i for g in opt["param_groups"] for i in g["params"]]
+    for i, n in zip(idx, names):
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[(kind, n)], opt["state"][i][kind].view(got[(kind, n)].shape)), (kind, n)
+    # Resumed on 2 processes under ZeRO-3 (every parameter partitioned): the Trainer's continued losses.
+    run_dir = tmp_path / "run"
+    run_train("torchrun", 2, ["--config", str(cfg), "--ds-config", _ds_json(tmp_path, "zero3"), "--resume",
+                              str(tmp_path / "z"), "--train.max_steps", str(SAVE_AT + CONTINUE),
+                              "--train.run_dir", str(run_dir)])
+    resumed = train_losses(run_dir)
+    diffs = [abs(resumed[SAVE_AT + 1 + i] - w) for i, w in enumerate(losses[SAVE_AT:])]
+    print(f"HF Trainer -> 2 proc zero3: max |loss diff| {max(diffs):.2e}")
+    assert max(diffs) < 1e-6, (resumed, losses)

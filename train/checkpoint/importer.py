@@ -254,3 +254,75 @@ def write_checkpoint(out: Path, imp: Imported, meta: dict) -> Path:
         io.remove_tree(tmp)
         raise
     return out
+
+
+# ---------------------------------------------------------------------------- HF Trainer / Accelerate
+
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def find_hf_checkpoint(src: str | Path) -> Path | None:
+    """A Trainer `checkpoint-N` folder (trainer_state.json + weights), or an output dir holding
+    them (the newest one); None otherwise."""
+    p = Path(src)
+
+    def is_ckpt(d: Path) -> bool:
+        return (d / "trainer_state.json").is_file() and any((d / w).is_file() for w in HF_WEIGHTS)
+
+    if not p.is_dir():
+        return None
+    if is_ckpt(p):
+        return p
+    found = [(int(m.group(1)), d) for d in p.iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", d.name)) and is_ckpt(d)]
+    return max(found)[1] if found else None
+
+
+def _hf_weights(d: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    if (d / "model.safetensors").is_file():
+        return load_file(str(d / "model.safetensors"))
+    if (d / "model.safetensors.index.json").is_file():
+        index = io.read_json(d / "model.safetensors.index.json", "weights index")
+        out = {}
+        for f in sorted(set(index["weight_map"].values())):
+            out.update(load_file(str(d / f)))
+        return out
+    sd = restricted_load(d / "pytorch_model.bin")
+    if not isinstance(sd, dict):
+        raise CheckpointError(f"{d / 'pytorch_model.bin'} is not a state dict")
+    return sd
+
+
+def read_hf_trainer(d: Path, optimizer_order=None) -> Imported:
+    """An HF Trainer / Accelerate `checkpoint-N` folder saved without DeepSpeed: the weights
+    (safetensors, or pytorch_model.bin through the restricted unpickler), the torch optimizer's
+    state_dict (`optimizer.pt`, by position: named through `optimizer_order`, like ZeRO-0), and
+    trainer_state.json's global_step. Not read: training_args.bin (a pickled TrainingArguments:
+    code), rng_state.pth (numpy objects; RNG streams start fresh), scheduler.pt (zerotrain's LR
+    is a function of the step)."""
+    state = io.read_json(d / "trainer_state.json", "HF Trainer state")
+    step = int(state.get("global_step", 0))
+    weights = {n: t.float() if t.is_floating_point() else t for n, t in _hf_weights(d).items()}
+    moments, steps, notes = {k: {} for k in MOMENTS}, {}, []
+    notes.append("RNG streams (rng_state.pth) and training_args.bin are not imported (RNG starts fresh)")
+    opt_file = d / "optimizer.pt"
+    if opt_file.is_file():
+        opt = restricted_load(opt_file)
+        sizes = [len(g["params"]) for g in opt["param_groups"]]
+        index = [i for g in opt["param_groups"] for i in g["params"]]
+        shapes = [tuple(opt["state"][i]["exp_avg"].shape) if i in opt["state"] else None for i in index]
+        names = optimizer_order(shapes, sizes) if optimizer_order else None
+        if names is None:
+            notes.append(f"the parameter order of {opt_file} matches neither the Trainer's nor zerotrain's grouping "
+                         f"of the run config's model: its moments were not imported")
+        else:
+            for i, name in zip(index, names):
+                s = opt["state"].get(i)
+                if s and "exp_avg" in s:
+                    for kind in MOMENTS:
+                        moments[kind][name] = s[kind].float()
+                    steps[name] = int(s["step"])
+    else:
+        notes.append(f"{d} has no optimizer.pt: fresh AdamW moments")
+    return Imported(source=f"HF Trainer checkpoint (step {step})", weights=weights, moments=moments, steps=steps,
+                    global_steps=step, global_samples=None, notes=notes)

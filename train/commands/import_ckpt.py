@@ -31,8 +31,9 @@ def _parser():
     ap = argparse.ArgumentParser(
         prog="zerotrain import",
         description="Convert a native DeepSpeed checkpoint (global_step*/, any ZeRO stage 0-3, any world size) "
-                    "into a zerotrain checkpoint that --resume loads on any number of processes and any stage.")
-    ap.add_argument("source", help="a DeepSpeed save_checkpoint directory (with `latest`) or one global_step* dir")
+                    "or an HF Trainer checkpoint-N folder into a zerotrain checkpoint that --resume loads on any number of processes and any stage.")
+    ap.add_argument("source", help="a DeepSpeed save_checkpoint directory (with `latest`), one global_step* dir, "
+                                   "or an HF Trainer checkpoint-N folder (or its output dir: the newest)")
     ap.add_argument("--out", required=True, help="the checkpoint directory to write (then: --resume OUT)")
     ap.add_argument("--config", required=True, help="the run file the imported run continues with (model, data)")
     ap.add_argument("--trust-pickle", action="store_true",
@@ -56,16 +57,20 @@ def main(argv: list[str]) -> int:
         if not a.trust_pickle:
             raise ConfigError(f"{src} would be unpickled: pass --trust-pickle to import it (only for checkpoints "
                               f"you trust; loading is restricted to tensors and plain containers)")
-        from train.checkpoint.importer import find_deepspeed_step_dir, read_deepspeed, write_checkpoint
+        from train.checkpoint.importer import (find_deepspeed_step_dir, find_hf_checkpoint, read_deepspeed,
+                                               read_hf_trainer, write_checkpoint)
+        # An HF Trainer folder saved under DeepSpeed holds a global_step*/ directory: DeepSpeed's files first.
         step_dir = find_deepspeed_step_dir(src)
-        if step_dir is None:
-            raise CheckpointError(f"{src} is not a DeepSpeed checkpoint: expected a global_step* directory with "
-                                  f"mp_rank_00_model_states.pt (or zero_pp_rank_*_mp_rank_00_model_states.pt), or "
-                                  f"the directory save_checkpoint wrote (with `latest`)")
-        print(f"zerotrain: warning: unpickling {step_dir} (--trust-pickle): pickles can run code; only tensors "
-              f"and plain containers are allowed through", file=sys.stderr, flush=True)
+        hf_dir = find_hf_checkpoint(src) if step_dir is None else None
+        if step_dir is None and hf_dir is None:
+            raise CheckpointError(f"{src} is not a DeepSpeed or HF Trainer checkpoint: expected a global_step* "
+                                  f"directory with mp_rank_00_model_states.pt (or the directory save_checkpoint "
+                                  f"wrote, with `latest`), or a checkpoint-N folder with trainer_state.json")
+        print(f"zerotrain: warning: unpickling {step_dir or hf_dir} (--trust-pickle): pickles can run code; only "
+              f"tensors and plain containers are allowed through", file=sys.stderr, flush=True)
         run = _RunModel(a.config)
-        imp = read_deepspeed(step_dir, run.optimizer_order)
+        imp = read_deepspeed(step_dir, run.optimizer_order) if step_dir else read_hf_trainer(hf_dir, run.optimizer_order)
+        step_dir = step_dir or hf_dir
         _check(imp, run, a.strict, a.config)
         meta = run.meta(imp, a.data_position, str(step_dir))
         out = write_checkpoint(Path(a.out), imp, meta)
@@ -93,8 +98,11 @@ class _RunModel:
         spec = resolve_model(cfg.model)
         tokenizer = cfg.data.tokenizer or (spec.name[3:] if spec.family == "hf" else None)
         self.data = build_data(cfg.data, cfg.data.seq_len or spec.context, cfg.train.seed, tokenizer)
-        with torch.device("meta"):
+        if spec.family == "hf":  # transformers loads its weights itself: built on the CPU
             self.workload = build_workload(spec, self.data)
+        else:
+            with torch.device("meta"):
+                self.workload = build_workload(spec, self.data)
         model = self.workload.model
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # tied: once
         self.trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -103,13 +111,24 @@ class _RunModel:
         from train.optim.optimizer import param_groups
         names = {id(p): n for n, p in model.named_parameters()}
         self.groups = [[names[id(p)] for p in g["params"]] for g in param_groups(model, cfg.optim.weight_decay)]
+        self.hf_groups = None
+        try:  # transformers.Trainer's grouping (decay, then no decay), by its own rule
+            from transformers import Trainer
+            decay = set(Trainer.get_decay_parameter_names(None, model))
+            trained = [n for n, p in model.named_parameters() if p.requires_grad]
+            self.hf_groups = [[n for n in trained if n in decay], [n for n in trained if n not in decay]]
+        except Exception:  # noqa: BLE001 - transformers missing or changed: that candidate is skipped
+            pass
         self.position_note = ""
 
     def optimizer_order(self, shapes: list, sizes: list[int]):
         """ZeRO-0: the names of the torch optimizer's parameter indices, if the optimizer was built
         like zerotrain's (weight-decay group, then the rest) or as one group in module order; None
         when neither fits the saved shapes."""
-        for groups in (self.groups, [[n for g in self.groups for n in g]], [list(self.shapes)]):
+        candidates = [self.groups, [[n for g in self.groups for n in g]], [list(self.shapes)]]
+        if self.hf_groups:
+            candidates += [self.hf_groups, [g for g in self.hf_groups if g]]
+        for groups in candidates:
             order = [n for g in groups for n in g]
             if [len(g) for g in groups] == sizes and len(order) == len(shapes) and \
                     all(s is None or tuple(s) == self.shapes[n] for n, s in zip(order, shapes)):
@@ -130,7 +149,7 @@ class _RunModel:
             gb = src_gb
         if gb is None:
             raise ConfigError("the source checkpoint does not record its global batch: set train.global_batch_size "
-                              "in the run file")
+                              "in the run file (the source run's per-device batch x accumulation x processes)")
         steps_per_epoch = n // gb
         if steps_per_epoch == 0:
             raise ConfigError(f"the training set has {n} samples, fewer than one global batch of {gb}")
@@ -140,7 +159,7 @@ class _RunModel:
             offset = rest - rest % gb
             self.position_note = (f"continues zerotrain's order for this data after {samples} samples (epoch {epoch}, "
                                   f"+{offset} samples): the same batches only if the source run read this data in "
-                                  f"zerotrain's order; DeepSpeed does not record its data loader's position")
+                                  f"zerotrain's order (DeepSpeed and the HF Trainer do not record their data loader's position)")
         else:
             epoch, offset = 0, 0
             self.position_note = "the data order restarts (epoch 0, sample 0; --data-position restart)"
@@ -177,6 +196,8 @@ def _check(imp, run: _RunModel, strict: bool, config: str):
     """Names and shapes against the run's model: one line per mismatch. Weights must match
     exactly; optimizer state that fits no parameter is an error unless --strict false."""
     _rename_ties(imp, run)
+    for n in [n for n in imp.weights if n in run.buffers]:  # HF weight files hold persistent buffers too
+        imp.buffers[n] = imp.weights.pop(n)
     lines = []
     for n, shape in run.shapes.items():
         if n not in imp.weights:
