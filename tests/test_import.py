@@ -127,7 +127,7 @@ def test_not_a_checkpoint_is_one_line_exit_2(run_yaml, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     code, err = zt_import([str(tmp_path / "empty"), "--out", str(tmp_path / "z"), "--config", run_yaml,
                            "--trust-pickle"], capsys)
-    assert code == 2 and "is not a DeepSpeed checkpoint" in err and len(err.strip().splitlines()) == 1, err
+    assert code == 2 and "is not a DeepSpeed or HF Trainer checkpoint" in err and len(err.strip().splitlines()) == 1, err
 
 
 class _RunsCode:
@@ -160,12 +160,25 @@ def test_a_code_running_pickle_is_refused_without_running(run_yaml, tmp_path, ca
 def test_shape_mismatch_is_named_exit_2_and_nothing_written(run_yaml, tmp_path, capsys):
     src = _zero0_checkpoint(run_yaml, tmp_path / "ds", d_model=32)
     out = tmp_path / "z"
-    out.mkdir()
-    (out / "keep").write_text("previous")  # an existing output is left alone on failure
     code, err = zt_import([str(src), "--out", str(out), "--config", run_yaml, "--trust-pickle"], capsys)
     assert code == 2 and "do not fit the model" in err and "tok_emb.weight: model [256, 64] vs checkpoint [256, 32]" \
         in err, err
+    assert not out.exists()
+
+
+def test_an_existing_output_is_replaced_only_when_it_is_a_checkpoint(run_yaml, tmp_path, capsys):
+    src = _zero0_checkpoint(run_yaml, tmp_path / "ds")
+    out = tmp_path / "z"
+    out.mkdir()
+    (out / "keep").write_text("previous")  # not a checkpoint: refused, left alone
+    code, err = zt_import([str(src), "--out", str(out), "--config", run_yaml, "--trust-pickle"], capsys)
+    assert code == 2 and "exists and is not a zerotrain checkpoint" in err and len(err.strip().splitlines()) == 1, err
     assert (out / "keep").read_text() == "previous"
+    (out / "keep").unlink()
+    for _ in range(2):  # an empty directory, then the previous import: replaced whole
+        code, _ = zt_import([str(src), "--out", str(out), "--config", run_yaml, "--trust-pickle"], capsys)
+        assert code == 0 and (out / "manifest.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "z"]  # no temp or .old directory left
 
 
 def test_unmatched_optimizer_state_needs_strict_false(run_yaml, tmp_path, capsys):

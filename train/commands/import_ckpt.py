@@ -57,6 +57,10 @@ def main(argv: list[str]) -> int:
         if not a.trust_pickle:
             raise ConfigError(f"{src} would be unpickled: pass --trust-pickle to import it (only for checkpoints "
                               f"you trust; loading is restricted to tensors and plain containers)")
+        out = Path(a.out)
+        if out.exists() and not (out / "manifest.json").is_file() and (not out.is_dir() or any(out.iterdir())):
+            raise CheckpointError(f"--out {out} exists and is not a zerotrain checkpoint: it would be replaced; "
+                                  f"choose a new directory")
         from train.checkpoint.importer import (find_deepspeed_step_dir, find_hf_checkpoint, read_deepspeed,
                                                read_hf_trainer, write_checkpoint)
         # An HF Trainer folder saved under DeepSpeed holds a global_step*/ directory: DeepSpeed's files first.
