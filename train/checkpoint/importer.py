@@ -135,15 +135,22 @@ def read_deepspeed(step_dir: Path, optimizer_order=None) -> Imported:
                 del d[n]
     weights = {n: t.float() for n, t in full.items() if n not in tied and n not in buffers}
     steps = {}
+    group_steps = [int(s.get("step", 0)) for _, s in sorted(base[0]["state"].items())]
     for g, shapes in enumerate(zms[0].param_shapes):
-        st = base[0]["state"].get(g, {}).get("step", 0)
+        # ZeRO-1/2: one optimizer state per parameter group; ZeRO-3 keeps one per sub-group
+        # (sub_group_size splits groups), all stepped together: their common count.
+        st = group_steps[g] if stage <= 2 else max(group_steps, default=0)
         for name in shapes:
-            steps[name] = int(st)
+            steps[name] = st
     ms = restricted_load(model_files[0])
+    notes = []
+    if ms.get("lr_scheduler"):
+        notes.append("DeepSpeed's LR scheduler state is not imported: the run file's optim schedule applies "
+                     "(a function of the step)")
     return Imported(source=f"DeepSpeed ZeRO-{stage}, {world} ranks", weights=weights, moments=moments, steps=steps,
                     buffers={n: b.float() if b.is_floating_point() else b for n, b in buffers.items()}, tied=tied,
                     global_steps=int(ms.get("global_steps", 0)), global_samples=ms.get("global_samples"),
-                    skipped_steps=int(ms.get("skipped_steps", 0) or 0))
+                    skipped_steps=int(ms.get("skipped_steps", 0) or 0), notes=notes)
 
 
 def _quiet(z):
