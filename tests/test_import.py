@@ -116,20 +116,6 @@ def test_zero0_round_trip_without_a_launch(run_yaml, tmp_path, capsys):
     assert all(p["optimizer_step"] == 1 for p in meta["params"].values())
 
 
-def test_missing_trust_pickle_is_one_line_exit_2(run_yaml, tmp_path, capsys):
-    src = _zero0_checkpoint(run_yaml, tmp_path / "ds")
-    code, err = zt_import([str(src), "--out", str(tmp_path / "z"), "--config", run_yaml], capsys)
-    assert code == 2 and "--trust-pickle" in err and len(err.strip().splitlines()) == 1, err
-    assert not (tmp_path / "z").exists()
-
-
-def test_not_a_checkpoint_is_one_line_exit_2(run_yaml, tmp_path, capsys):
-    (tmp_path / "empty").mkdir()
-    code, err = zt_import([str(tmp_path / "empty"), "--out", str(tmp_path / "z"), "--config", run_yaml,
-                           "--trust-pickle"], capsys)
-    assert code == 2 and "is not a DeepSpeed or HF Trainer checkpoint" in err and len(err.strip().splitlines()) == 1, err
-
-
 class _RunsCode:
     def __init__(self, marker):
         self.marker = marker
@@ -155,6 +141,54 @@ def test_a_code_running_pickle_is_refused_without_running(run_yaml, tmp_path, ca
         p.write_bytes(pickle.dumps(_RunsCode(marker)))
         restricted_load(p)
     assert not marker.exists()
+
+
+def _bf16_zero0(run_yaml, t):
+    src = _zero0_checkpoint(run_yaml, t / "ds")
+    f = src / "global_step1" / "mp_rank_00_model_states.pt"
+    sd = torch.load(f, weights_only=False)
+    sd["module"] = {n: v.bfloat16() for n, v in sd["module"].items()}
+    torch.save(sd, f)
+    return src
+
+
+def _not_a_checkpoint(t):
+    (t / "empty").mkdir()
+    return t / "empty"
+
+
+def _evil(t):
+    step = t / "evil" / "global_step1"
+    step.mkdir(parents=True)
+    torch.save({"module": {"w": torch.zeros(2)}, "args": _RunsCode(t / "PWNED")}, step / "mp_rank_00_model_states.pt")
+    return step
+
+
+# The reliability catalogue's pattern (tests/test_reliability.py) for `zerotrain import`: each bad input
+# -> exit 2, a message naming the file / flag and the fix, no traceback, nothing written.
+BAD_IMPORTS = {
+    # name: (source builder (run_yaml, tmp) -> path, extra argv, substring of the message)
+    "no --trust-pickle": (lambda c, t: _zero0_checkpoint(c, t / "ds"), [], "pass --trust-pickle to import it"),
+    "not a checkpoint": (lambda c, t: _not_a_checkpoint(t), ["--trust-pickle"],
+                         "is not a DeepSpeed or HF Trainer checkpoint"),
+    "code-running pickle": (lambda c, t: _evil(t), ["--trust-pickle"], "refused to unpickle posix.system"),
+    "shape mismatch": (lambda c, t: _zero0_checkpoint(c, t / "ds", d_model=32), ["--trust-pickle"],
+                       "tok_emb.weight: model [256, 64] vs checkpoint [256, 32]"),
+    "bf16 ZeRO-0": (_bf16_zero0, ["--trust-pickle"], "only fp32 ZeRO-0 checkpoints can be imported"),
+    "bad --strict": (lambda c, t: _zero0_checkpoint(c, t / "ds"), ["--trust-pickle", "--strict", "maybe"],
+                     "expected true or false"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_IMPORTS))
+def test_bad_import_gives_one_clear_message_and_exit_2(case, run_yaml, tmp_path, capsys):
+    build, extra, want = BAD_IMPORTS[case]
+    src = build(run_yaml, tmp_path)
+    code, err = zt_import([str(src), "--out", str(tmp_path / "z"), "--config", run_yaml, *extra], capsys)
+    assert code == 2 and want in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()[0]) < 400
+    assert not (tmp_path / "z").exists() and not (tmp_path / "PWNED").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp directory left
 
 
 def test_shape_mismatch_is_named_exit_2_and_nothing_written(run_yaml, tmp_path, capsys):
