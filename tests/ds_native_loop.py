@@ -16,7 +16,6 @@ a constant LR, gradient clipping train.grad_clip.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 

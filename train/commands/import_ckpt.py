@@ -148,7 +148,7 @@ class _RunModel:
         if imp.global_samples and imp.global_steps:
             src_gb = imp.global_samples // imp.global_steps
             if gb is not None and gb != src_gb:
-                raise ConfigError(f"{self.cfg_path_hint}train.global_batch_size {gb} differs from the source run's "
+                raise ConfigError(f"train.global_batch_size {gb} in the run file differs from the source run's "
                                   f"global batch {src_gb} (global_samples / global_steps): set it to {src_gb}")
             gb = src_gb
         if gb is None:
@@ -179,8 +179,6 @@ class _RunModel:
                 "engine": {"global_steps": imp.global_steps, "global_samples": samples,
                            "skipped_steps": imp.skipped_steps},
                 "loss_scaler": None, "config": None}
-
-    cfg_path_hint = ""
 
 
 def _rename_ties(imp, run: _RunModel):
