@@ -137,3 +137,27 @@ def test_test_modules_share_helpers_not_each_other():
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             bad += [f"{path.name} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
     assert not bad, bad
+
+
+def test_only_zerotrain_import_unpickles():
+    """Unpickling is confined to `zerotrain import` (issue 16): train/checkpoint/safe_unpickle.py is the
+    only module that imports pickle or calls torch.load (besides models/vision.py's
+    weights_only=True read of torchvision weights), and only the import command and its reader
+    import it, so training and resuming cannot reach it."""
+    mods = _modules()
+    users = set()
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import) and any(a.name in ("pickle", "dill", "cloudpickle") for a in node.names):
+                users.add(name)
+            elif isinstance(node, ast.ImportFrom) and node.module in ("pickle", "dill", "cloudpickle"):
+                users.add(name)
+            elif isinstance(node, ast.Attribute) and node.attr == "load" and isinstance(node.value, ast.Name) \
+                    and node.value.id == "torch":
+                users.add(name)
+    assert users == {"train.checkpoint.safe_unpickle", "models.vision"}, sorted(users)
+    graph = _graph()
+    importers = {m for m, deps in graph.items() if "train.checkpoint.safe_unpickle" in deps}
+    assert importers == {"train.checkpoint.importer"}, importers
+    assert {m for m, deps in graph.items() if "train.checkpoint.importer" in deps} == {"train.commands.import_ckpt"}

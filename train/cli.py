@@ -17,6 +17,8 @@ COMMANDS = {
     "prepare": ("train.commands.prepare", "main", "tokenize text files (data.kind tokens) or, with --sft, JSONL records (data.kind sft) once"),
     "make-shapes": ("train.data.make_shapes", "main", "generate a small labelled shapes/colours ImageFolder set"),
     "export": ("train.commands.export", "main", "checkpoint -> Hugging Face safetensors weights (offline, CPU, any world size)"),
+    "import": ("train.commands.import_ckpt", "main", "native DeepSpeed (ZeRO-0..3, any world size) or HF Trainer "
+                                                 "checkpoint -> a zerotrain checkpoint (--trust-pickle)"),
     "plan": ("train.commands.plan", "main", "per-device memory of DDP / ZeRO-1/2/3 / offload for a model and cluster; "
                                    "recommends the fastest that fits"),
 }
