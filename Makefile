@@ -21,8 +21,9 @@ RUN         ?= examples/default.yaml
 HAS_GPU     := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
 DS_CONFIG   ?= $(if $(HAS_GPU),ds_configs/zero2.json,ds_configs/zero2_fp32.json)
 PYTEST_ARGS ?=
-# 2 pytest-xdist workers, a test module per worker at a time (tests/conftest.py); XDIST= runs serially.
-XDIST       ?= -n 2 --dist loadgroup
+# Serial by default: on 2 cores 2 pytest-xdist workers were slower (measured, DEVELOPERS.md); with more
+# cores: XDIST="-n 4 --dist loadgroup" (a test module per worker at a time, tests/conftest.py).
+XDIST       ?=
 
 .PHONY: install ops train test test-fast bench clean help
 
