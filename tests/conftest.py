@@ -14,12 +14,11 @@ import pytest
 from helpers import REPO, STAGE_ARGS, STAGE_RUNS, cached_run, fp32, make_tokenizer, random_text, write_texts
 
 
-# pytest-xdist (`make test` runs 2 workers) schedules whole modules: a module's fixtures then
-# launch once, on one worker. Modules that read the same session-cached launches
-# (tests/helpers.py cached_run: the ZeRO-2 torchrun reference, the stage runs; the two-node
-# rig; the W&B-observed run) share one worker. Two workers gain little on 2 cores (measured:
-# the serial suite already keeps ~1.7 cores busy); they fill the gaps while a launcher starts,
-# ssh connects or a rank waits on its peer.
+# pytest-xdist (`make test XDIST="-n 4 --dist loadgroup"` on a machine with more cores; serial
+# by default: on 2 cores 2 workers were no faster, DEVELOPERS.md) then schedules whole
+# modules: a module's fixtures launch once, on one worker. Modules that read the same
+# session-cached launches (tests/helpers.py cached_run: the ZeRO-2 torchrun reference, the
+# stage runs; the two-node rig; the W&B-observed run) share one worker.
 SHARED_LAUNCHES = {"test_launchers.py": "zero2-reference", "test_multinode.py": "zero2-reference",
                    "test_stages.py": "zero2-reference", "test_memory.py": "zero2-reference",
                    "test_observability.py": "observed", "test_wandb.py": "observed"}
