@@ -32,6 +32,9 @@ end): removes a buffer file only when no running job can own it:
   on this machine (/proc/net/tcp, tcp6);
 - it is older than `min_age_s` (a margin on top of the rest: a creator holds its file open
   from the shm_open that creates it).
+Even a mistaken removal would only cost memory accounting, not a job: a name matters only while
+the job's ranks are still opening each other's files (its first seconds, which min_age_s covers);
+after that, unlinking it is exactly what release_own_buffer does.
 This module imports nothing heavy (the test suite's session hook imports it).
 """
 

@@ -84,6 +84,7 @@ class StopVote:
         if self.dist and dist.get_backend() != "gloo":
             self.group = dist.new_group(backend="gloo")  # collective: every rank builds its StopVote
         self.buffers = [torch.zeros(2), torch.zeros(2)]  # one in flight, one being filled: [stop, ticket]
+        self.views = [b.numpy() for b in self.buffers]    # filled through numpy: ~0.3 us, torch indexing ~10
         self.turn = 0
         self.pending = None  # (work, flag tensor) of the previous step
         self.ticket = 0.0    # the sum of the tickets of the vote read last
@@ -92,9 +93,9 @@ class StopVote:
         if not self.dist:
             self.ticket = ticket
             return flag
-        t = self.buffers[self.turn]
+        t, view = self.buffers[self.turn], self.views[self.turn]
         self.turn ^= 1
-        t[0], t[1] = float(flag), ticket
+        view[0], view[1] = float(flag), ticket
         work = torch.distributed.all_reduce(t, async_op=True, group=self.group)
         previous, self.pending = self.pending, (work, t)
         return self._read(previous)
