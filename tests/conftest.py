@@ -24,6 +24,15 @@ SHARED_LAUNCHES = {"test_launchers.py": "zero2-reference", "test_multinode.py": 
                    "test_observability.py": "observed", "test_wandb.py": "observed"}
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the DeepSpeed /dev/shm buffers (66 MB each) that launches killed before their
+    ranks released them left behind. Safe under pytest-xdist (every worker and the controller
+    run it): only buffers that no process has open or mapped and whose master port nobody
+    listens on go (train/launch/shm_buffers.py), never one of a launch still running."""
+    from train.launch.shm_buffers import sweep_stale
+    sweep_stale(min_age_s=0)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(SHARED_LAUNCHES.get(item.path.name, item.path.name)))

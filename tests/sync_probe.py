@@ -76,10 +76,10 @@ def _during_step(fn):
 def _vote(fn):
     """The stop vote reads its flag every step by design, from a CPU tensor on a gloo group
     (train/training/trainer.py StopVote): not a device read, so it is checked by where its buffers live."""
-    def wrapped(self, flag):
+    def wrapped(self, flag, *a, **k):
         VOTES.extend(str(b.device) for b in self.buffers)
         VOTES.append("group:" + ("default" if self.group is None else "side"))
-        return fn(self, flag)
+        return fn(self, flag, *a, **k)
     return wrapped
 
 

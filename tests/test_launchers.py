@@ -80,3 +80,14 @@ def test_identical_losses_under_every_launcher(runs):
         assert train_losses(runs[launcher][1]) == pytest.approx(ref, rel=1e-6), launcher
     # One process, same global batch and data: the same mathematics up to reduction order.
     assert train_losses(runs["python"][1]) == pytest.approx(ref, rel=1e-4)
+
+
+def test_the_deepspeed_launcher_leaves_no_shared_memory_buffer(runs):
+    """Under the deepspeed launcher (LOCAL_SIZE set) DeepSpeed's CPU all-reduce creates
+    /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> (66 MB) per rank and never
+    removes it: each rank unlinks its own once every rank has mapped it (train/launch/shm_buffers.py)."""
+    from pathlib import Path
+    from train.launch import shm_buffers
+    released = [Path(i["shm_buffer_released"]) for i in rank_infos(runs["deepspeed"][1])]
+    assert [shm_buffers.parse_name(p.name)["rank"] for p in released] == [0, 1]
+    assert not [p for p in released if p.exists()]

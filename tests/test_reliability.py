@@ -228,12 +228,16 @@ def _rank_pids(run):
 @pytest.mark.multiproc
 def test_sigterm_finishes_the_step_checkpoints_and_exits_0(tmp_path, fp32_configs):
     """A scheduler's preemption signal to the ranks: they agree on a step, save, exit 0, and the
-    save is a complete checkpoint of exactly that step, `latest` for --resume auto."""
+    save is a complete checkpoint of exactly that step, `latest` for --resume auto.
+    Before the signal, checkpoint.every_minutes (0.002 min = 0.12 s) saves on rank 0's clock:
+    each of those checkpoints holds both ranks' files, so both ranks saved at that step."""
     import signal
     from helpers import metrics
+    from train.checkpoint import files as io
     run = tmp_path / "run"
     args = [*TINY, "--ds-config", fp32_configs["zero2"], "--train.max_steps", "100000", "--train.eval_every", "0",
-            "--logging.every_steps", "1", "--train.run_dir", str(run)]
+            "--logging.every_steps", "1", "--train.run_dir", str(run),
+            "--checkpoint.every_minutes", "0.002", "--checkpoint.keep_last", "1000"]
     proc = _start(args)
     _wait_for_step(run, 5, proc)
     for pid in _rank_pids(run):
@@ -243,6 +247,13 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0(tmp_path, fp32_config
     stopped = max(r["step"] for r in metrics(run) if "loss" in r)   # nothing ran past the save
     assert stopped >= 5 and "(stopped by signal: resume with --resume auto)" in out
     assert_resumable_checkpoint(run / "checkpoints", stopped)
+    saved = sorted(r["step"] for r in metrics(run) if "checkpoint/save_s" in r)
+    timed = [s for s in saved if s < stopped]
+    assert len(timed) >= 2, saved
+    for s in timed:
+        files = io.read_manifest(run / "checkpoints" / io.step_dir_name(s))["files"]
+        assert {n.split(".")[0].split("-")[0] for n in files if n.endswith(".safetensors")} == \
+            {"rank00000", "rank00001"}, (s, sorted(files))
 
 
 @pytest.mark.multiproc

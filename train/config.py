@@ -288,6 +288,13 @@ class Batch:
 class CheckpointConfig:
     every_steps: int = 0
     """Save resumable state every N optimizer steps (0 = only at the end / on SIGTERM)."""
+    every_minutes: float = 0.0
+    """Also save when this much wall time (minutes) has passed since the end of the last save, or
+    since the first step (0 = off). Combined with every_steps, whichever comes first: any save
+    restarts this clock, a time-based save does not shift the every_steps multiples. The time is
+    rank 0's clock, sent with the stop vote every step (no extra collective, no device sync), so
+    every rank saves at the same step: the end of the step after the one in which the time ran
+    out (at most ~2 step times late). Choosing a value: docs/checkpoints.md "Choosing a cadence"."""
     keep_last: int = 2
     """Keep this many newest complete checkpoints; older ones are pruned after a save completes."""
     save_at_end: bool = True
@@ -308,6 +315,9 @@ class CheckpointConfig:
     def __post_init__(self):
         if self.every_steps < 0:
             raise ConfigError(f"checkpoint.every_steps must be >= 0 (got {self.every_steps})")
+        if not (math.isfinite(self.every_minutes) and self.every_minutes >= 0):
+            raise ConfigError(f"checkpoint.every_minutes must be a number of minutes >= 0, 0 = off "
+                              f"(got {self.every_minutes})")
         if self.keep_last <= 0:
             raise ConfigError(f"checkpoint.keep_last must be >= 1 (got {self.keep_last})")
         if self.export_dtype not in ("bf16", "fp32"):

@@ -15,6 +15,7 @@ from train import paths
 from train.checkpoint.state import TrainState
 from train.config import RunConfig
 from train.errors import ConfigError
+from train.launch import shm_buffers
 
 
 def _init_context(ds):
@@ -63,6 +64,19 @@ def resolved_config(cfg: RunConfig, ds, batch, topo, max_steps: int, data, workl
         "git_commit": _git_commit(),
     }
     return d
+
+
+def _sweep_shm_buffers():
+    """DeepSpeed's /dev/shm buffers that ended jobs left (66 MB each): removed by each node's
+    local rank 0 when no running job can own them; a rank's own buffer is released at exit too."""
+    import atexit
+    atexit.register(shm_buffers.release_at_exit)
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    removed = shm_buffers.sweep_stale()
+    if removed:
+        print(f"zerotrain: removed {len(removed)} stale DeepSpeed shared-memory buffer(s) of ended jobs from "
+              f"{removed[0].parent}", flush=True)
 
 
 def _write_rank_info(run_dir: Path, acc, topo, ds):
@@ -148,6 +162,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
         from train.launch.device_memory import compact_host_malloc
         compact_host_malloc()
 
+    _sweep_shm_buffers()  # before DeepSpeed creates this job's own
     from train.observe import wandb_logger
     acc = dist_.build_accelerator(ds, batch, cfg.distributed.timeout_s, log_with=wandb_logger.log_with(cfg))
     topo = dist_.topology(launcher, "nccl" if cuda else "gloo")
@@ -190,6 +205,11 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
                                                                  val_loader)
     else:
         model, optimizer, train_loader = acc.prepare(workload.model, raw_optimizer, train_loader)
+    # The engine exists, so DeepSpeed's CPU shm all-reduce (if used) is set up on every rank:
+    # each rank unlinks its /dev/shm buffer's name now (train/launch/shm_buffers.py).
+    released = shm_buffers.release_own_buffer(topo.rank, topo.world_size, barrier=torch.distributed.barrier)
+    if released is not None:
+        _add_rank_info(run_dir, topo, shm_buffer_released=str(released))
     if ds.is_deepspeed and ds.precision != "fp32":
         workload.keep_norm_stats_fp32(model)  # 16-bit parameters, fp32 BatchNorm statistics
     if ds.is_deepspeed and ds.stage == 3:
