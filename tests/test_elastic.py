@@ -248,3 +248,51 @@ def test_elastic_loses_a_node_resumes_alone_then_takes_it_back(tmp_path, fp32_co
 def metrics_losses(run_dir: Path) -> dict[int, float]:
     """Each step's loss as last logged (a step trained again after a resume replaces the lost attempt's)."""
     return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
+
+
+# ---------------------------------------------------------------------------------------- no processes
+def _node(rank: int, agent: str, pid: int, host: str = "h") -> dict:
+    return {"node_rank": rank, "host": host, "addr": f"10.0.0.{rank + 1}", "agent": agent, "agent_pid": pid,
+            "ranks": [rank]}
+
+
+def test_only_a_restart_of_the_same_job_resumes_by_itself(tmp_path):
+    """A start is a restart when the rendezvous run id matches elastic.json and one of its
+    launchers (torchrun agents: boot id, pid, start time) already ran this job; a relaunched job in
+    the same run dir has only new agents and starts fresh; an explicit --resume still wins."""
+    from train.config import RunConfig
+    from train.errors import ConfigError
+    from train.launch.elastic import PROGRESS, RECORD, ElasticRun
+    a, b, c = _node(0, "boot:100:7", 100), _node(1, "boot:200:9", 200, "h1"), _node(1, "boot:300:11", 300, "h2")
+    (tmp_path / RECORD).write_text(json.dumps({"run_id": "job", "agents": [a["agent"], b["agent"]], "nodes": [a, b],
+                                               "world_size": 2, "global_batch": 16, "restarts": 0,
+                                               "steps_recomputed": 0, "wandb_run_id": "w1"}))
+    (tmp_path / PROGRESS).write_text(f"{8:>20d}\n")
+    assert ElasticRun._decide(tmp_path, "other-job", [a]) == {}            # another rendezvous id
+    assert ElasticRun._decide(tmp_path, "job", [_node(0, "boot:100:8", 100)]) == {}  # pid reused, not the agent
+    d = ElasticRun._decide(tmp_path, "job", [a])                           # b is gone
+    assert (d["restart"], d["number"], d["left"], d["joined"], d["previous_world"], d["previous_step"],
+            d["global_batch"], d["wandb_run_id"]) == (True, 1, [b], [], 2, 8, 16, "w1")
+    d = ElasticRun._decide(tmp_path, "job", [a, c])                        # b replaced by c
+    assert (d["left"], d["joined"]) == ([b], [c])
+    assert ElasticRun._decide(tmp_path / "none", "job", [a]) == {}        # first start: nothing recorded
+
+    run = ElasticRun(run_dir=tmp_path, run_id="job", is_main=True, world=1, nodes=[a],
+                     **ElasticRun._decide(tmp_path, "job", [a]))
+    cfg = RunConfig()
+    cfg.train.micro_batch_size = 4
+    run.apply(cfg)
+    assert cfg.checkpoint.resume == "auto" and cfg.train.batch(1).accum == 4  # the job's global batch kept
+    cfg = RunConfig()
+    cfg.train.micro_batch_size, cfg.checkpoint.resume = 4, "/ckpt/step_00000003"
+    run.apply(cfg)
+    assert cfg.checkpoint.resume == "/ckpt/step_00000003"                  # the user's choice wins
+    first = ElasticRun(run_dir=tmp_path, run_id="job", is_main=True, world=1, nodes=[a])
+    cfg = RunConfig()
+    first.apply(cfg)
+    assert cfg.checkpoint.resume == "none" and cfg.train.global_batch_size is None
+    cfg = RunConfig()
+    cfg.train.micro_batch_size = 3
+    with pytest.raises(ConfigError, match="the job's global batch of 16 samples is not divisible by "
+                                          "train.micro_batch_size x world size = 3"):
+        run.apply(cfg)
