@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from helpers import BIN, MAIN, REPO, TINY, data_trace, free_port, metrics, run_train, subprocess_env
+from multinode.fixture import two_nodes  # noqa: F401 (fixture)
 
 STEPS, EVERY, KILL_AT, HOLD_AT = 14, 3, 8, 9   # saves at 3, 6 | node 1 dies after 8 | alone: 7..10 | both: 11..14
 GLOBAL = 16                                      # micro 4 x accum 2 x 2 ranks, or x accum 4 x 1 rank
@@ -248,6 +249,66 @@ def test_elastic_loses_a_node_resumes_alone_then_takes_it_back(tmp_path, fp32_co
 def metrics_losses(run_dir: Path) -> dict[int, float]:
     """Each step's loss as last logged (a step trained again after a resume replaces the lost attempt's)."""
     return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
+
+
+# ---------------------------------------------------------------------------------------- two-node rig
+@pytest.mark.multiproc
+@pytest.mark.multinode
+def test_elastic_two_nodes_lose_node1_and_finish_on_node0(two_nodes, fp32_configs, tmp_path):
+    """The same on the two-node rig (network namespaces, traffic over the veth): a 2-node elastic
+    ZeRO-2 fp32 run, every process of node1 killed after step 8 (last checkpoint: step 6); node0's
+    agent restarts alone and the run finishes there without a relaunch; its losses after step 6
+    equal a 1-process run resumed from a copy of that checkpoint, and the final weights load back."""
+    from multinode.fixture import finish, logs as rig_logs, node_env, start
+    clean_shm()
+    rig, ds = two_nodes, fp32_configs["zero2"]
+    node0, node1 = rig.nodes
+    run, port = tmp_path / "run", rig.port()
+    args = elastic_args(ds, run)
+
+    def agent(node, **env):
+        return start(rig, node, [str(BIN / "torchrun"), "--nnodes", "1:2", "--nproc_per_node", "1", "--max-restarts",
+                                 "3", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"node0:{port}", "--rdzv_id",
+                                 f"zt{port}", "--rdzv_conf", f"is_host={int(node is node0)},{RDZV_CONF}",
+                                 "--local_addr", node.addr, MAIN, *args], tmp_path, "elastic",
+                     node_env(rig, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **env}))
+
+    la1 = agent(node1, ZEROTRAIN_INJECT_KILL_NODE=str(KILL_AT))   # the client first: both join round 0 together
+    la0 = agent(node0)
+    launches = [la0, la1]
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while la1.proc.poll() is None:
+            assert time.monotonic() < deadline, f"node1 still alive after {WAIT_S} s\n{rig_logs(launches)}"
+            time.sleep(0.2)
+        t_kill = time.time()
+        left_on_node1 = rig.processes(node1)
+        codes = finish(rig, launches, WAIT_S)
+    finally:
+        clean_shm()
+    assert left_on_node1 == [], f"processes of node1 survived its death: {left_on_node1}"
+    assert codes == [0, -signal.SIGKILL], rig_logs(launches)
+    out = la0.output()
+    first = min(r["time"] for r in metrics(run) if r.get("step") == KILL_AT - 1 and "loss" in r and r["time"] > t_kill)
+    print(f"\nelastic rig: node1's death -> node0's first resumed step (7) logged: {first - t_kill:.1f} s")
+    assert "zerotrain: 2 nodes joined: node 0 (node0, 10.77.0.1; rank 0); node 1 (node1, 10.77.0.2; rank 1)" in out
+    line = (f"zerotrain: elastic restart 1: node 1 (node1, {node1.addr}; rank 1; launcher pid {la1.proc.pid}) left; "
+            f"world size 2 -> 1 (global batch 16 = micro 4 x accum 4 x 1); resumed from "
+            f"{run}/checkpoints/step_00000006 (step 6); 2 steps lost (the previous attempt had completed step 8)")
+    assert line in out, out[-6000:]
+    assert f"  elastic      1 restart of job zt{port}, 2 steps recomputed, now 1 process(es) on 1 node(s)" in out
+
+    ref_ckpt = tmp_path / "ref_ckpt" / "step_00000006"
+    shutil.copytree(run / "checkpoints" / "step_00000006", ref_ckpt)
+    ref = tmp_path / "ref"
+    run_train("python", 1, [*elastic_args(ds, ref), "--resume", str(ref_ckpt)])
+    got, want = metrics_losses(run), metrics_losses(ref)
+    assert sorted(want) == list(range(7, STEPS + 1))
+    assert {s: got[s] for s in want} == pytest.approx(want, rel=1e-6, abs=1e-6)
+    from safetensors.torch import load_file
+    mine, theirs = load_file(str(run / "export" / "model.safetensors")), load_file(str(ref / "export" / "model.safetensors"))
+    assert sorted(mine) == sorted(theirs) and len(mine) > 0
+    assert all(bool((mine[k] - theirs[k]).abs().max() <= 1e-6) for k in mine)
 
 
 # ---------------------------------------------------------------------------------------- no processes

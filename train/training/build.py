@@ -112,7 +112,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     matmul_precision = hardware.apply_tf32(cfg, cuda)
     run_dir = Path(cfg.train.run_dir)
     _check_run_dir(run_dir)
-    elastic = _elastic_join(cfg, run_dir, world)  # torchrun's agent: a restart of the same job resumes
+    elastic = _elastic_join(cfg, run_dir, world, launcher)  # torchrun's agent: a restart of the same job resumes
     batch = cfg.train.batch(world)
 
     spec = resolve_model(cfg.model)  # the model checked and its config.json read, once for the whole build
@@ -230,13 +230,13 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
                    loggers=loggers, checkpointer=checkpointer, memory=memory, state=state, elastic=elastic)
 
 
-def _elastic_join(cfg: RunConfig, run_dir: Path, world: int):
+def _elastic_join(cfg: RunConfig, run_dir: Path, world: int, launcher: str):
     """Under torchrun's elastic agent: whether this start is a restart of the same job
     (train/launch/elastic.py), agreed by every rank over a process group made now (Accelerate and
     DeepSpeed adopt it); a restart then resumes and keeps the job's global batch. None otherwise."""
     from train.launch import distributed as dist_
     from train.launch import elastic as elastic_
-    if not elastic_.active():
+    if launcher != "torchrun" or not elastic_.active():  # (accelerate's multi-node agent: not covered yet)
         return None
     dist_.init_process_group(cfg.distributed.timeout_s)
     env = os.environ
