@@ -24,6 +24,7 @@ import pytest
 
 from helpers import BIN, MAIN, REPO, TINY, data_trace, free_port, metrics, run_train, subprocess_env
 from multinode.fixture import two_nodes  # noqa: F401 (fixture)
+from wandb_offline import read_run, run_files, wandb_env
 
 STEPS, EVERY, KILL_AT, HOLD_AT = 14, 3, 8, 9   # saves at 3, 6 | node 1 dies after 8 | alone: 7..10 | both: 11..14
 GLOBAL = 16                                      # micro 4 x accum 2 x 2 ranks, or x accum 4 x 1 rank
@@ -163,10 +164,11 @@ def test_elastic_loses_a_node_resumes_alone_then_takes_it_back(tmp_path, fp32_co
     ds, run = fp32_configs["zero2"], tmp_path / "run"
     args = elastic_args(ds, run)
     port = free_port()
+    wb = wandb_env(tmp_path / "wandb-home")   # W&B offline: one run throughout
     t0 = time.monotonic()
     # B first: as a client it waits for the store that A hosts, so both join the first round together.
-    b = Agent("B", port, False, args, tmp_path, {"ZEROTRAIN_INJECT_KILL_NODE": str(KILL_AT)})
-    a = Agent("A", port, True, args, tmp_path, {"ZEROTRAIN_INJECT_HOLD": str(HOLD_AT)})
+    b = Agent("B", port, False, args, tmp_path, {**wb, "ZEROTRAIN_INJECT_KILL_NODE": str(KILL_AT)})
+    a = Agent("A", port, True, args, tmp_path, {**wb, "ZEROTRAIN_INJECT_HOLD": str(HOLD_AT)})
     agents = [a, b]
     try:
         wait_until("node B dies after step 8", lambda: b.proc.poll() is not None, agents)
@@ -175,7 +177,11 @@ def test_elastic_loses_a_node_resumes_alone_then_takes_it_back(tmp_path, fp32_co
         t_kill = time.time()
         record = run / "elastic.json"
         wait_until("A restarts alone", lambda: (read_json(record) or {}).get("restarts") == 1, agents)
-        b2 = Agent("B2", port, False, args, tmp_path)   # the node comes back (no fault this time)
+        # B returns once A, alone, has done step 9 and waits there for the agent's SIGTERM: the
+        # scale-up restart then always lands between steps 9 and 10.
+        wait_until("A alone reaches step 9", lambda: any(r.get("step") == HOLD_AT and "loss" in r and r["time"] > t_kill
+                                                        for r in metrics(run)), agents)
+        b2 = Agent("B2", port, False, args, tmp_path, wb)   # the node comes back (no fault this time)
         agents.append(b2)
         for x in (a, b2):
             wait_until(f"{x.name} finishes", lambda x=x: x.proc.poll() is not None, agents)
@@ -218,6 +224,12 @@ def test_elastic_loses_a_node_resumes_alone_then_takes_it_back(tmp_path, fp32_co
                                                                                                        (14, 2, 2)]
     rec = read_json(run / "elastic.json")
     assert (rec["restarts"], rec["steps_recomputed"], rec["world_size"], rec["global_batch"]) == (2, 2, 2, 16)
+    # One W&B run: each attempt's rank 0 (B's first, then A's twice) wrote to the same run id, and
+    # the membership rows reached its summary.
+    runs = [read_run(f) for f in run_files(run / "wandb")]
+    assert len(runs) == 3 and {i for r in runs for i in r.run_ids} == {rec["wandb_run_id"]}, runs
+    assert [(r.summary.get("elastic/restart"), r.summary.get("elastic/steps_lost")) for r in runs[1:]] == \
+        [(1, 2), (2, 0)]
 
     # The checkpoint the reference resumes from: step 6, saved by 2 ranks before node B died.
     ref_ckpt = tmp_path / "ref_ckpt" / "step_00000006"
