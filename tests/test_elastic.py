@@ -94,10 +94,11 @@ def kill_all(agents: list[Agent]):
     in a session of its own)."""
     for a in agents:
         for pid in [*descendants(a.pid), a.pid]:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            for kill in (os.killpg, os.kill):   # a rank leads its own group; its helpers may not
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         if a.proc.poll() is None:
             a.proc.kill()
         a.proc.wait(timeout=30)

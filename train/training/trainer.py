@@ -455,7 +455,8 @@ class Trainer:
             if self.last_eval:
                 self.loggers.log(self.last_eval, st.step)
         if self.checkpointer and (self.cfg.checkpoint.save_at_end or self.stop_reason):
-            self.checkpointer.save(st)
+            with StopRequested():  # a SIGTERM arriving now (another node's elastic restart) waits for the save
+                self.checkpointer.save(st)
         return {**last, **self.last_eval}
 
     def _zero(self) -> torch.Tensor:
