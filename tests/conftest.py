@@ -20,6 +20,7 @@ from helpers import REPO, STAGE_ARGS, STAGE_RUNS, cached_run, fp32, make_tokeniz
 # session-cached launches (tests/helpers.py cached_run: the ZeRO-2 torchrun reference, the
 # stage runs; the two-node rig; the W&B-observed run) share one worker.
 SHARED_LAUNCHES = {"test_launchers.py": "zero2-reference", "test_multinode.py": "zero2-reference",
+                   "test_elastic.py": "zero2-reference",  # the two-node rig, built once per worker
                    "test_stages.py": "zero2-reference", "test_memory.py": "zero2-reference",
                    "test_observability.py": "observed", "test_wandb.py": "observed"}
 

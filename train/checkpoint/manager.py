@@ -105,6 +105,7 @@ class Checkpointer:
         self._holder = None
         self._pending_rng = None
         self._last_saved: Path | None = None
+        self.resumed_from: Path | None = None  # the checkpoint load() restored, if any
 
     @property
     def holder(self):
@@ -319,6 +320,7 @@ class Checkpointer:
         # RNG streams only mean something for the same ranks; another world size keeps fresh seeds.
         self._pending_rng = io.read_json(rng, "RNG state") if meta["world_size"] == self.world and rng.is_file() else None
         _barrier()
+        self.resumed_from = ckpt
         how = "" if load_optimizer else " (weights only: fresh optimizer moments)"
         self._say(f"resumed from {ckpt}{how}: step {st.step}, epoch {st.epoch} (+{st.offset} samples), "
                   f"saved by {meta['world_size']} process(es) [{meta['holder']}], loaded in "

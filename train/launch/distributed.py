@@ -207,6 +207,8 @@ def init_process_group(timeout_s: int):
     """The process group Accelerate would create, made earlier (ranks must agree on something
     before the Accelerator exists, e.g. --ds-config auto). Accelerate and DeepSpeed adopt an
     existing group."""
+    if torch.distributed.is_initialized():  # made earlier (an elastic start, train/training/build.py)
+        return
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -237,7 +239,7 @@ _PEER_LOST = re.compile(r"connection (closed|reset|refused)|broken pipe|timed ou
                         re.I)
 
 
-def _node_addr() -> str:
+def node_addr() -> str:
     """This node's address as its peers see it: the interface gloo/NCCL were told to use,
     else the source address of the route to the master (no packet is sent)."""
     import fcntl
@@ -258,7 +260,7 @@ def _node_addr() -> str:
 
 
 def gather_roster(topo: Topology) -> list[dict]:
-    me = {"rank": topo.rank, "node_rank": topo.node_rank, "host": socket.gethostname(), "addr": _node_addr()}
+    me = {"rank": topo.rank, "node_rank": topo.node_rank, "host": socket.gethostname(), "addr": node_addr()}
     roster: list = [None] * topo.world_size
     torch.distributed.all_gather_object(roster, me)
     _PEERS.update(roster=roster, me=me)
@@ -334,7 +336,7 @@ def _abort_peer_lost(nodes: list[int] | None, silent_s: float):
         what = f"lost contact with {' and '.join(describe_node(n, roster) for n in nodes)}: silent for {silent_s:.0f} s"
     print(f"[rank {me.get('rank', '?')}] zerotrain: error: {what} (distributed.timeout_s={_PEERS['timeout_s']}). "
           f"That node is down or frozen, or the network between the nodes failed; collectives would wait forever, "
-          f"so this node stops. Restart with --resume auto to continue from the last checkpoint.",
+          f"so this node stops. {_what_next()}",
           file=sys.stderr, flush=True)
     os._exit(1)  # the main thread is blocked inside a collective: no clean way out
 
@@ -373,8 +375,15 @@ def explain_peer_failure(exc: BaseException) -> str | None:
         what = "a collective failed or timed out; a local rank is gone"
     return (f"{what}. Its process died or its network failed: look in that node's log for the first error. "
             f"This rank (rank {me['rank']}, node {me['node_rank']}) stops instead of waiting "
-            f"(distributed.timeout_s={_PEERS['timeout_s']}); rerun with --resume auto to continue from the last "
-            f"checkpoint.")
+            f"(distributed.timeout_s={_PEERS['timeout_s']}). {_what_next()}")
+
+
+def _what_next() -> str:
+    from train.launch import elastic
+    if elastic.restarts_left():
+        return ("torchrun's elastic agent restarts the workers on the nodes that are left; they resume from the "
+                "newest checkpoint by themselves.")
+    return "Restart with --resume auto to continue from the last checkpoint."
 
 
 @contextlib.contextmanager

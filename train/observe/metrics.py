@@ -49,6 +49,12 @@ class Loggers:
         for s in self.sinks:
             s.log(metrics, step)
 
+    def event(self, metrics: dict, step: int):
+        """A row that marks something that happened (e.g. an elastic restart), not a measurement:
+        sinks with a place for it (W&B's run summary) keep it there too."""
+        for s in self.sinks:
+            getattr(s, "event", s.log)(metrics, step)
+
     def close(self, failed: bool = False):
         """`failed`: training raised or diverged; W&B then records the run as failed, not finished."""
         for s in self.sinks:

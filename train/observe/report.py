@@ -114,6 +114,11 @@ def summary(t, result: dict, elapsed: float, sample: str | None, exported: str |
         lines.append("  validation   " + ", ".join(f"{k[4:]} {v:.4f}" for k, v in val.items()))
     if ckpt:
         lines.append(f"  checkpoint   {ckpt}")
+    el = getattr(t, "elastic", None)
+    if el is not None and el.restarts:
+        lines.append(f"  elastic      {el.restarts} restart{'s' if el.restarts != 1 else ''} of job {el.run_id}, "
+                     f"{el.steps_recomputed} step{'s' if el.steps_recomputed != 1 else ''} recomputed, now "
+                     f"{el.world} process(es) on {len(el.nodes)} node(s)")
     if exported:
         lines.append(f"  weights      {exported}")
     lines.append(f"  metrics      {t.run_dir / 'metrics.jsonl'}  (plot: zerotrain plot {t.run_dir})")

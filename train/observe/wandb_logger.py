@@ -239,6 +239,12 @@ class WandbSink:
     def log(self, metrics: dict, step: int):
         self.acc.log(metrics, step=step)
 
+    def event(self, metrics: dict, step: int):
+        """Also in the run's summary: after a resume W&B drops rows whose step is below the last
+        one it recorded (its steps only grow), and the event is logged at the resumed step."""
+        self.run.summary.update(metrics)
+        self.log(metrics, step)
+
     def mark_preempting(self):
         """Stopped by a signal, checkpointed, to be resumed. W&B's contract for that is
         mark_preempting() plus a non-zero exit code (exit 0 would read as "finished")."""

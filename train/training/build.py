@@ -126,6 +126,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     matmul_precision = hardware.apply_tf32(cfg, cuda)
     run_dir = Path(cfg.train.run_dir)
     _check_run_dir(run_dir)
+    elastic = _elastic_join(cfg, run_dir, world, launcher)  # torchrun's agent: a restart of the same job resumes
     batch = cfg.train.batch(world)
 
     spec = resolve_model(cfg.model)  # the model checked and its config.json read, once for the whole build
@@ -241,10 +242,28 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
                                 model=model, raw_optimizer=raw_optimizer, ds=ds, workload=workload, sampler=sampler,
                                 batch=batch, model_name=cfg.model.name, log=loggers.log, resolved_config=resolved)
     state = _restore(checkpointer, cfg)
+    if elastic is not None:
+        elastic.started(state, batch, checkpointer.resumed_from)
     return Trainer(cfg=cfg, resolved_config=resolved, topo=topo, ds=ds, batch=batch, max_steps=max_steps,
                    run_dir=run_dir, acc=acc, model=model, optimizer=optimizer, raw_optimizer=raw_optimizer,
                    workload=workload, data=data, train_loader=train_loader, sampler=sampler, val_loader=val_loader,
-                   loggers=loggers, checkpointer=checkpointer, memory=memory, state=state)
+                   loggers=loggers, checkpointer=checkpointer, memory=memory, state=state, elastic=elastic)
+
+
+def _elastic_join(cfg: RunConfig, run_dir: Path, world: int, launcher: str):
+    """Under torchrun's elastic agent: whether this start is a restart of the same job
+    (train/launch/elastic.py), agreed by every rank over a process group made now (Accelerate and
+    DeepSpeed adopt it); a restart then resumes and keeps the job's global batch. None otherwise."""
+    from train.launch import distributed as dist_
+    from train.launch import elastic as elastic_
+    if launcher != "torchrun" or not elastic_.active():  # (accelerate's multi-node agent: not covered yet)
+        return None
+    dist_.init_process_group(cfg.distributed.timeout_s)
+    env = os.environ
+    node_rank, _, _ = dist_.node_layout(env, int(env["RANK"]), world)
+    run = elastic_.ElasticRun.join(run_dir, int(env["RANK"]), world, node_rank, dist_.node_addr())
+    run.apply(cfg)
+    return run
 
 
 def _restore(ckpt, cfg: RunConfig) -> TrainState:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from train.data.sampler import GlobalBatchSampler
     from train.dsconfig import DSSetup
     from train.launch.distributed import Topology
+    from train.launch.elastic import ElasticRun
     from train.observe.metrics import Loggers
     from train.observe.wandb_logger import WandbSink
     from train.plan.estimate import RankPlan
@@ -144,6 +145,8 @@ class Trainer:
     memory: Optional[RankPlan]            # the planner's view of this rank: banner lines, plan/* metrics
     # -- where training stands: saved in checkpoints; a resumed run passes the restored one
     state: TrainState
+    # -- torchrun's elastic agent: this attempt of the job (restarts, membership); None otherwise
+    elastic: Optional[ElasticRun] = None
 
     # -- the loop's own bookkeeping (not passed in)
     param_dtype: torch.dtype = field(init=False)  # batches are cast to it under DeepSpeed bf16/fp16
@@ -446,6 +449,10 @@ class Trainer:
                 if bar:
                     bar.update(1)
                 faults.kill_after(st.step, self.topo.rank)
+                if self.elastic:
+                    self.elastic.progress(st.step)  # rank 0: what a restart counts as lost
+                    faults.kill_node_after(st.step)
+                    faults.hold_for_signal(st.step, stop)
                 if stopping or diverged:
                     self.stop_reason = "diverged" if diverged else "signal"
                     break
@@ -458,7 +465,8 @@ class Trainer:
             if self.last_eval:
                 self.loggers.log(self.last_eval, st.step)
         if self.checkpointer and (self.cfg.checkpoint.save_at_end or self.stop_reason) and saved_at != st.step:
-            self.checkpointer.save(st)
+            with StopRequested():  # a SIGTERM arriving now (another node's elastic restart) waits for the save
+                self.checkpointer.save(st)
         return {**last, **self.last_eval}
 
     def _zero(self) -> torch.Tensor:
@@ -508,11 +516,16 @@ class Trainer:
                                                            self.resolved_config)
         if self.wandb:
             self.loggers.sinks.append(self.wandb)
+        if self.elastic:
+            self.elastic.note_wandb(self.state.wandb_run_id)
         self._t_start = time.perf_counter()
         self.start_counts = (self.state.step, self.state.samples_seen, self.state.tokens_seen)
         if self.acc.is_main_process:
             # The full resolved config is <run_dir>/config.json (build.py); the banner names it.
             print(report.banner(self), flush=True)
+            if self.elastic and self.elastic.event:  # a membership change: one line, one metrics/W&B row
+                print(self.elastic.line, flush=True)
+                self.loggers.event(self.elastic.event, self.state.step)
 
     def finish(self, result: dict):
         from train.observe import report
@@ -525,6 +538,9 @@ class Trainer:
         if self.acc.is_main_process:
             final = {"final/" + k: v for k, v in result.items() if not isinstance(v, str)}
             final["final/elapsed_s"] = elapsed
+            if self.elastic:
+                final["final/elastic_restarts"] = self.elastic.restarts
+                final["final/steps_recomputed"] = self.elastic.steps_recomputed
             self.loggers.log(final, self.state.step)
             if self.wandb and self.stop_reason == "signal":
                 self.wandb.mark_preempting()
@@ -533,6 +549,8 @@ class Trainer:
 
     def close(self):
         self.loggers.close(failed=not self._finished or self.stop_reason == "diverged")
+        if self.elastic:
+            self.elastic.close()
         try:
             self.acc.end_training()
         finally:
