@@ -164,7 +164,9 @@ def test_same_global_batches_for_any_world_size_and_accumulation(tmp_path):
            [sorted(crc[g:g + 8]) for g in range(0, 120, 8)]
 
 
-def test_three_resumes_in_a_row_continue_exactly_from_the_saved_cursor(tmp_path):
+@pytest.mark.parametrize("rows,nbytes,chunks", [(5, 200, [2, 8, 15]), (1000, 1 << 20, [0, 0, 1])],
+                         ids=["small chunks", "one chunk per file"])
+def test_three_resumes_in_a_row_continue_exactly_from_the_saved_cursor(tmp_path, rows, nbytes, chunks):
     """Each resume is a new process: a new dataset and sampler, positioned by the checkpoint's
     (epoch, offset) and the cursor the previous one saved (TrainState.data_cursor, as the trainer
     does after every step); it re-reads at most two chunks, not the stream up to there."""
@@ -173,7 +175,7 @@ def test_three_resumes_in_a_row_continue_exactly_from_the_saved_cursor(tmp_path)
     g = micro * accum
 
     def run(start_step, cursor, stop):
-        ds = stream(d, group=4, seed=9, rows=5, nbytes=200)
+        ds = stream(d, group=4, seed=9, rows=rows, nbytes=nbytes)
         ds.resume_from(cursor)
         sampler = StreamSampler(group=4, micro=micro, world=1, accum=accum, seed=9)
         sampler.set_position(0, start_step * g)
@@ -194,11 +196,11 @@ def test_three_resumes_in_a_row_continue_exactly_from_the_saved_cursor(tmp_path)
         got += part
         cursor, start = json.loads(json.dumps(cursor_next)), stop  # saved as JSON with the train state
     assert got == full
-    assert [c["chunk"] for c in cursors] == [2, 8, 15]  # 37 chunks per pass: resumes deep in the first pass
-    # Without the cursor, resuming at step 26 means reading (and tokenizing) the stream from its start.
-    ds = stream(d, group=4, seed=9, rows=5, nbytes=200)
-    ds[26 * g]
-    assert ds.chunks_tokenized == 16
+    assert [c["chunk"] for c in cursors] == chunks  # small chunks: 37 per pass, resumes deep in the first pass
+    if rows == 5:  # without the cursor, resuming at step 26 means reading the stream from its start
+        ds = stream(d, group=4, seed=9, rows=rows, nbytes=nbytes)
+        ds[26 * g]
+        assert ds.chunks_tokenized == 16
 
 
 def test_a_cursor_from_other_files_is_refused(tmp_path):
@@ -296,7 +298,7 @@ def test_two_processes_train_from_jsonl_and_one_process_resumes_the_stream(tmp_p
         for i, para in enumerate(text.split(".\n")):
             f.write(json.dumps({"text": para, "i": i}) + "\n")
     common = ["--ds-config", fp32(tmp_path, "ddp"), "--model.name", "gpt-tiny", "--data.kind", "stream",
-              "--data.path", str(d / "train.jsonl"), "--data.seq_len", "32", "--data.shuffle_windows", "16",
+              "--data.path", str(d / "train.jsonl"), "--data.seq_len", "32", "--data.shuffle_windows", "4",
               "--data.num_workers", "1", "--train.eval_every", "0", "--train.eval_batches", "1",
               "--train.trace_data", "true", "--train.progress", "false", "--train.sample_tokens", "0",
               "--logging.every_steps", "1", "--optim.warmup_steps", "1", "--optim.lr", "3e-3",
@@ -309,7 +311,9 @@ def test_two_processes_train_from_jsonl_and_one_process_resumes_the_stream(tmp_p
                                    "--resume", str(a / "checkpoints" / "step_00000003")])
     assert "step 3, epoch 0 (+12 samples)" in proc.stdout
     state = json.loads((a / "checkpoints" / "step_00000003" / "meta.json").read_text())["train_state"]
-    assert state["data_cursor"]["window"] == 0 and state["data_cursor"]["chunk"] == 0  # inside the first group
+    # Step 3 starts at window 12, a shuffle group's start: 12 x 32 tokens into the file's one chunk.
+    assert {k: state["data_cursor"][k] for k in ("window", "chunk", "token")} == {"window": 12, "chunk": 0,
+                                                                                  "token": 384}
 
     def steps(run_dir, world, accum):
         rows = [data_trace(run_dir, r) for r in range(world)]

@@ -249,7 +249,12 @@ def _init_worker(spec):
     global _WORKER_TOKENIZER
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the rank's stop handler is not ours: Pool.terminate works
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the rank's to handle
-    torch.set_num_threads(1)
+    try:  # die with the rank (a killed rank's forked workers would otherwise wait on the queue forever)
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    # Never touch torch here: its OpenMP pool, forked from a rank that used it, spins forever.
     _WORKER_TOKENIZER = make_tokenizer(spec)
 
 
@@ -363,6 +368,8 @@ class StreamWindows(Dataset):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._pool = multiprocessing.get_context("fork").Pool(self.workers, initializer=_init_worker,
                                                                initargs=(self.spec,))
+        import weakref  # stopped when the dataset goes, or at exit (before the interpreter tears modules down)
+        weakref.finalize(self, self._pool.terminate)
 
     def _pull(self):
         depth = 2 * self.workers + 2 if self.workers else 1
@@ -376,11 +383,6 @@ class StreamWindows(Dataset):
             raise AssertionError(f"stream chunk {K} arrived, {self._next_K} expected")
         self._next_K, self._next_start = K + 1, start + len(tokens)
         end = start + len(tokens)
-        span = self.group * self.T  # tokens per shuffle group
-        g = -(-max(start, self.hi) // span)
-        while g * span < end:  # the group starts this chunk holds: their cursors
-            self._record(g, K, g * span - start)
-            g += 1
         if len(tokens):
             self._buf.append((start, K, tokens))
         self.hi = end
@@ -391,6 +393,18 @@ class StreamWindows(Dataset):
         self.cursors.move_to_end(g)
         while len(self.cursors) > 16:
             self.cursors.popitem(last=False)
+
+    def _cursor_of(self, g: int) -> tuple[int, int]:
+        """(chunk, offset) of group g's first token, reading on to it if needed; recorded."""
+        pos = g * self.group * self.T
+        if g not in self.cursors:
+            if pos < self.lo:
+                self._seek(g)
+            while self.hi <= pos:
+                self._pull()
+            start, K, _ = next(c for c in self._buf if c[0] <= pos < c[0] + len(c[2]))
+            self._record(g, K, pos - start)
+        return self.cursors[g]
 
     def _seek(self, g: int):
         known = [h for h in self.cursors if h <= g]
@@ -409,6 +423,7 @@ class StreamWindows(Dataset):
             self._seek(g)
         while self.hi < b:
             self._pull()
+        self._cursor_of(g)  # before the chunks ahead of it are dropped: where a resume restarts
         # Drop chunks wholly before this group: groups are read in increasing order.
         floor = g * self.group * self.T
         while len(self._buf) > 1 and self._buf[0][0] + len(self._buf[0][2]) <= min(floor, a):
@@ -430,12 +445,7 @@ class StreamWindows(Dataset):
     def cursor_at(self, offset: int) -> dict:
         """The cursor of the shuffle group holding sample position `offset`: what a resume needs."""
         g = offset // self.group
-        if g not in self.cursors:
-            if g * self.group * self.T < self.lo:
-                self._seek(g)
-            while g not in self.cursors:
-                self._pull()
-        K, off = self.cursors[g]
+        K, off = self._cursor_of(g)
         return {"window": g * self.group, "chunk": K, "token": off, **self.corpus.fingerprint()}
 
     def resume_from(self, cursor: Optional[dict]):
