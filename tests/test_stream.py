@@ -241,6 +241,10 @@ def test_bad_files_fail_in_one_line_naming_the_file(tmp_path):
     (tmp_path / "e" / "notes.txt").write_text("x")
     _fails(tmp_path / "e", "no dataset files")
     _fails(tmp_path / "p.parquet", "has no field 'body2'", text_field="body2")
+    (tmp_path / "j" / "x.jsonl").write_text('{"text": "abc"}\n' * 3)  # records at bytes 0, 16, 32: all held out
+    assert all(zlib.crc32(f"x.jsonl\0{r}".encode()) < 0.9 * (1 << 32) for r in (0, 16, 32))
+    with pytest.raises(DataError, match="no training text in a whole pass over its files"):
+        build_data(DataConfig(kind="stream", path=str(tmp_path / "j"), val_fraction=0.9), T, 0).train[0]
 
 
 def test_a_bad_record_deep_in_the_stream_is_named_by_a_pool_worker(tmp_path):

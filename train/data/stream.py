@@ -2,9 +2,9 @@
 stream), tokenized on the fly by a worker pool, no `zerotrain prepare` step.
 
 The stream. data.path is a file or a directory (`prep_sources.find_input_files`, as prepare
-finds them). Each file is cut into chunks: parquet and arrow files by CHUNK_ROWS rows (the
-row count is in the parquet footer / the memory-mapped arrow table: no scan), JSON lines by
-CHUNK_BYTES byte ranges (a record belongs to the range its line starts in: no scan either).
+finds them). Each file is cut into chunks: parquet and arrow files by rows, CHUNK_ROWS or
+fewer so that a chunk holds about CHUNK_BYTES of text (row counts and column sizes are in the
+parquet footer / the memory-mapped arrow table: no scan), JSON lines by CHUNK_BYTES byte ranges (a record belongs to the range its line starts in: no scan either).
 Pass p visits every file once, in a seeded permutation of the files (seed, p), each file's
 chunks in order (parquet decodes sequentially). The passes follow each other without end:
 chunk K of the stream is chunk K mod N of pass K div N (N chunks per pass). A chunk's
@@ -64,11 +64,10 @@ from train.data.prep_sources import DATASET_SUFFIXES, find_input_files, make_tok
 from train.data.sampler import GlobalBatchSampler
 from train.errors import ConfigError, DataError
 
-CHUNK_ROWS = 512          # parquet / arrow rows per chunk
-CHUNK_BYTES = 1 << 20     # JSON lines bytes per chunk
+CHUNK_ROWS = 1024         # parquet / arrow rows per chunk at most ...
+CHUNK_BYTES = 1 << 20     # ... and about this much text (JSON lines: a byte range of this size)
 VAL_WINDOWS = 1024        # the validation set's size cap, in windows
 STREAM_SAMPLES = 1 << 62  # "endless": the sampler's epoch (no stream ends inside a run)
-PREP = "or `zerotrain prepare` it first"
 
 
 def _fix_field(field: str) -> str:
@@ -93,12 +92,14 @@ class StreamFile:
                 self._check_field(meta.schema.to_arrow_schema().names)
                 self.rows = meta.num_rows
                 self.group_rows = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
-                self.chunks = -(-self.rows // chunk_rows)
+                col = meta.schema.names.index(field) if field in meta.schema.names else 0
+                self._size_chunks(sum(meta.row_group(i).column(col).total_uncompressed_size
+                                      for i in range(meta.num_row_groups)))
             elif self.kind == "arrow":
                 table = self._arrow()
                 self._check_field(table.schema.names)
                 self.rows = table.num_rows
-                self.chunks = -(-self.rows // chunk_rows)
+                self._size_chunks(table.column(field).nbytes)
             elif self.kind == "json":
                 self.size = path.stat().st_size
                 self.chunks = -(-self.size // chunk_bytes)
@@ -110,6 +111,12 @@ class StreamFile:
         except Exception as e:  # pyarrow / OS errors: one line naming the file
             raise DataError(f"data.path: {path}: cannot read it as {self.kind} ({type(e).__name__}: "
                             f"{_first_line(e)}); fix or remove the file") from None
+
+    def _size_chunks(self, text_bytes: int):
+        """Rows per chunk: CHUNK_ROWS, fewer where rows are long (about CHUNK_BYTES of text a chunk)."""
+        per_row = max(1, text_bytes // max(1, self.rows))
+        self.chunk_rows = max(1, min(self.chunk_rows, self.chunk_bytes // per_row))
+        self.chunks = -(-self.rows // self.chunk_rows)
 
     def _check_field(self, names):
         if self.field not in names:
@@ -247,11 +254,13 @@ _WORKER_TOKENIZER = None
 
 def _init_worker(spec):
     global _WORKER_TOKENIZER
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the rank's stop handler is not ours: Pool.terminate works
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the rank's to handle
+    # A preemption signal sent to every process of the job (scancel, Ctrl-C) is the rank's to handle:
+    # it finishes its step, which may need this worker, and saves. The pool ends by its own shutdown.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:  # die with the rank (a killed rank's forked workers would otherwise wait on the queue forever)
         import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
     # Never touch torch here: its OpenMP pool, forked from a rank that used it, spins forever.
@@ -345,6 +354,9 @@ class StreamWindows(Dataset):
 
     # -- the buffer: chunks [(start token, K, tokens)] covering [lo, hi)
     def _reset(self, K: int, position: int, off: int):
+        for _, job in getattr(self, "_pending", ()):
+            if hasattr(job, "cancel"):
+                job.cancel()  # chunks of the old position not started yet
         self._buf: collections.deque = collections.deque()
         self._next_K, self._next_start = K, position - off
         self.lo = self.hi = position
@@ -358,25 +370,28 @@ class StreamWindows(Dataset):
         if self.workers > 0:
             if self._pool is None:
                 self._start_pool()
-            self._pending.append((K, self._pool.apply_async(_work, (f, first, payload, self.val_fraction))))
+            self._pending.append((K, self._pool.submit(_work, f, first, payload, self.val_fraction)))
         else:
             self._pending.append((K, (f, first, payload)))
 
     def _start_pool(self):
         import multiprocessing
+        import weakref
+        from concurrent.futures import ProcessPoolExecutor
         # The pool is the parallelism: a forked Rust tokenizer would otherwise warn and turn its own off.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        self._pool = multiprocessing.get_context("fork").Pool(self.workers, initializer=_init_worker,
-                                                               initargs=(self.spec,))
-        import weakref  # stopped when the dataset goes, or at exit (before the interpreter tears modules down)
-        weakref.finalize(self, self._pool.terminate)
+        # concurrent.futures, not multiprocessing.Pool: a worker that dies fails the run (BrokenProcessPool)
+        # instead of leaving its task waited on forever.
+        self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
+                                         initializer=_init_worker, initargs=(self.spec,))
+        weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
 
     def _pull(self):
         depth = 2 * self.workers + 2 if self.workers else 1
         while len(self._pending) < depth:
             self._submit()
         K, job = self._pending.popleft()
-        tokens = job.get() if self.workers > 0 else tokenize_chunk(self.tokenizer, *job, self.val_fraction)
+        tokens = job.result() if self.workers > 0 else tokenize_chunk(self.tokenizer, *job, self.val_fraction)
         self.chunks_tokenized += 1
         start = self._next_start
         if K != self._next_K:
@@ -385,6 +400,13 @@ class StreamWindows(Dataset):
         end = start + len(tokens)
         if len(tokens):
             self._buf.append((start, K, tokens))
+            self._empty = 0
+        else:
+            self._empty = getattr(self, "_empty", 0) + 1
+            if self._empty >= self.corpus.per_pass:  # a whole pass without a token: it would loop forever
+                raise DataError(f"data.path {self.corpus.root}: no training text in a whole pass over its files (every "
+                                f"document empty or held out by data.val_fraction {self.val_fraction}); add data or "
+                                f"lower data.val_fraction")
         self.hi = end
         self.lo = self._buf[0][0] if self._buf else self.hi
 
@@ -462,7 +484,7 @@ class StreamWindows(Dataset):
 
     def close(self):
         if self._pool is not None:
-            self._pool.terminate()
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
 
