@@ -278,6 +278,8 @@ def test_bad_stream_configs_name_the_key(overrides, needle):
 def test_defaults_and_files_where_token_files_are_expected(tmp_path):
     cfg = load_config(None, [("data.kind", "stream"), ("data.path", "x.jsonl")]).data
     assert (cfg.text_field, cfg.shuffle_windows) == ("text", 1024)
+    example = load_config(str(Path(__file__).parent.parent / "examples" / "stream.yaml"))
+    assert (example.data.kind, example.data.text_field, example.train.epochs) == ("stream", "text", None)
     (tmp_path / "x.jsonl").write_text('{"text": "a"}\n')
     with pytest.raises(DataError, match="is a parquet/arrow/jsonl file, not tokens: set data.kind stream"):
         build_data(DataConfig(kind="tokens", path=str(tmp_path / "x.jsonl")), T, 0)
