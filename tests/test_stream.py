@@ -266,6 +266,7 @@ def test_a_bad_record_deep_in_the_stream_is_named_by_a_pool_worker(tmp_path):
     ([("data.kind", "tokens"), ("data.shuffle_windows", "8")], "data.shuffle_windows is for data.kind stream"),
     ([("data.kind", "stream"), ("data.shuffle_windows", "0")], "data.shuffle_windows must be >= 1"),
     ([("data.kind", "stream"), ("data.text_field", "")], "data.text_field is empty"),
+    ([("data.kind", "stream"), ("train.epochs", "2")], "train.epochs: a stream (data.kind stream) has no known length"),
     ([("data.kind", "stream"), ("data.sources", "[{path: a.jsonl, weight: 1}]")],
      "data.sources cannot mix streamed files (data.kind stream): `zerotrain prepare"),
 ])

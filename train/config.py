@@ -426,6 +426,11 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
+    def __post_init__(self):
+        if self.data.kind == "stream" and self.train.epochs:
+            raise ConfigError("train.epochs: a stream (data.kind stream) has no known length before it is "
+                              "tokenized; set train.max_steps instead (or `zerotrain prepare` the files first)")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -130,10 +130,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
         from train.data.mixture import MixtureSampler
         sampler = MixtureSampler(data.mixture, batch.micro, world, batch.accum, cfg.train.seed)
     elif data.stream is not None:  # data.kind stream: one endless epoch, windows shuffled in groups
-        from train.data.stream import StreamSampler
-        if cfg.train.epochs:
-            raise ConfigError("train.epochs: a stream (data.kind stream) has no known length before it is "
-                              "tokenized; set train.max_steps instead (or `zerotrain prepare` the files first)")
+        from train.data.stream import StreamSampler  # (train.epochs is refused by RunConfig)
         sampler = StreamSampler(cfg.data.shuffle_windows, batch.micro, world, batch.accum, cfg.train.seed)
     else:
         sampler = GlobalBatchSampler(len(data.train), batch.micro, world, batch.accum, cfg.train.seed)
