@@ -18,7 +18,7 @@ first 4 MB with `tokenizers` and saved as a local Hugging Face tokenizer directo
    rank tokenizes W x that (every rank reads the whole stream), to compare with (1).
 
     python bench/stream_tokenize.py                     # the BENCHMARKS.md tables (~8 min here)
-    python bench/stream_tokenize.py --no-throughput --train-tokenizer bpe --workers 0,1   # BPE runs
+    python bench/stream_tokenize.py --no-throughput --train-tokenizer bpe --workers 0,1 --steps 150  # BPE runs
     python bench/stream_tokenize.py --mb 32 --steps 40 --workers 0,2 --no-train
 
 Writes bench/results/stream_tokenize-<timestamp>.{json,md}.
