@@ -54,7 +54,8 @@ class DataConfig:
     """text (byte-level, default corpus: this Python's standard library sources), tokens
     (flat uint16/uint32 token file), sft (instruction JSONL: {"prompt", "response"} or chat
     {"messages": [{"role", "content"}, ...]} records, loss on the responses only),
-    imagefolder (root/train/<class>/*, root/val/<class>/*), regression (synthetic linear data)."""
+    imagefolder (root/train/<class>/*, root/val/<class>/*), regression (synthetic linear data),
+    stream (local parquet/arrow/jsonl files tokenized while training, no prepare step)."""
     sources: list[SourceConfig] = field(default_factory=list)
     """tokens: a weighted mixture of token files / shard directories instead of data.path, e.g.
     [{path: web.bin, weight: 0.7}, {path: code.bin, weight: 0.3, name: code}] (on the command
@@ -70,7 +71,8 @@ class DataConfig:
     .bin file (a sibling .val.bin is the validation split if present), or a shard directory
     from `zerotrain prepare --out DIR` (or its manifest.json; val shards if listed); sft: the .jsonl file
     (a sibling .val.jsonl is the validation split if present), or a .bin set made from it by
-    `zerotrain prepare --sft` (tokenized once, memory-mapped; sibling .val.bin); imagefolder: root."""
+    `zerotrain prepare --sft` (tokenized once, memory-mapped; sibling .val.bin); imagefolder: root;
+    stream: a .parquet/.arrow/.jsonl file or a directory of them (found as `zerotrain prepare` finds them)."""
     seq_len: Optional[int] = None
     """LM sequence length; None = the model's context length. sft: each record is truncated
     to it (seq_len + 1 tokens) and right-padded."""
@@ -78,8 +80,13 @@ class DataConfig:
     """text/tokens/regression/sft without a separate validation file: fraction held out
     (sft: the last records of the file)."""
     tokenizer: Optional[str] = None
-    """sft: local Hugging Face tokenizer directory; None = the hf:<dir> model's own directory,
-    or bytes (vocab 256, NUL ends a response) for zerotrain's GPT presets."""
+    """sft, stream: local Hugging Face tokenizer directory; None = the hf:<dir> model's own directory,
+    or bytes (vocab 256; sft: NUL ends a response, stream: newline ends a document) for zerotrain's GPT presets."""
+    text_field: Optional[str] = None
+    """stream: the record field holding the text (None = "text"); as `zerotrain prepare --text-field`."""
+    shuffle_windows: Optional[int] = None
+    """stream: windows are shuffled (seeded) inside consecutive groups of this many (None = 1024;
+    1 = stream order). A resume re-tokenizes at most one group (train/data/stream.py)."""
     chat_template: bool = True
     """sft: render records with the tokenizer's chat template when it has one; false (or no
     template): the plain format (prompt + response + EOS; chat turns as "role: content")."""
@@ -102,10 +109,11 @@ class DataConfig:
     cold read of ~0.1-0.2 ms per sample (measured here), which a worker takes off the step (it
     prefetches a whole optimizer step); one keeps up with the default GPT with room to spare
     (bench/data_scale.py, BENCHMARKS.md), more would only add processes. Text, regression and
-    single token files are in memory or one small mapped file and need none (0)."""
+    single token files are in memory or one small mapped file and need none (0). stream: tokenizer
+    processes per rank (0 = in the training process), None = one per spare core per rank, 1 to 4."""
 
     def __post_init__(self):
-        kinds = ("text", "tokens", "sft", "imagefolder", "regression")
+        kinds = ("text", "tokens", "sft", "imagefolder", "regression", "stream")
         if self.kind not in kinds:
             raise ConfigError(f'data.kind "{self.kind}" is not one of {", ".join(kinds)}{did_you_mean(self.kind, kinds)}')
         if self.seq_len is not None and self.seq_len < 2:
@@ -121,6 +129,23 @@ class DataConfig:
                 raise ConfigError(f"data.{k} must be positive (got {getattr(self, k)})")
         if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0 (got {self.num_workers})")
+        if self.kind != "stream":
+            for k in ("text_field", "shuffle_windows"):
+                if getattr(self, k) is not None:
+                    raise ConfigError(f'data.{k} is for data.kind stream (got "{self.kind}"); remove it'
+                                      + (" (`zerotrain prepare --text-field` picks the field of files to prepare)"
+                                         if k == "text_field" else ""))
+        else:
+            self.text_field = "text" if self.text_field is None else self.text_field
+            self.shuffle_windows = 1024 if self.shuffle_windows is None else self.shuffle_windows
+            if not self.text_field:
+                raise ConfigError("data.text_field is empty; give the record field holding the text")
+            if self.shuffle_windows < 1:
+                raise ConfigError(f"data.shuffle_windows must be >= 1 (got {self.shuffle_windows}; 1 = stream order)")
+            if self.sources:
+                raise ConfigError("data.sources cannot mix streamed files (data.kind stream): `zerotrain prepare "
+                                  "<files> --text-field F --out DIR` each one first and list the DIRs in "
+                                  "data.sources with data.kind tokens")
         if self.sources:
             if self.kind != "tokens":
                 raise ConfigError(f'data.sources mixes token files: set data.kind to tokens (got "{self.kind}")')
@@ -410,6 +435,11 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def __post_init__(self):
+        if self.data.kind == "stream" and self.train.epochs:
+            raise ConfigError("train.epochs: a stream (data.kind stream) has no known length before it is "
+                              "tokenized; set train.max_steps instead (or `zerotrain prepare` the files first)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

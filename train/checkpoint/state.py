@@ -19,6 +19,7 @@ class TrainState:
     skipped_steps: int = 0   # non-finite or fp16-overflow steps not applied
     wandb_run_id: Optional[str] = None
     source_tokens: dict[str, int] = field(default_factory=dict)  # data.sources: tokens trained on per source name
+    data_cursor: Optional[dict] = None  # data.kind stream: where to restart reading (train/data/stream.py)
 
     def to_dict(self) -> dict:
         return asdict(self)

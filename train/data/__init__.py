@@ -10,7 +10,7 @@ from train.data.bundle import DataBundle  # noqa: F401 (what every builder retur
 
 def build_data(cfg: DataConfig, seq_len: Optional[int], seed: int, tokenizer: Optional[str] = None) -> DataBundle:
     """`seq_len`: the LM sequence length (data.seq_len or the model's context); `tokenizer`:
-    sft's local Hugging Face tokenizer directory (None: bytes)."""
+    sft's and stream's local Hugging Face tokenizer directory (None: bytes)."""
     if cfg.kind == "text":
         from train.data.text import VOCAB, TokenSequences, decode, read_bytes
         tokens, what = read_bytes(cfg.path, cfg.max_bytes)
@@ -36,6 +36,9 @@ def build_data(cfg: DataConfig, seq_len: Optional[int], seed: int, tokenizer: Op
     if cfg.kind == "sft":
         from train.data.sft import build_sft
         return build_sft(cfg, seq_len, tokenizer)
+    if cfg.kind == "stream":
+        from train.data.stream import build_stream
+        return build_stream(cfg, seq_len, seed, tokenizer)
     if cfg.kind == "imagefolder":
         from train.data.imagefolder import build_imagefolder
         return build_imagefolder(cfg)

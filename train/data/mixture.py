@@ -19,6 +19,7 @@ sync or a collective, how many samples of a step came from each source (step_cou
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -170,6 +171,10 @@ def build_mixture(cfg: DataConfig, seq_len: Optional[int], seed: int) -> DataBun
     from train.data.tokens import build_tokens
     bundles = []
     for i, src in enumerate(cfg.sources):
+        if _is_dataset_file(src.path):
+            raise DataError(f"data.sources[{i}] ({src.name}): {src.path} is a parquet/arrow/jsonl file: streamed "
+                            f"tokenization (data.kind stream) cannot take part in a mixture; `zerotrain prepare "
+                            f"{src.path} --text-field FIELD --out DIR` it first and list DIR here")
         try:
             bundles.append(build_tokens(dataclasses.replace(cfg, sources=[], path=src.path), seq_len))
         except DataError as e:  # its message says data.path: name the source it came from
@@ -200,3 +205,9 @@ def _check_agree(cfg: DataConfig, bundles: list[DataBundle]):
             raise DataError(f"data.sources {ref_path} and {src.path} were tokenized differently ({t0}, vocab "
                             f"{ref.vocab_size} vs {t1}, vocab {b.vocab_size}); re-run `zerotrain prepare` on "
                             f"both with the same --tokenizer")
+
+
+def _is_dataset_file(path: str) -> bool:
+    from train.data.prep_sources import DATASET_SUFFIXES
+    from train.data.shards import MANIFEST
+    return Path(path).suffix.lower() in DATASET_SUFFIXES and Path(path).name != MANIFEST

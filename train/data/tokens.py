@@ -112,6 +112,11 @@ def build_tokens(cfg: DataConfig, seq_len: Optional[int]):
                         "`zerotrain prepare`)")
     if seq_len is None:
         raise DataError("data.kind = tokens needs data.seq_len (the model has no context length to default to)")
+    from train.data.prep_sources import DATASET_SUFFIXES
+    if Path(cfg.path).suffix.lower() in DATASET_SUFFIXES and not is_sharded(Path(cfg.path)):  # manifest.json is ours
+        raise DataError(f"data.path {cfg.path} is a parquet/arrow/jsonl file, not tokens: set data.kind stream (and "
+                        f"data.text_field) to tokenize it while training, or `zerotrain prepare {cfg.path} "
+                        f"--text-field FIELD --out DIR` it first")
     if is_sharded(Path(cfg.path).expanduser()):  # a directory of shards (train/data/shards.py)
         return build_shards(Path(cfg.path).expanduser(), cfg.token_dtype, cfg.val_fraction, seq_len)
     train = TokenFile(Path(cfg.path).expanduser(), cfg.token_dtype)

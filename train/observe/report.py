@@ -39,11 +39,14 @@ def banner(t) -> str:
         f"{topo.device} / {topo.backend}",
         f"  strategy     {ds.describe()}   [{ds.path}]",
         f"  model        {t.cfg.model.name}: {human(total)} params ({human(trainable)} trainable)" + _lora_text(t),
-        f"  data         {data.describe}: {len(data.train)} train samples"
+        f"  data         {data.describe}: "
+        + ("an endless stream" if data.stream is not None else f"{len(data.train)} train samples")
         + (f", {len(data.val)} val" if data.val is not None else ""),
         f"  batch        micro {b.micro} x accum {b.accum} x world {b.world} = global {b.global_size} samples"
         + (f" = {b.global_size * data.items_per_sample} tokens/step" if data.items_per_sample > 1 else ""),
-        f"  schedule     {t.max_steps} steps ({t.sampler.steps_per_epoch} per epoch), lr {t.cfg.optim.lr:g} "
+        f"  schedule     {t.max_steps} steps "
+        + ("(a stream: no epochs)" if data.stream is not None else f"({t.sampler.steps_per_epoch} per epoch)")
+        + f", lr {t.cfg.optim.lr:g} "
         f"{t.cfg.optim.schedule}, warmup {t.cfg.optim.warmup_steps}",
     ]
     if t.memory is not None:  # the planner's view of this rank (train/plan/estimate.py RankPlan)

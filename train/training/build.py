@@ -133,7 +133,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     # Data first: the model's vocabulary / classes / features come from it.
     ctx = spec.context
     seq_len = cfg.data.seq_len or ctx
-    if cfg.data.kind in ("text", "tokens", "sft") and seq_len is None:
+    if cfg.data.kind in ("text", "tokens", "sft", "stream") and seq_len is None:
         raise ConfigError(f'data.kind "{cfg.data.kind}" is language-model data but model.name "{cfg.model.name}" '
                           f"is not a language model; use a GPT preset or hf:<dir>, or another data.kind")
     if ctx is not None and seq_len > ctx:
@@ -144,6 +144,9 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     if data.mixture is not None:  # data.sources: the same order, positions tagged with their epoch
         from train.data.mixture import MixtureSampler
         sampler = MixtureSampler(data.mixture, batch.micro, world, batch.accum, cfg.train.seed)
+    elif data.stream is not None:  # data.kind stream: one endless epoch, windows shuffled in groups
+        from train.data.stream import StreamSampler  # (train.epochs is refused by RunConfig)
+        sampler = StreamSampler(cfg.data.shuffle_windows, batch.micro, world, batch.accum, cfg.train.seed)
     else:
         sampler = GlobalBatchSampler(len(data.train), batch.micro, world, batch.accum, cfg.train.seed)
     max_steps = cfg.train.epochs * sampler.steps_per_epoch if cfg.train.epochs else cfg.train.max_steps
@@ -226,7 +229,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     if choice is not None:
         resolved["resolved"]["auto_ds_config"] = choice.record()
     resolved["resolved"]["hardware"] = {"float32_matmul_precision": matmul_precision, "channels_last": channels_last,
-                                        "compile": cfg.train.compile, "data_workers": workers}
+                                        "compile": cfg.train.compile, "data_workers": workers,
+                                        **({"stream_workers": data.stream.workers} if data.stream else {})}
     sinks = []
     if acc.is_main_process:
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
@@ -244,6 +248,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     state = _restore(checkpointer, cfg)
     if elastic is not None:
         elastic.started(state, batch, checkpointer.resumed_from)
+    if data.stream is not None:
+        data.stream.resume_from(state.data_cursor)  # restart reading there, not at the stream's start
     return Trainer(cfg=cfg, resolved_config=resolved, topo=topo, ds=ds, batch=batch, max_steps=max_steps,
                    run_dir=run_dir, acc=acc, model=model, optimizer=optimizer, raw_optimizer=raw_optimizer,
                    workload=workload, data=data, train_loader=train_loader, sampler=sampler, val_loader=val_loader,

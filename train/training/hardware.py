@@ -75,7 +75,10 @@ def is_sharded_corpus(data: DataConfig) -> bool:
 def data_workers(data: DataConfig, local_world: int) -> int:
     """data.num_workers; None = decode images in worker processes (leaving a core for the
     training loop), SHARD_WORKERS to read a sharded corpus from disk, nothing for data that
-    is already in memory or in one small memory-mapped file."""
+    is already in memory or in one small memory-mapped file. data.kind stream: 0, its
+    tokenizer pool is its own (data.num_workers sizes that, train/data/stream.py)."""
+    if data.kind == "stream":
+        return 0
     if data.num_workers is not None:
         return data.num_workers
     if data.kind == "imagefolder":

@@ -199,6 +199,8 @@ class Trainer:
             for name, n in zip(self.data.mixture.names, counts.tolist()):
                 per[name] = per.get(name, 0) + n * self.data.items_per_sample
         self.state.offset += g
+        if self.data.stream is not None:  # where a resume restarts reading (a dict lookup, once per step)
+            self.state.data_cursor = self.data.stream.cursor_at(self.state.offset)
         self.state.samples_seen += g
         self.state.tokens_seen += g * self.data.items_per_sample
         if self.state.offset >= self.sampler.steps_per_epoch * g:
