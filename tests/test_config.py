@@ -54,6 +54,11 @@ def test_json_run_file_round_trip(tmp_path):
     ("checkpoint:\n  keep_last: 0\n", "checkpoint.keep_last must be >= 1"),
     ("optim: 3\n", "optim must be a mapping"),
     ("train:\n  max_steps: 10\n    eval: 3\n", ":3:"),               # YAML syntax error: line number
+    # A key only another data kind reads would be ignored: refused, naming the kinds that read it.
+    ("data:\n  kind: tokens\n  path: t.bin\n  max_bytes: 1000\n",
+     'data.max_bytes is only read for data.kind text (this run: "tokens")'),
+    ("data:\n  kind: sft\n  path: d.jsonl\n  image_size: 64\n", "data.image_size is only read for data.kind imagefolder"),
+    ("data:\n  tokenizer: tok\n", 'data.tokenizer is only read for data.kind sft / stream (this run: "text")'),
 ])
 def test_bad_run_file_names_the_key(tmp_path, text, needle):
     path = write(tmp_path, "run.yaml", text)

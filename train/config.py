@@ -14,7 +14,7 @@ import math
 import re
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -46,6 +46,21 @@ class SourceConfig:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
             raise ConfigError(f'data.sources name "{self.name}" ({self.path}) may only use letters, digits, '
                               f"_ . - (it is a metrics key); set name: to one")
+
+
+# data: keys that only some kinds read (the others apply to several kinds; sources, text_field and
+# shuffle_windows have checks with messages of their own in DataConfig.__post_init__).
+_DATA_KEYS_FOR_KINDS = {
+    "max_bytes": ("text",),
+    "token_dtype": ("tokens",),
+    "tokenizer": ("sft", "stream"),
+    "chat_template": ("sft",),
+    "image_size": ("imagefolder",),
+    "on_bad_sample": ("imagefolder",),
+    "num_samples": ("regression",),
+    "num_features": ("regression",),
+    "noise": ("regression",),
+}
 
 
 @dataclass
@@ -129,6 +144,7 @@ class DataConfig:
                 raise ConfigError(f"data.{k} must be positive (got {getattr(self, k)})")
         if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0 (got {self.num_workers})")
+        self._check_keys_belong_to_kind()
         if self.kind != "stream":
             for k in ("text_field", "shuffle_windows"):
                 if getattr(self, k) is not None:
@@ -158,6 +174,16 @@ class DataConfig:
                     raise ConfigError(f'data.sources {seen[src.name]} and {src.path} are both named "{src.name}"; '
                                       f"give one of them a distinct name: key")
                 seen[src.name] = src.path
+
+
+    def _check_keys_belong_to_kind(self):
+        """A key only another kind reads, set away from its default, would be silently ignored: refuse it."""
+        defaults = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default)
+                    for f in fields(self)}
+        for key, kinds in _DATA_KEYS_FOR_KINDS.items():
+            if self.kind not in kinds and getattr(self, key) != defaults[key]:
+                raise ConfigError(f"data.{key} is only read for data.kind {' / '.join(kinds)} "
+                                  f'(this run: "{self.kind}"); remove it or set data.kind')
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from models.losses import IGNORE_INDEX
+from train.checkpoint.cadence import SaveCadence
 from train.checkpoint.state import TrainState
 from train.optim import loss_scale
 from train.optim.optimizer import set_lr
@@ -414,7 +415,6 @@ class Trainer:
                            is_deepspeed=self.ds.is_deepspeed, start_step=st.step, max_steps=self.max_steps,
                            plan=self.memory.estimate if self.memory else None, log=self.loggers.log)
         vote = StopVote(acc)
-        from train.checkpoint.cadence import SaveCadence
         cadence = SaveCadence(self.cfg.checkpoint.every_steps, self.cfg.checkpoint.every_minutes, acc.is_main_process)
         saved_at = None  # the step the loop last saved (a signal at that step needs no second save)
         with StopRequested() as stop:
