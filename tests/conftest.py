@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, STAGE_ARGS, STAGE_RUNS, cached_run, fp32, make_tokenizer, random_text, write_texts
+# The one session-wide two-node rig, registered here: a fixture imported into two test modules is two
+# fixtures (one per module), i.e. two rigs at once, whose namespaces collide (zt<pid>n0 exists).
+from multinode.fixture import two_nodes  # noqa: F401,E402 (fixture)
 
 
 # pytest-xdist (`make test XDIST="-n 4 --dist loadgroup"` on a machine with more cores; serial

@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from helpers import BIN, MAIN, REPO, TINY, data_trace, free_port, metrics, run_train, subprocess_env
-from multinode.fixture import two_nodes  # noqa: F401 (fixture)
 from wandb_offline import read_run, run_files, wandb_env
 
 STEPS, EVERY, KILL_AT, HOLD_AT = 14, 3, 8, 9   # saves at 3, 6 | node 1 dies after 8 | alone: 7..10 | both: 11..14

@@ -23,7 +23,7 @@ import yaml
 
 from helpers import MAIN, REPO, cached_run, data_trace, metrics, rank_infos, small_run_args, train_losses
 from helpers import subprocess_env as base_env
-from multinode.fixture import BIN, finish, logs, node_env, start, two_nodes, zerotrain  # noqa: F401 (fixture)
+from multinode.fixture import BIN, finish, logs, node_env, start, zerotrain
 
 STEPS = 4
 # A 2-node launch takes ~30-60 s on 2 busy cores; this bound only turns a hang into a failure.
