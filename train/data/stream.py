@@ -264,6 +264,7 @@ def _init_worker(spec):
     except (OSError, AttributeError):
         pass
     # Never touch torch here: its OpenMP pool, forked from a rank that used it, spins forever.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the pool is the parallelism (as prepare's)
     _WORKER_TOKENIZER = make_tokenizer(spec)
 
 
