@@ -50,7 +50,11 @@ def subprocess_env(extra: dict | None = None) -> dict:
         env.pop(k, None)
     # The venv's tools first (its ninja builds DeepSpeed's JIT ops; Debian's would rebuild them).
     env["PATH"] = os.pathsep.join([str(BIN), *[p for p in env.get("PATH", "").split(os.pathsep) if p != str(BIN)]])
-    env.update(extra or {})
+    for k, v in (extra or {}).items():  # None: unset (e.g. PYTHONWARNINGS, to see what a user sees)
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
     return env
 
 
@@ -134,13 +138,14 @@ _RUNS: dict = {}
 
 def cached_run(tmp_path_factory, launcher: str, nproc: int, args: list[str], **kw) -> Path:
     """Run once per session for identical (launcher, nproc, args); returns the run dir (the
-    launcher's stdout is kept in <run_dir>/launcher.out). Lets several test modules assert on
+    launcher's stdout is kept in <run_dir>/launcher.out, its stderr in launcher.err). Lets several test modules assert on
     the same real launch instead of relaunching: a launch costs ~15-20 s on 2 cores."""
     key = (launcher, nproc, tuple(args), tuple(sorted((k, str(v)) for k, v in kw.items())))
     if key not in _RUNS:
         run_dir = tmp_path_factory.mktemp(f"{launcher}{nproc}")
         proc = run_train(launcher, nproc, [*args, "--train.run_dir", str(run_dir)], **kw)
         (run_dir / "launcher.out").write_text(proc.stdout)
+        (run_dir / "launcher.err").write_text(proc.stderr)
         _RUNS[key] = run_dir
     return _RUNS[key]
 
