@@ -169,6 +169,17 @@ def assert_resumable_checkpoint(ckpt_root: Path, step: int) -> dict:
     return meta
 
 
+def assert_zero3_planned_to_the_byte(row: dict):
+    """A ZeRO-3 run's measured model states against the plan: parameters and gradients exactly, the
+    optimizer states up to torch AdamW's 4-byte `step` scalar per stepped tensor (the plan leaves it
+    out; one per optimizer sub-group under ZeRO-3)."""
+    assert row["mem/params_bytes"] == row["plan/params_bytes"], row
+    assert row["mem/grads_bytes"] == row["plan/grads_bytes"], row
+    assert 0 <= row["mem/optimizer_bytes"] - row["plan/optimizer_bytes"] <= 4 * 4, row
+    for measured, planned in zip(row["mem/model_states_bytes_per_rank"], row["plan/model_states_bytes_per_rank"]):
+        assert 0 <= measured - planned <= 4 * 4, row
+
+
 def small_run_args(ds_json: str, steps: int = 4) -> list[str]:
     """The tiny GPT for a few steps with every rank's data recorded: the launcher, multi-node
     and bf16 tests share these launches (same args = one launch per session)."""
