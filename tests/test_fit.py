@@ -159,6 +159,20 @@ def test_cgroup_limit_is_the_tightest_ancestor(tmp_path, monkeypatch):
     assert dm.cgroup_limit("0::/\n") is None                                           # no v2 hierarchy here
 
 
+def test_the_ram_share_counts_the_local_ranks_before_the_accelerator_exists(monkeypatch):
+    """The budget is measured before Accelerate starts (and sets LOCAL_WORLD_SIZE): under the
+    deepspeed launcher only LOCAL_SIZE says how many ranks share the node's RAM."""
+    from train.launch import device_memory as dm
+    monkeypatch.setattr(dm, "owned_bytes", lambda: GiB)
+    monkeypatch.setattr(dm, "mem_available", lambda: 8 * GiB)
+    monkeypatch.setattr(dm, "cgroup_limit", lambda: None)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "2")                                     # the deepspeed launcher's
+    assert dm.local_budget()[0] == GiB + 4 * GiB
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")                               # torchrun's, Accelerate's
+    assert dm.local_budget()[0] == GiB + 2 * GiB
+
+
 def test_auto_and_the_check_pick_by_the_plan(tmp_path):
     """In-process: the same arithmetic the launches use, on chosen budgets."""
     from models import resolve as resolve_model
