@@ -300,7 +300,7 @@ def advise(cfg, shape, pb, world: int, device, ds, budget: Budget) -> str:
         return (f"no option fits with the {margin:.0%} distributed.memory_margin: the fastest that fits without it, "
                 f"{tight.strategy.label}, needs {with_margin(tight, budget, margin)}; "
                 f"{_tight_fix(tight, budget, auto, how(tight))}")
-    return f"no shipped option fits; {_advice(cfg)}"
+    return f"no option fits; {_advice(cfg)}"
 
 
 def _auto_flag(d: Path) -> str:
