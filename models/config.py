@@ -53,6 +53,11 @@ class ModelConfig:
     seq_len: Optional[int] = None
     """Model context length (GPT). data.seq_len defaults to it."""
     vocab_size: Optional[int] = None
+    """GPT vocabulary. None = the data's: the vocabulary a token file's sidecar or a shard set's
+    manifest records (`zerotrain prepare` writes its tokenizer's), else the largest token id + 1
+    (a raw .bin without a sidecar); 256 for text (bytes); the tokenizer's for sft and stream; the
+    preset's own without language-model data. Set it to continue weights trained with another
+    vocabulary (model.init_from, `zerotrain import`)."""
     dropout: float = 0.0
     tie_embeddings: Optional[bool] = None
     activation_checkpointing: bool = False

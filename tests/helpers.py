@@ -50,7 +50,11 @@ def subprocess_env(extra: dict | None = None) -> dict:
         env.pop(k, None)
     # The venv's tools first (its ninja builds DeepSpeed's JIT ops; Debian's would rebuild them).
     env["PATH"] = os.pathsep.join([str(BIN), *[p for p in env.get("PATH", "").split(os.pathsep) if p != str(BIN)]])
-    env.update(extra or {})
+    for k, v in (extra or {}).items():  # None: unset (e.g. PYTHONWARNINGS, to see what a user sees)
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
     return env
 
 
@@ -134,13 +138,14 @@ _RUNS: dict = {}
 
 def cached_run(tmp_path_factory, launcher: str, nproc: int, args: list[str], **kw) -> Path:
     """Run once per session for identical (launcher, nproc, args); returns the run dir (the
-    launcher's stdout is kept in <run_dir>/launcher.out). Lets several test modules assert on
+    launcher's stdout is kept in <run_dir>/launcher.out, its stderr in launcher.err). Lets several test modules assert on
     the same real launch instead of relaunching: a launch costs ~15-20 s on 2 cores."""
     key = (launcher, nproc, tuple(args), tuple(sorted((k, str(v)) for k, v in kw.items())))
     if key not in _RUNS:
         run_dir = tmp_path_factory.mktemp(f"{launcher}{nproc}")
         proc = run_train(launcher, nproc, [*args, "--train.run_dir", str(run_dir)], **kw)
         (run_dir / "launcher.out").write_text(proc.stdout)
+        (run_dir / "launcher.err").write_text(proc.stderr)
         _RUNS[key] = run_dir
     return _RUNS[key]
 
@@ -162,6 +167,17 @@ def assert_resumable_checkpoint(ckpt_root: Path, step: int) -> dict:
     assert st["step"] == step
     assert st["epoch"] * data["steps_per_epoch"] * data["global_batch"] + st["offset"] == step * data["global_batch"]
     return meta
+
+
+def assert_zero3_planned_to_the_byte(row: dict):
+    """A ZeRO-3 run's measured model states against the plan: parameters and gradients exactly, the
+    optimizer states up to torch AdamW's 4-byte `step` scalar per stepped tensor (the plan leaves it
+    out; one per optimizer sub-group under ZeRO-3)."""
+    assert row["mem/params_bytes"] == row["plan/params_bytes"], row
+    assert row["mem/grads_bytes"] == row["plan/grads_bytes"], row
+    assert 0 <= row["mem/optimizer_bytes"] - row["plan/optimizer_bytes"] <= 4 * 4, row
+    for measured, planned in zip(row["mem/model_states_bytes_per_rank"], row["plan/model_states_bytes_per_rank"]):
+        assert 0 <= measured - planned <= 4 * 4, row
 
 
 def small_run_args(ds_json: str, steps: int = 4) -> list[str]:

@@ -120,6 +120,9 @@ def test_cli_help_lists_every_option(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: train/main.py") and "  --optim.lr (" in out and "  --train.max_steps (" in out
+    # A GPT preset's vocabulary comes from the data when unset, not from the preset: the help says so.
+    vocab = out.split("  --model.vocab_size (None)\n", 1)[1].split("\n  --", 1)[0]
+    assert "None = the data's" in vocab and "largest token id + 1" in vocab and "256 for text" in vocab, vocab
 
 
 def test_batch_arithmetic():

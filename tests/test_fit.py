@@ -10,6 +10,7 @@ own measurements, so the test means the same on any machine where the two are ap
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,11 @@ def test_ddp_over_the_cap_stops_before_training_naming_the_limit_and_the_stage_t
     err = p.stderr
     assert "zerotrain: error: DDP (fp32)" in err and "needs about" in err and "memory cgroup limit" in err, err[-3000:]
     assert "ZeRO-3 is the fastest option that fits" in err and "--ds-config auto" in err
+    # One estimate whichever path asks: the check's figure for ZeRO-3 is auto's own under the same cap
+    # (before, the check measured its runtime after DDP's Accelerator, auto before DeepSpeed's: 0.04 GiB apart).
+    auto = json.loads((frontier["capped"] / "config.json").read_text())["resolved"]["auto_ds_config"]
+    said = re.search(r"ZeRO-3 is the fastest option that fits with the 10% margin \(([\d.]+) GiB \+ 10% margin", err)
+    assert said and abs(float(said.group(1)) * GiB - auto["predicted_peak_bytes"]) < 0.011 * GiB, (err[-3000:], auto)
     assert f'File "{REPO}/train/' not in err                      # our ranks: one line each, no stack frames
     assert "memcap: the kernel killed" not in err               # refused, not killed
     assert not (frontier["work"] / "ddp" / "metrics.jsonl").exists()
@@ -153,6 +159,20 @@ def test_cgroup_limit_is_the_tightest_ancestor(tmp_path, monkeypatch):
     assert dm.cgroup_limit("0::/\n") is None                                           # no v2 hierarchy here
 
 
+def test_the_ram_share_counts_the_local_ranks_before_the_accelerator_exists(monkeypatch):
+    """The budget is measured before Accelerate starts (and sets LOCAL_WORLD_SIZE): under the
+    deepspeed launcher only LOCAL_SIZE says how many ranks share the node's RAM."""
+    from train.launch import device_memory as dm
+    monkeypatch.setattr(dm, "owned_bytes", lambda: GiB)
+    monkeypatch.setattr(dm, "mem_available", lambda: 8 * GiB)
+    monkeypatch.setattr(dm, "cgroup_limit", lambda: None)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "2")                                     # the deepspeed launcher's
+    assert dm.local_budget()[0] == GiB + 4 * GiB
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")                               # torchrun's, Accelerate's
+    assert dm.local_budget()[0] == GiB + 2 * GiB
+
+
 def test_auto_and_the_check_pick_by_the_plan(tmp_path):
     """In-process: the same arithmetic the launches use, on chosen budgets."""
     from models import resolve as resolve_model
@@ -202,3 +222,74 @@ def test_zerotrain_check_validates_every_candidate_of_auto(capsys):
     out = capsys.readouterr().out
     assert "--ds-config auto: chooses at start-up among ddp.json, zero1.json, zero2.json, zero3.json" in out
     assert all(f"ds_configs/{n}.json: " in out for n in ("ddp", "zero1", "zero2", "zero3", "zero3_offload"))
+
+
+def test_advice_and_auto_agree_under_a_cap_inside_the_margin(tmp_path):
+    """In-process, on injected budgets: the cap lies between ZeRO-3's estimate and its estimate
+    plus the 10% margin. The memory check of a DDP run (refused) and --ds-config auto over the same
+    JSONs give ZeRO-3 one estimate, state the margin's arithmetic and advise the same way out,
+    and following it runs; with room for the margin both land on ZeRO-3."""
+    from models import resolve as resolve_model
+    from train.data import build_data
+    from train.dsconfig import resolve
+    from train.launch.device_memory import Budget
+    from train.plan import fit
+    family = fp32_family(tmp_path / "fp32")
+    cfg = frontier_config()
+    spec, data, batch = resolve_model(cfg.model), build_data(cfg.data, 64, cfg.train.seed), cfg.train.batch(2)
+    runtime = int(0.4 * GiB)
+
+    def budget(nbytes):
+        return Budget(int(nbytes), "a test budget", "cpu", runtime)
+
+    def ds(name):
+        return resolve(str(Path(family) / f"{name}.json"), cfg, batch, 3, cuda=False, hidden_size=1024)
+
+    z3 = fit.check(cfg, spec, ds("zero3"), data, batch, 64, 2, budget(8 * GiB))[0].device_total
+    tight = budget(z3 / (1 - 0.055))   # z3 < cap < z3 + 10% of the cap: a margin of 0.05 would fit
+    with pytest.raises(fit.DoesNotFit) as refused:
+        fit.check(cfg, spec, ds("ddp"), data, batch, 64, 2, tight)
+    with pytest.raises(fit.DoesNotFit) as auto:
+        fit.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, tight)
+    # Before: the check called ZeRO-3 "the fastest option that fits" (ignoring the margin), auto refused it.
+    assert "is the fastest option that fits" not in str(refused.value), refused.value
+    arithmetic = fit.with_margin(fit._rows(fit.model_shape(spec, data), fit._plan_batch(cfg, batch, 64), 2,
+                                           fit._device(tight), Path(family))[3], tight, 0.1)
+    assert arithmetic.startswith(f"{fit.hb(z3)} + 10% margin (") and arithmetic.endswith(f"> {fit.hb(tight.bytes)}")
+    fix = f"`--distributed.memory_margin 0.05` with --ds-config auto:{family} would run it"
+    for message in (str(refused.value), str(auto.value)):
+        assert f"ZeRO-3, needs {arithmetic}" in message and fix in message, message
+    # The way out, as advised: that JSON runs (the check warns, stating the margin); auto with that margin picks it.
+    est, warning = fit.check(cfg, spec, ds("zero3"), data, batch, 64, 2, tight)
+    assert est.device_total == z3 and warning and arithmetic in warning, warning
+    cfg.distributed.memory_margin = 0.05
+    assert fit.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, tight).label == "ZeRO-3"
+    # Room for the margin: the check advises ZeRO-3 and auto chooses it.
+    cfg.distributed.memory_margin = 0.1
+    roomy = budget(z3 / 0.85)
+    with pytest.raises(fit.DoesNotFit, match=rf"ZeRO-3 is the fastest option that fits with the 10% margin "
+                                             rf"\({re.escape(fit.hb(z3))} \+ 10% margin .*--ds-config auto:"):
+        fit.check(cfg, spec, ds("ddp"), data, batch, 64, 2, roomy)
+    pick = fit.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, roomy)
+    assert pick.label == "ZeRO-3" and pick.estimate.device_total == z3
+
+
+def test_the_check_and_auto_measure_the_budget_once_at_the_same_point(monkeypatch):
+    """One runtime for every option, whichever path asks: the rank's view is taken once, before the
+    process group and the Accelerator; the planner adds each option's own start-up growth."""
+    from train.launch import device_memory
+    from train.plan import estimate as est
+    from train.plan import fit
+    views = iter([(3 * GiB, "first view", None, 300 * 2 ** 20), (3 * GiB, "second view", None, 345 * 2 ** 20)])
+    monkeypatch.setattr(fit, "local_budget", lambda: next(views))
+    cfg = frontier_config()
+    view = fit.measure(cfg, "auto")
+    assert fit.agreed_budget(view) == fit.agreed_budget(view)            # auto's budget is the check's
+    assert fit.agreed_budget(view).runtime == 300 * 2 ** 20
+    shape = est.count_shape(10 ** 6)
+    device = est.Device("cpu", 300 * 2 ** 20)
+    ddp, z3 = (est.estimate(shape, est.strategy_from_json(n, est.paths.DS_CONFIGS / f"{n}.json", "fp32"), 2,
+                            est.Batch(1, None), device=device) for n in ("ddp", "zero3"))
+    assert ddp.runtime == device.runtime + est.STARTUP["ddp"] and z3.runtime == device.runtime + est.STARTUP["deepspeed"]
+    cfg.distributed.memory_check = False
+    assert fit.measure(cfg, "ds_configs/zero3.json") is None                 # neither path runs: nothing measured

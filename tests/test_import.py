@@ -200,6 +200,34 @@ def test_shape_mismatch_is_named_exit_2_and_nothing_written(run_yaml, tmp_path, 
     assert not out.exists()
 
 
+def test_a_vocabulary_taken_from_the_data_is_named_with_the_fix(run_yaml, tmp_path, capsys):
+    """gpt-tiny trained on bytes (vocabulary 256), imported with a run on a raw token file without a
+    sidecar whose largest id is 122: the model takes the data's vocabulary, 123, and the message
+    says which setting makes the checkpoint fit."""
+    import numpy as np
+    src = _zero0_checkpoint(run_yaml, tmp_path / "ds")
+    np.random.default_rng(0).integers(0, 123, 20000).astype(np.uint16).tofile(tmp_path / "tok.bin")
+    tokens_yaml = tmp_path / "tokens.yaml"
+    tokens_yaml.write_text(RUN_YAML.replace("data: {seq_len: 64, max_bytes: 300000}",
+                                            f"data: {{kind: tokens, path: {tmp_path / 'tok.bin'}, token_dtype: uint16, "
+                                            f"seq_len: 64}}"))
+    code, err = zt_import([str(src), "--out", str(tmp_path / "z"), "--config", str(tokens_yaml), "--trust-pickle"],
+                          capsys)
+    assert code == 2 and "tok_emb.weight: model [123, 64] vs checkpoint [256, 64]" in err, err
+    assert (f"the checkpoint was trained with a vocabulary of 256, this model has 123 (model.vocab_size is unset: "
+            f"the data's): set model.vocab_size: 256 in {tokens_yaml}") in err, err
+    # Set as advised, it imports.
+    tokens_yaml.write_text(tokens_yaml.read_text().replace("model: {name: gpt-tiny}",
+                                                           "model: {name: gpt-tiny, vocab_size: 256}"))
+    code, err = zt_import([str(src), "--out", str(tmp_path / "z"), "--config", str(tokens_yaml), "--trust-pickle"],
+                          capsys)
+    assert code == 0, err
+    # Another dimension differs too: no vocabulary advice.
+    code, err = zt_import([str(_zero0_checkpoint(run_yaml, tmp_path / "ds32", d_model=32)), "--out",
+                           str(tmp_path / "z2"), "--config", run_yaml, "--trust-pickle"], capsys)
+    assert code == 2 and "model.vocab_size" not in err and "import with the run file of the model" in err, err
+
+
 def test_an_existing_output_is_replaced_only_when_it_is_a_checkpoint(run_yaml, tmp_path, capsys):
     src = _zero0_checkpoint(run_yaml, tmp_path / "ds")
     out = tmp_path / "z"

@@ -14,7 +14,8 @@ import os
 import pytest
 import torch
 
-from helpers import SEQ, fp32, hf_val_loss, lm_bundle, metrics, rank_infos, run_train, save_tiny, train_losses
+from helpers import (SEQ, assert_zero3_planned_to_the_byte, fp32, hf_val_loss, lm_bundle, metrics, rank_infos,
+                     run_train, save_tiny, train_losses)
 from models import build_workload, resolve
 from models.config import LoraConfig
 from models.lora import adapter_key, is_adapter
@@ -188,6 +189,9 @@ def test_lora_round_trip_under_partitioned_zero3(tmp_path, corpus):
         assert z["built_outside_zero_init"] == 0 and z["partitioned_tensors"] == 2 + 7 * 2 + 3 * 2, z
     losses = train_losses(a)
     assert len(losses) == 6 and losses[6] < losses[1], losses
+    # The planner against the measurement, frozen base with an untied head (embed_tokens, lm_head):
+    # parameters and gradients to the byte (DeepSpeed's prefetched embedding is "gathered", no model state).
+    assert_zero3_planned_to_the_byte(next(r for r in metrics(a) if "mem/model_states_bytes_per_rank" in r))
 
     # Checkpoints hold the adapter and its moments, not the frozen base.
     ckpt3, ckpt6 = a / "checkpoints" / "step_00000003", a / "checkpoints" / "step_00000006"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import metrics
+from helpers import TINY, assert_zero3_planned_to_the_byte, metrics, rank_infos, run_train
 from train.observe.memory import StepProbe, measure
 
 
@@ -87,6 +87,9 @@ def test_planner_matches_measured_within_10_percent(runs, fp32_stage_runs):
         row = runs[stage][0]
         for measured, planned in zip(row["mem/model_states_bytes_per_rank"], row["plan/model_states_bytes_per_rank"]):
             assert abs(planned - measured) / measured < 0.10, (stage, measured, planned)
+    # ZeRO-3's parameters and gradients to the byte (a prefetched parameter is "gathered", no model state).
+    z3 = runs["zero3"][0]
+    assert_zero3_planned_to_the_byte(z3)
     for stage in ("zero0", "zero3_offload"):  # on the device and, offloaded, on the host
         row = next(r for r in metrics(fp32_stage_runs[stage]) if "mem/model_states_bytes_per_rank" in r)
         for kind in ("model_states", "host"):
@@ -115,3 +118,33 @@ def test_startup_banner_shows_the_estimate_and_the_run_reports_the_measurement(r
         out = runs[stage][1]
         assert "model states " in out and "per rank (estimated)" in out, out[-3000:]
         assert "model states measured at step 2: rank 0" in out and "planner" in out
+
+
+@pytest.mark.multiproc
+def test_frozen_parameters_under_zero3_are_planned_to_the_byte(tmp_path, fp32_configs):
+    """LoRA over gpt-tiny (its head tied to the embedding) under ZeRO-3, 2 processes, fp32: the
+    frozen base is partitioned (the embedding = head and the matrices) or whole (the norms, under
+    the persistence threshold of 10 x d_model), the adapters partitioned by the engine or whole.
+    The plan counts every frozen tensor as DeepSpeed holds it. (The untied case, an hf: Llama, is
+    tests/test_lora.py's ZeRO-3 round trip.) Before, the embedding counted twice: DeepSpeed's
+    pre-forward prefetch had gathered it when the measurement ran (it is "gathered" now)."""
+    from models import gpt, gpt_config
+    from train.checkpoint.weights import write_weights
+    from train.config import ModelConfig
+    gcfg = gpt_config(ModelConfig(name="gpt-tiny"), vocab_size=256)
+    torch.manual_seed(0)
+    params = dict(gpt.GPT(gcfg).named_parameters())
+    write_weights(tmp_path / "base", [(n, tuple(p.shape), torch.float32) for n, p in params.items()],
+                  lambda n: params[n].detach(), dtype=torch.float32, max_shard_size="2GB",
+                  tied=[("lm_head.weight", "tok_emb.weight")], family="gpt",
+                  model_config={"family": "gpt", **gcfg.to_dict()})
+    run = tmp_path / "run"
+    run_train("torchrun", 2, ["--ds-config", fp32_configs["zero3"], *TINY, "--model.init_from", str(tmp_path / "base"),
+                              "--model.lora.r", "4", "--model.lora.target_modules", "qkv,proj", "--train.max_steps", "3",
+                              "--train.eval_every", "0", "--train.eval_batches", "1", "--train.run_dir", str(run)])
+    row = next(r for r in metrics(run) if "mem/model_states_bytes_per_rank" in r)
+    assert_zero3_planned_to_the_byte(row)
+    assert row["mem/gathered_bytes"] == 4 * 256 * 64, row    # the tied embedding, prefetched whole
+    for info in rank_infos(run):
+        z = info["zero3"]
+        assert z["partitioned_tensors"] == 1 + 2 * 4 and 0 < z["whole_elements"] < 0.05 * z["elements"], z

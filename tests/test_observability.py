@@ -161,3 +161,35 @@ def test_progress_line_and_durations():
          "step_time_s": 1.5}
     assert report.progress_line(m, 100, 4100) == "step 100/4100  loss 2.3457  lr 0.0003  12.35k tok/s  mfu 41.2%  eta 1h40m"
     assert report.duration(75) == "1m15s" and report.duration(3.25) == "3.2s"
+
+
+def test_only_torchs_deprecations_of_deepspeeds_two_collectives_are_silenced():
+    """In this process, through torch's real wrappers (they warn before failing without a process
+    group): the two calls DeepSpeed makes are silent, another deprecation of the same torch module
+    and the same text as another category still warn. The launch-level check (ZeRO-3's stderr) is
+    tests/test_stages.py's."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from train.launch import library_warnings
+    t = torch.zeros(2)
+
+    def warned(call) -> list[str]:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.resetwarnings()
+            warnings.simplefilter("always")
+            library_warnings.quiet()
+            try:
+                call()
+            except (RuntimeError, ValueError):
+                pass  # no default process group: the deprecation has warned by then
+        return [f"{w.category.__name__}: {w.message}" for w in seen]
+
+    assert warned(lambda: dist.all_gather_into_tensor(t, t)) == []
+    assert warned(lambda: dist.reduce_scatter_tensor(t, t)) == []
+    other = warned(lambda: dist._all_gather_base(t, t))
+    assert other and other[0].startswith("FutureWarning: `torch.distributed._all_gather_base`"), other
+    same_text = warned(lambda: warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated.", UserWarning))
+    assert same_text == ["UserWarning: `torch.distributed.all_gather_into_tensor` is deprecated."]

@@ -442,8 +442,10 @@ class DistributedConfig:
     the device allows (GPU free memory; on CPU the memory cgroup limit or the RAM) and stop with
     the option that fits if it does not. false: skip (e.g. a model the planner cannot size)."""
     memory_margin: float = 0.1
-    """Fraction of the per-rank memory --ds-config auto keeps free (estimate error, allocator
-    cache); the check warns when a run leaves less."""
+    """Fraction of the per-rank memory kept free (estimate error, allocator cache): --ds-config
+    auto chooses only options that leave it, and so does the memory check's advice; a chosen JSON
+    that leaves less but fits runs with a warning. Messages state the arithmetic and the margin
+    that would run an option."""
 
     def __post_init__(self):
         if self.timeout_s <= 0:

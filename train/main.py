@@ -19,9 +19,10 @@ if __package__ in (None, ""):
     # Run as a script: Python put train/ first on sys.path; import from the repo root instead.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from train.launch import device_env  # noqa: E402
+from train.launch import device_env, library_warnings  # noqa: E402
 
 device_env.apply()  # before torch is imported: huge pages, ZEROTRAIN_DEVICE=cpu
+library_warnings.quiet()  # before DeepSpeed's first collective: torch's deprecations of the calls it makes
 
 from train.args import parse_train_args  # noqa: E402
 from train.errors import user_errors  # noqa: E402

@@ -194,18 +194,34 @@ def _rename_ties(imp, run: _RunModel):
         imp.tied.pop(alias, None)
 
 
+def _vocab_only(differ: dict, mismatches: int, run: _RunModel) -> int | None:
+    """The checkpoint's vocabulary when every mismatch is a GPT tensor that differs from the model
+    only in its vocabulary dimension (the embedding, an untied head), by the same size; else None."""
+    vocab = run.workload.model_config.get("vocab_size") if run.workload.family == "gpt" else None
+    if vocab is None or not differ or len(differ) != mismatches:
+        return None
+    sizes = set()
+    for model_shape, ckpt_shape in differ.values():
+        dims = [i for i, (a, b) in enumerate(zip(model_shape, ckpt_shape)) if a != b]
+        if len(model_shape) != len(ckpt_shape) or len(dims) != 1 or model_shape[dims[0]] != vocab:
+            return None
+        sizes.add(ckpt_shape[dims[0]])
+    return sizes.pop() if len(sizes) == 1 else None
+
+
 def _check(imp, run: _RunModel, strict: bool, config: str):
     """Names and shapes against the run's model: one line per mismatch. Weights must match
     exactly; optimizer state that fits no parameter is an error unless --strict false."""
     _rename_ties(imp, run)
     for n in [n for n in imp.weights if n in run.buffers]:  # HF weight files hold persistent buffers too
         imp.buffers[n] = imp.weights.pop(n)
-    lines = []
+    lines, differ = [], {}
     for n, shape in run.shapes.items():
         if n not in imp.weights:
             lines.append(f"  {n}: in model {list(shape)}, not in the checkpoint")
         elif tuple(imp.weights[n].shape) != shape:
             lines.append(f"  {n}: model {list(shape)} vs checkpoint {list(imp.weights[n].shape)}")
+            differ[n] = (shape, tuple(imp.weights[n].shape))
     for n, t in imp.weights.items():
         if n not in run.shapes:
             lines.append(f"  {n}: in the checkpoint {list(t.shape)}, not in the model")
@@ -213,9 +229,14 @@ def _check(imp, run: _RunModel, strict: bool, config: str):
         if n not in run.buffers:
             lines.append(f"  buffer {n}: in the checkpoint {list(t.shape)}, not in the model")
     if lines:
+        vocab = _vocab_only(differ, len(lines), run)
+        fix = (f"the checkpoint was trained with a vocabulary of {vocab}, this model has "
+               f"{run.workload.model_config['vocab_size']}"
+               + (" (model.vocab_size is unset: the data's)" if run.cfg.model.vocab_size is None else "")
+               + f": set model.vocab_size: {vocab} in {config}") if vocab else \
+            "import with the run file of the model that was trained"
         raise CheckpointError(f"the checkpoint's weights do not fit the model of {config} "
-                              f"({len(lines)} mismatches):\n" + "\n".join(lines) +
-                              "\nimport with the run file of the model that was trained")
+                              f"({len(lines)} mismatches):\n" + "\n".join(lines) + "\n" + fix)
     problems = []
     for n in list(imp.steps):
         if n not in run.trainable:

@@ -121,6 +121,16 @@ class Budget:
     runtime: int       # bytes this rank holds before the model exists (owned_bytes() on CPU; 0 on CUDA)
 
 
+def local_ranks(environ=os.environ) -> int:
+    """Ranks on this node, as the launcher that started us says, already before the Accelerator
+    exists (the budget is measured then): torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher
+    only LOCAL_SIZE (Accelerate sets LOCAL_WORLD_SIZE when it starts), mpirun OMPI_COMM_WORLD_LOCAL_SIZE."""
+    for k in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if environ.get(k, "").strip().isdigit():
+            return max(1, int(environ[k]))
+    return 1
+
+
 def local_budget() -> tuple[int, str, str | None, int]:
     """This rank's own view, before agreeing with the others: (bytes, why, the cgroup that
     limits it or None, runtime bytes the process holds now: owned_bytes() on CPU, 0 on CUDA)."""
@@ -131,7 +141,7 @@ def local_budget() -> tuple[int, str, str | None, int]:
         return free, f"the free memory of {torch.cuda.get_device_name()} (of {human_bytes(total)})", None, 0
     owned = owned_bytes()
     avail = mem_available()
-    ram = owned + (avail // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if avail is not None else 1 << 60)
+    ram = owned + (avail // local_ranks() if avail is not None else 1 << 60)
     limit = cgroup_limit()
     if limit is not None and limit.bytes < ram:
         return limit.bytes, f"the memory cgroup limit of {limit.path}", limit.path, owned

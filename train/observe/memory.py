@@ -5,7 +5,9 @@ Counting rule: every tensor we can reach is reduced to its storage, and each sto
 once, under the first category that claims it (params, then grads, then optimizer, then
 buffers). Views therefore never double count: ZeRO-1/2 parameters are views into one flat
 buffer, DDP gradients are views into its buckets, ZeRO-3 ``ds_tensor``s are views into
-the flat partition.
+the flat partition. A partitioned ZeRO-3 parameter that happens to be gathered whole at the
+moment (DeepSpeed prefetches the first modules' parameters at the start of each forward) counts
+as "gathered", outside the model states: the planner counts it in the backward's working set.
 
 The snapshot is taken right before the optimizer step of the second step: gradients are
 fully reduced into whatever DeepSpeed keeps them in, the lazily created Adam moments exist
@@ -28,7 +30,7 @@ import torch
 if TYPE_CHECKING:
     from train.plan.estimate import Estimate
 
-CATEGORIES = ("params", "grads", "optimizer", "buffers")
+CATEGORIES = ("params", "grads", "optimizer", "buffers", "gathered")
 
 
 @dataclass
@@ -119,8 +121,15 @@ def measure(model, raw_optimizer, accelerator_is_cpu: bool | None = None) -> Mod
     params = [p for p in _unwrap(model).parameters()]
 
     # -- parameters: the working copy forward uses (whole, a flat buffer, or a ZeRO-3 partition)
-    c.add("params", "module.parameters", [p.data for p in params])
     c.add("params", "zero3.ds_tensor", [p.ds_tensor for p in params if hasattr(p, "ds_tensor")], off_param)
+    # A partitioned ZeRO-3 parameter whole at this moment is a transient working copy, not a model
+    # state: from step 2 on (its trace recorded) DeepSpeed's pre-forward hook on the model prefetches
+    # the first modules' parameters (partitioned_param_coordinator.py, _fetch_sub_module_impl), so
+    # the embedding is gathered (INFLIGHT) when the probe's own pre-forward hook runs. The planner
+    # counts gathered parameters in the backward's working set, not in the parameters.
+    c.add("gathered", "zero3.gathered", [p.data for p in params if hasattr(p, "ds_tensor")
+                                         and not getattr(p, "ds_persist", False)])
+    c.add("params", "module.parameters", [p.data for p in params])  # whole: DDP, ZeRO-0/1/2, ZeRO-3 persistent
     for name in ("bit16_groups_flat", "fp16_groups_flat"):
         c.add("params", name, getattr(zero, name, None))
     c.add("params", "fp16_partitioned_groups_flat", getattr(zero, "fp16_partitioned_groups_flat", None), off_param)
@@ -218,7 +227,8 @@ class MemoryReport:
     gather every rank's bytes, log them as mem/* next to the planner's plan/* and print one
     line. One small all-gather, once per run."""
 
-    FIELDS = ("params", "grads", "optimizer", "buffers", "model_states", "host", "plan_model_states", "plan_host")
+    FIELDS = ("params", "grads", "optimizer", "buffers", "gathered", "model_states", "host", "plan_model_states",
+              "plan_host")
 
     def __init__(self, *, acc, model, raw_optimizer, is_deepspeed: bool, start_step: int, max_steps: int,
                  plan: Estimate | None, log: Callable[[dict, int], None]):
@@ -240,8 +250,8 @@ class MemoryReport:
         self.probe.disarm()
         r = self.probe.result or ModelStateBytes()
         plan = self.plan
-        mine = [r.device["params"], r.device["grads"], r.device["optimizer"], r.device["buffers"], r.model_states,
-                r.host_total, plan.model_states if plan else -1, plan.host if plan else -1]
+        mine = [r.device["params"], r.device["grads"], r.device["optimizer"], r.device["buffers"], r.device["gathered"],
+                r.model_states, r.host_total, plan.model_states if plan else -1, plan.host if plan else -1]
         acc = self.acc
         rows = acc.gather(torch.tensor(mine, dtype=torch.int64, device=acc.device)).view(-1, len(mine)).cpu()
         if not acc.is_main_process:

@@ -11,8 +11,10 @@ A rank's peak is
 
 * runtime: what the process holds before the model exists. On CUDA the device's free memory is
   read after the context exists, so 0; on a CPU (the device is host RAM) the memory a rank owns
-  once torch, DeepSpeed, Accelerate, transformers and torch._dynamo are imported (~0.45 GiB of
-  anonymous pages; their shared library code, ~0.5 GiB, is charged to no rank), measured.
+  once torch, DeepSpeed, Accelerate, transformers and torch._dynamo are imported (~0.36-0.45 GiB
+  of anonymous pages; their shared library code, ~0.5 GiB, is charged to no rank), measured
+  before the process group exists, plus what starting the option's Accelerator adds (STARTUP:
+  DeepSpeed's communication backend ~42 MiB, DDP ~3 MiB).
 * model states (params, grads, optimizer) follow what DeepSpeed 0.19 really allocates (read from
   its source, checked to the byte against train/observe/memory.py's measurement), not only the ZeRO
   paper's 16Ψ / 4Ψ+12Ψ/N / 2Ψ+14Ψ/N / 16Ψ/N for mixed-precision Adam:
@@ -76,6 +78,10 @@ DDP_BUCKET_CAP_MB = 25        # torch DDP's default bucket_cap_mb
 # DeepSpeed's CPU all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp): a shared-memory workspace of
 # 2 x 32 MiB per rank (+ small-message buffers), charged to the rank that creates it.
 DS_CPU_COMM_WORKSPACE = 64 * MiB
+# What a CPU rank's owned memory grows by while its Accelerator starts, on top of Device.runtime
+# (measured before the process group exists): DeepSpeed's communication backend and comm op
+# 41.7 MiB, DDP 2.9 MiB (gpt-tiny, 2 ranks, torchrun and the deepspeed launcher alike; issue 30).
+STARTUP = {"deepspeed": 48 * MiB, "ddp": 4 * MiB}
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -136,7 +142,8 @@ class Batch:
 class Device:
     """What the planned ranks run on. kind "cuda": bytes allocated on the GPU (the budget is its
     free memory); "cpu": resident bytes of a process whose device is host RAM. runtime: bytes
-    the process holds before the model exists (CPU: the libraries, ~0.9 GiB; CUDA: 0)."""
+    the process owns before its process group and Accelerator exist (CPU: the libraries,
+    ~0.36 GiB owned; CUDA: 0); on a CPU the estimate adds the option's own start-up (STARTUP)."""
 
     kind: str = "cuda"
     runtime: int = 0
@@ -332,8 +339,11 @@ def estimate(shape: ModelShape, s: Strategy, world: int, batch: Batch, rank: Opt
     if not shape.shapes_known:
         notes.append("transients of single tensors unknown (parameter count only)")
 
+    # The same runtime whichever path asks (the memory check, --ds-config auto, zerotrain plan).
+    runtime = device.runtime + (STARTUP[s.backend] if cpu and device.runtime else 0)
+
     def finish(**kw) -> Estimate:
-        e = Estimate(s, activations=act, runtime=device.runtime, device_kind=device.kind, notes=notes, **kw)
+        e = Estimate(s, activations=act, runtime=runtime, device_kind=device.kind, notes=notes, **kw)
         for k in ("params", "grads", "optimizer", "buffers", "host", "backward_work", "step_work"):
             setattr(e, k, int(getattr(e, k)))
         return e

@@ -5,18 +5,26 @@ of the backward and optimizer-step working sets) and compare it with the budget 
 agrees on (train/launch/device_memory.py: the tightest over all ranks).
 
 * The check (distributed.memory_check): a run whose plan exceeds the budget stops before any
-  model exists, with one line naming the limit, what the chosen strategy needs and the fastest
-  option that fits; one within the margin gets a warning. Without it the kernel kills the
-  rank mid-run (exit 137) with no word of why.
+  model exists, with one line naming the limit, what the chosen strategy needs and what to use
+  instead; one that fits only without the margin gets a warning. Without it the kernel kills
+  the rank mid-run (exit 137) with no word of why.
 * `--ds-config auto` (or `auto:<dir>`: choose among the JSONs of another directory, e.g. fp32
   copies of the shipped ones): the fastest option of train/plan.OPTIONS whose plan leaves
   distributed.memory_margin of the budget free. One line says what it chose and why, and
   what the next-faster option would have needed; config.json records it.
+
+The two agree by construction: the budget is measured once per rank at the same point (before
+the process group and the Accelerator exist; each option's own start-up growth is the
+planner's, train/plan/estimate.py STARTUP), so an option gets one estimate whichever path asks;
+an option "fits" for both only with the margin (`fits`), and every message that applies the
+margin states it; the check's advice is the option auto would choose among the same JSONs
+(`advise`), so it never points to one that auto then refuses.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,23 +53,25 @@ def auto_dir(ds_config: str) -> Path:
     return d
 
 
-# Growth of a CPU rank's memory between a bare process group and the Accelerator with DeepSpeed's
-# communication set up (measured 42 MiB): --ds-config auto decides before them.
-STARTUP_ALLOWANCE = 48 * 2 ** 20
-
-
-def agreed_budget(before_accelerator: bool = False) -> Budget:
-    """The budget of the tightest rank. Ranks of one node inside one memory cgroup share its
-    limit. Collective when a process group exists (every rank must call it)."""
+def local_view() -> dict:
+    """This rank's own view of its budget (collective-free). Measured once per run, before the
+    process group and the Accelerator exist, by both the check and --ds-config auto, so that
+    both see the same runtime; the memory an option's start-up adds is the planner's."""
     importlib.import_module("torch._dynamo")  # the first optimizer imports it (~150 MiB resident): count it now
     nbytes, source, cgroup, runtime = local_budget()
-    if runtime and before_accelerator:
-        runtime += STARTUP_ALLOWANCE
+    return {"bytes": nbytes, "source": source, "cgroup": cgroup, "host": socket.gethostname(), "runtime": runtime}
+
+
+def agreed_budget(mine: dict | None = None) -> Budget:
+    """The budget of the tightest rank, from every rank's local_view() (measured now if not
+    given). Ranks of one node inside one memory cgroup share its limit. Collective when a
+    process group exists (every rank must call it)."""
+    mine = mine or local_view()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return Budget(nbytes, source + (" (1 rank in it)" if cgroup else ""), device, runtime)
-    mine = {"bytes": nbytes, "source": source, "cgroup": cgroup, "host": socket.gethostname(), "runtime": runtime}
+        return Budget(mine["bytes"], mine["source"] + (" (1 rank in it)" if mine["cgroup"] else ""), device,
+                      mine["runtime"])
     views: list = [None] * dist.get_world_size()
     dist.all_gather_object(views, mine)
     per_rank = []
@@ -71,6 +81,12 @@ def agreed_budget(before_accelerator: bool = False) -> Budget:
         per_rank.append((v["bytes"] // max(1, sharing), why))
     share, why = min(per_rank)
     return Budget(share, why, device, max(v["runtime"] for v in views))
+
+
+def measure(cfg, ds_path: str | None) -> dict | None:
+    """This rank's local_view() when the check or --ds-config auto will need it, else None. Call it
+    before resolve_auto (train/training/build.py): the point both measure at."""
+    return local_view() if cfg.distributed.memory_check or is_auto(ds_path) else None
 
 
 def model_shape(spec, data):
@@ -103,6 +119,24 @@ def _why(e) -> str:
     if e.host and e.device_kind == "cpu":
         parts.append(f"offloaded {hb(e.host)}")
     return ", ".join(parts)
+
+
+def fits(e, budget: Budget, margin: float) -> bool:
+    """The one rule both paths use: the predicted peak leaves `margin` of the budget free."""
+    return e.device_total <= (1 - margin) * budget.bytes
+
+
+def with_margin(e, budget: Budget, margin: float) -> str:
+    """The margin's arithmetic for a message: '2.41 GiB + 10% margin (0.26 GiB) = 2.67 GiB > 2.62 GiB'."""
+    kept = margin * budget.bytes
+    total = e.device_total + kept
+    return (f"{hb(e.device_total)} + {margin:.0%} margin ({hb(kept)}) = {hb(total)} "
+            f"{'<=' if total <= budget.bytes else '>'} {hb(budget.bytes)}")
+
+
+def margin_that_runs(e, budget: Budget) -> float:
+    """The largest distributed.memory_margin (in hundredths) with which `e` fits (0 if it does not fit at all)."""
+    return max(0.0, math.floor(100 * (1 - e.device_total / budget.bytes)) / 100)
 
 
 @dataclass
@@ -143,44 +177,57 @@ def choose(ds_config: str, cfg, spec, data, batch, seq_len, world: int, budget: 
     rows = _rows(model_shape(spec, data), _plan_batch(cfg, batch, seq_len), world, _device(budget), configs)
     if not rows:
         raise ConfigError(f"--ds-config {ds_config}: {configs} holds none of ddp.json, zero1.json, ... zero3_offload.json")
-    usable = (1 - margin) * budget.bytes
     for i, e in enumerate(rows):
-        if e.device_total <= usable:
+        if fits(e, budget, margin):
             nf = rows[i - 1] if i else None
-            line = (f"--ds-config auto: {e.strategy.label} ({e.strategy.path}): predicted peak {hb(e.device_total)} "
-                    f"per rank fits {hb(budget.bytes)}, {budget.source}, with {margin:.0%} headroom "
-                    f"({hb(usable)} usable)"
+            line = (f"--ds-config auto: {e.strategy.label} ({e.strategy.path}): predicted peak per rank "
+                    f"{with_margin(e, budget, margin)}, {budget.source}"
                     + (f"; the faster {nf.strategy.label} would need {hb(nf.device_total)}" if nf else
                        "; it is the fastest option"))
             return Choice(e.strategy.path, e.strategy.label, e, nf, line, budget, margin)
+    tight = next((r for r in rows if r.device_total <= budget.bytes), None)
+    if tight is not None:  # fits, but not with the margin: say so, and what would run it
+        raise DoesNotFit(f"--ds-config auto: no option fits {hb(budget.bytes)} ({budget.source}) with the "
+                         f"{margin:.0%} distributed.memory_margin: the fastest that fits without it, "
+                         f"{tight.strategy.label}, needs {with_margin(tight, budget, margin)}; "
+                         f"{_tight_fix(tight, budget, ds_config, f'--ds-config {_rel(tight.strategy.path)}')}")
     least = min(rows, key=lambda r: r.device_total)
     raise DoesNotFit(f"--ds-config auto: no option fits {hb(budget.bytes)} ({budget.source}): the smallest, "
                      f"{least.strategy.label}, needs "
                      f"{hb(least.device_total)} per rank ({_why(least)}); {_advice(cfg)}")
 
 
-def resolve_auto(ds_path: str, cfg, spec, data, batch, seq_len, world: int) -> tuple[str, Choice | None]:
+def _tight_fix(e, budget: Budget, auto: str | None, use: str) -> str:
+    """What runs an option that fits only without the margin: the same words from both paths."""
+    run = f"`--distributed.memory_margin {margin_that_runs(e, budget):g}`" + (f" with --ds-config {auto}" if auto else "")
+    return f"{run} would run it (or {use}, which the memory check only warns about)"
+
+
+def resolve_auto(ds_path: str, cfg, spec, data, batch, seq_len, world: int,
+                 view: dict | None = None) -> tuple[str, Choice | None]:
     """(the JSON to use, the Choice when ds_path is auto). Every rank must choose the same JSON,
-    so they agree on the budget first, over a process group made now (Accelerate and DeepSpeed
-    then adopt it). Collective."""
+    so they agree on the budget first (`view`: this rank's measure()), over a process group made
+    now (Accelerate and DeepSpeed then adopt it). Collective."""
     if not is_auto(ds_path):
         return ds_path, None
     from train.launch.distributed import init_process_group
     init_process_group(cfg.distributed.timeout_s)
-    choice = choose(ds_path, cfg, spec, data, batch, seq_len, world, agreed_budget(before_accelerator=True))
+    choice = choose(ds_path, cfg, spec, data, batch, seq_len, world, agreed_budget(view))
     if torch.distributed.get_rank() == 0:
         print(f"zerotrain: {choice.line}", flush=True)
     return choice.path, choice
 
 
-def preflight(cfg, spec, ds, data, batch, seq_len, world: int, is_main: bool):
+def preflight(cfg, spec, ds, data, batch, seq_len, world: int, is_main: bool, view: dict | None = None,
+              choice: Choice | None = None):
     """The memory check before the model exists (distributed.memory_check): (the Estimate it
-    compared, the agreed Budget), or (None, None) when it is off. Raises DoesNotFit; prints the
-    warning of a tight fit. A model the planner cannot size trains unchecked, with a note.
-    Collective."""
+    compared, the agreed Budget), or (None, None) when it is off. `view`: this rank's measure(),
+    taken before the Accelerator (the budget auto chose with, `choice.budget`, when it ran).
+    Raises DoesNotFit; prints the warning of a tight fit. A model the planner cannot size trains
+    unchecked, with a note. Collective."""
     if not cfg.distributed.memory_check:
         return None, None
-    budget = agreed_budget()
+    budget = choice.budget if choice is not None else agreed_budget(view)
     try:
         planned, warning = check(cfg, spec, ds, data, batch, seq_len, world, budget)
     except UserError:
@@ -210,29 +257,54 @@ def check(cfg, spec, ds, data, batch, seq_len, world: int, budget: Budget):
     pb, device = _plan_batch(cfg, batch, seq_len), _device(budget)
     e = estimate(shape, strategy_from_setup(ds), world, pb, device=device)  # the largest rank
     margin = cfg.distributed.memory_margin
-    if e.device_total <= (1 - margin) * budget.bytes:
+    if fits(e, budget, margin):
         return e, None
     if e.device_total <= budget.bytes:
-        return e, (f"warning: {ds.describe()} is predicted to need {hb(e.device_total)} per rank, within "
-                   f"{margin:.0%} of the {hb(budget.bytes)} allowed ({budget.source}); the estimate's error or the "
-                   f"allocator's cache may not fit")
-    fits = [r for r in _rows(shape, pb, world, device, paths.DS_CONFIGS, ds.precision)
-            if r.device_total <= budget.bytes]
-    if fits:
-        from train.plan.estimate import strategy_from_json
-        best = fits[0]
-        name = Path(best.strategy.path).name
-        same = strategy_from_json(best.strategy.label, Path(best.strategy.path)).precision == ds.precision
-        how = (f"use --ds-config {_rel(best.strategy.path)}" if same else
-               f"use a {best.strategy.label} JSON with this run's {ds.precision} (like ds_configs/{name} with "
-               f"{'bf16 and fp16 disabled' if ds.precision == 'fp32' else ds.precision + ' enabled'})")
-        suggestion = (f"{best.strategy.label} is the fastest option that fits ({hb(best.device_total)}): {how}, "
-                      f"or --ds-config auto")
-    else:
-        suggestion = f"no shipped option fits; {_advice(cfg)}"
+        return e, (f"warning: {ds.describe()} is predicted to need {with_margin(e, budget, margin)} per rank "
+                   f"({budget.source}): it runs, but the estimate's error or the allocator's cache may not fit "
+                   f"(distributed.memory_margin)")
     raise DoesNotFit(f"{ds.describe()} [{ds.path}] needs about {hb(e.device_total)} per rank ({_why(e)}) but "
-                     f"{budget.source} allows {hb(budget.bytes)}; {suggestion}. (distributed.memory_check false "
-                     f"skips this check)")
+                     f"{budget.source} allows {hb(budget.bytes)}; {advise(cfg, shape, pb, world, device, ds, budget)}. "
+                     f"(distributed.memory_check false skips this check)")
+
+
+def advise(cfg, shape, pb, world: int, device, ds, budget: Budget) -> str:
+    """What to run instead of a strategy that does not fit: exactly what --ds-config auto would
+    choose among the same JSONs (their directory when it holds the option files, e.g. fp32
+    copies; else the shipped ones in this run's precision), with the same margin."""
+    from train.plan.estimate import OPTIONS, strategy_from_json
+    margin = cfg.distributed.memory_margin
+    here = Path(ds.path).parent if ds.path else None
+    if here is not None and sum((here / f).is_file() for _, f in OPTIONS) > 1:
+        rows, auto = _rows(shape, pb, world, device, here), _auto_flag(here)  # auto:<here> sees these very rows
+        how = lambda r: f"--ds-config {_rel(r.strategy.path)}"  # noqa: E731
+    else:
+        rows = _rows(shape, pb, world, device, paths.DS_CONFIGS, ds.precision)
+        same = all(strategy_from_json(r.strategy.label, Path(r.strategy.path)).precision == ds.precision for r in rows)
+        auto = "auto" if same else None
+
+        def how(r):
+            if strategy_from_json(r.strategy.label, Path(r.strategy.path)).precision == ds.precision:
+                return f"--ds-config {_rel(r.strategy.path)}"
+            return (f"a {r.strategy.label} JSON with this run's {ds.precision} (like ds_configs/"
+                    f"{Path(r.strategy.path).name} with "
+                    f"{'bf16 and fp16 disabled' if ds.precision == 'fp32' else ds.precision + ' enabled'})")
+    auto_hint = (f", or --ds-config {auto}" if auto else
+                 ", or --ds-config auto:DIR with such copies of every shipped JSON in DIR")
+    best = next((r for r in rows if fits(r, budget, margin)), None)
+    if best is not None:
+        return (f"{best.strategy.label} is the fastest option that fits with the {margin:.0%} margin "
+                f"({with_margin(best, budget, margin)}): use {how(best)}{auto_hint}")
+    tight = next((r for r in rows if r.device_total <= budget.bytes), None)
+    if tight is not None:
+        return (f"no option fits with the {margin:.0%} distributed.memory_margin: the fastest that fits without it, "
+                f"{tight.strategy.label}, needs {with_margin(tight, budget, margin)}; "
+                f"{_tight_fix(tight, budget, auto, how(tight))}")
+    return f"no option fits; {_advice(cfg)}"
+
+
+def _auto_flag(d: Path) -> str:
+    return "auto" if d.resolve() == paths.DS_CONFIGS.resolve() else f"auto:{_rel(str(d))}"
 
 
 def _rel(path: str) -> str:

@@ -157,7 +157,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
             and os.environ.get("RANK", "0") == "0":
         name, why = dist_.default_ds_config()
         print(f"zerotrain: no --ds-config given: ds_configs/{name} ({why}); pass --ds-config to choose", flush=True)
-    ds_path, choice = fit.resolve_auto(ds_path, cfg, spec, data, batch, seq_len, world)  # --ds-config auto
+    view = fit.measure(cfg, ds_path)  # the memory budget: one view for the check and --ds-config auto
+    ds_path, choice = fit.resolve_auto(ds_path, cfg, spec, data, batch, seq_len, world, view)  # --ds-config auto
     ds = resolve(ds_path, cfg, batch, max_steps, cuda=cuda, hidden_size=hidden_size_of(spec, data))
     dist_.check_accelerate_precision(ds)
     hardware.check_compile(cfg, ds)
@@ -174,7 +175,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     wandb_logger.preflight(acc, cfg)  # W&B online without credentials: every rank stops here
     _write_rank_info(run_dir, acc, topo, ds)
     # Before the model exists: a plan that does not fit the device memory stops here.
-    planned, budget = fit.preflight(cfg, spec, ds, data, batch, seq_len, world, acc.is_main_process)
+    planned, budget = fit.preflight(cfg, spec, ds, data, batch, seq_len, world, acc.is_main_process, view, choice)
 
     from accelerate.utils import set_seed
     set_seed(cfg.train.seed)  # identical initial weights on every rank
