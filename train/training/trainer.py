@@ -550,6 +550,8 @@ class Trainer:
         self._finished = True
 
     def close(self):
+        if self.data.stream is not None:
+            self.data.stream.close()  # its tokenizer pool, before the exit hooks join it (train/data/stream.py)
         self.loggers.close(failed=not self._finished or self.stop_reason == "diverged")
         if self.elastic:
             self.elastic.close()
