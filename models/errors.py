@@ -9,12 +9,24 @@ the same classes.
 from __future__ import annotations
 
 import difflib
+import re
+
+# torch re-raises a DataLoader worker's exception in the main process as
+# type(e)("Caught X in DataLoader worker process N.\nOriginal Traceback ...\n...X: <message>").
+_WORKER_WRAPPED = re.compile(r"Caught \w+ in DataLoader worker process \d+\.\nOriginal Traceback")
 
 
 class UserError(Exception):
-    """Something the user can fix (config, data, launch). Printed without a traceback."""
+    """Something the user can fix (config, data, launch). Printed without a traceback: also when
+    it was raised in a DataLoader worker, whose wrapper would put the worker's traceback into the
+    message (the message is then the worker's own, the same line as in-process)."""
 
     exit_code = 2
+
+    def __init__(self, *args):
+        if len(args) == 1 and isinstance(args[0], str) and _WORKER_WRAPPED.match(args[0]):
+            args = (args[0].rsplit(f"{type(self).__name__}: ", 1)[-1].strip(),)
+        super().__init__(*args)
 
 
 class ConfigError(UserError):

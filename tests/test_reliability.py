@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from helpers import (BAD_SFT_RECORDS, MAIN, REPO, TINY, assert_resumable_checkpoint, run_main, source_tokens,
-                     subprocess_env, write_token_file)
+from helpers import (BAD_SFT_RECORDS, MAIN, REPO, TINY, assert_resumable_checkpoint, fp32, run_main,
+                     source_tokens, subprocess_env, write_token_file)
 from train.commands.check import main as check_main
 
 
@@ -123,6 +123,44 @@ def test_bad_input_from_a_real_process_has_no_traceback_unless_debug(tmp_path):
                        timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == ["zerotrain: error: --optim.lr needs a value"]
 
+
+
+def _one_line_exit_2(p, *needles):
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("zerotrain: error: "), p.stderr[-3000:]
+    assert all(n in lines[0] for n in needles), lines[0]
+
+
+def test_a_corrupt_image_read_by_a_dataloader_worker_is_one_line(tmp_path):
+    """ImageFolder decodes in DataLoader workers by default (1 per rank here): the worker's
+    DataError reaches the user as the line it gives in-process, not torch's wrapper and traceback."""
+    from train.data.make_shapes import make_shapes
+    root = make_shapes(tmp_path / "img", ["red", "blue"], per_class=4, val_per_class=1, size=16)
+    broken = root / "train" / "blue" / "blue_00001.jpg"
+    broken.write_bytes(b"not a jpeg at all")
+    p = subprocess.run([sys.executable, MAIN, "--ds-config", fp32(tmp_path, "ddp"), "--model.name",
+                        "resnet18", "--data.kind", "imagefolder", "--data.path", str(root), "--data.image_size", "16",
+                        "--train.micro_batch_size", "8", "--train.max_steps", "2", "--train.eval_every", "0",
+                        "--train.progress", "false", "--train.run_dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert "DataLoader worker" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+    _one_line_exit_2(p, f"unreadable image {broken}", "data.on_bad_sample skip")
+
+
+def test_a_bad_stream_record_read_by_a_tokenizer_worker_is_one_line(tmp_path):
+    """data.kind stream tokenizes in its own pool (data.num_workers 1): a record without the text
+    field, deep in the file, is named by byte offset in one line from the worker."""
+    path = tmp_path / "x.jsonl"
+    path.write_text("\n".join([json.dumps({"text": f"document {i} " * 20}) for i in range(3000)]
+                              + ['{"txt": 1}']) + "\n")
+    p = subprocess.run([sys.executable, MAIN, "--ds-config", fp32(tmp_path, "ddp"), "--model.name", "gpt-tiny",
+                        "--data.kind", "stream", "--data.path", str(path), "--data.seq_len", "32",
+                        "--data.num_workers", "1", "--train.micro_batch_size", "8", "--train.max_steps", "400",
+                        "--train.eval_every", "0", "--train.progress", "false", "--checkpoint.save_at_end", "false",
+                        "--train.run_dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    _one_line_exit_2(p, "x.jsonl: record at byte", "has no field 'text' (fields: txt)")
 
 HOSTFILES = {
     "syntax error": ("node0 slots=2\nnode1 slot=2\n", "hostfile:2: cannot parse \"node1 slot=2\""),
