@@ -25,11 +25,12 @@ PYTEST_ARGS ?=
 # cores: XDIST="-n 4 --dist loadgroup" (a test module per worker at a time, tests/conftest.py).
 XDIST       ?=
 
-.PHONY: install ops train test test-fast bench clean help
+.PHONY: install ops train test test-all test-fast bench clean help
 
 help:
 	@echo "make train   # create .venv, install, train the default byte-level GPT ($(DS_CONFIG), $(NPROC) procs)"
-	@echo "make test    # create .venv, install, run the whole test suite"
+	@echo "make test    # create .venv, install, run the quick tier (in-process tests + the launches in tests/conftest.py QUICK_TIER)"
+	@echo "make test-all  # everything (what CI runs)"
 	@echo "make bench   # stage benchmark (writes bench/results/*.json, see BENCHMARKS.md)"
 
 $(STAMP): pyproject.toml
@@ -48,7 +49,12 @@ ops: $(STAMP)
 train: ops
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) train/main.py --config $(RUN) --ds-config $(DS_CONFIG)
 
+# The quick tier: every in-process test and the launches tests/conftest.py QUICK_TIER lists.
 test: ops
+	$(PY) -m pytest $(XDIST) -m "not full" $(PYTEST_ARGS)
+
+# Every test (CI): the quick tier plus every launch marked `full`.
+test-all: ops
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: ops

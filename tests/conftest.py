@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, STAGE_ARGS, STAGE_RUNS, cached_run, fp32, make_tokenizer, random_text, write_texts
+from helpers import REPO, STAGE_ARGS, cached_run, fp32, make_tokenizer, random_text, write_texts
 # The one session-wide two-node rig, registered here: a fixture imported into two test modules is two
 # fixtures (one per module), i.e. two rigs at once, whose namespaces collide (zt<pid>n0 exists).
 from multinode.fixture import two_nodes  # noqa: F401,E402 (fixture)
@@ -37,9 +37,46 @@ def pytest_sessionfinish(session, exitstatus):
     sweep_stale(min_age_s=0)
 
 
+# The quick tier (`make test`): every in-process test, plus the launches below, the fewest that
+# prove each kind of promise once. Every other test that launches processes (marked multiproc,
+# multinode or soak) is marked `full`: `make test-all` (what CI runs) adds them. Test id prefix: why.
+QUICK_TIER = {
+    "test_launchers.py::": "each launcher (torchrun, deepspeed, accelerate, python): true ranks, distinct "
+                           "shards of the global batch, identical losses (4 launches)",
+    "test_stages.py::test_each_stage_trains_fp32[ddp-": "DDP really wraps 2 processes and trains",
+    "test_stages.py::test_each_stage_trains_fp32[zero1-": "ZeRO-1 trains",
+    "test_stages.py::test_each_stage_trains_fp32[zero2-": "ZeRO-2 trains",
+    "test_stages.py::test_each_stage_trains_fp32[zero3-": "ZeRO-3 trains",
+    **{f"test_stages.py::test_stages_agree_in_fp32[{z}]": "DDP vs ZeRO-1/2/3: the same losses (4 launches, shared)"
+       for z in ("zero1", "zero2", "zero3")},
+    "test_stages.py::test_zero3_runs_partition_every_large_tensor[zero3]": "ZeRO-3 really partitions",
+    "test_stages.py::test_zero3_stderr": "no library warning flood (the ZeRO-3 launch)",
+    **{f"test_memory.py::{t}": "measured model states per stage vs the planner (the same 4 launches)" for t in (
+        "test_measured_model_states_decrease", "test_planner_matches_measured_within_10_percent",
+        "test_each_stage_partitions", "test_startup_banner")},
+    "test_checkpoint.py::test_zero3_resume_is_bit_identical": "exact resume, partitioned ZeRO-3 checkpoint (2)",
+    "test_checkpoint.py::test_zero3_export_equals_checkpoint": "partitioned ZeRO-3 export, live = offline",
+    "test_checkpoint.py::test_init_from_exported_weights": "a new run from the export (1 process)",
+    "test_checkpoint.py::test_one_process_checkpoint_resumes_on_two": "resume onto another world size and stage",
+    "test_lora.py::test_lora_round_trip_under_partitioned_zero3": "LoRA under ZeRO-3: save, resume, PEFT (3)",
+    "test_multinode.py::test_torchrun_two_nodes_c10d_rendezvous": "one two-node launch (the ssh rig)",
+    "test_fit.py::test_ddp_over_the_cap_stops_before_training": "the fit-frontier refusal under a kernel cap (2)",
+    "test_reliability.py::test_nan_steps_are_skipped_then_the_run_stops_with_the_last_good_state[ddp]":
+        "one fault: NaN steps skipped, then a stop with the last good state",
+}
+LAUNCH_MARKERS = ("multiproc", "multinode", "soak")
+
+
+def in_quick_tier(nodeid: str) -> bool:
+    test_id = nodeid.split("tests/", 1)[-1]
+    return any(test_id.startswith(prefix) for prefix in QUICK_TIER)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(SHARED_LAUNCHES.get(item.path.name, item.path.name)))
+        if any(item.get_closest_marker(m) for m in LAUNCH_MARKERS) and not in_quick_tier(item.nodeid):
+            item.add_marker(pytest.mark.full)
 
 
 ZERO3_WARNINGS_VISIBLE = {"PYTHONWARNINGS": None, "PYTHONPATH": str(REPO / "tests" / "warnings_probe")}
@@ -50,19 +87,31 @@ def repo() -> Path:
     return REPO
 
 
+class _StageRuns(dict):
+    """run name -> run dir, launched on first use: the quick tier reads DDP and ZeRO-1/2/3 only."""
+
+    def __init__(self, launch):
+        super().__init__()
+        self._launch = launch
+
+    def __missing__(self, name: str) -> Path:
+        self[name] = self._launch(name)
+        return self[name]
+
+
 @pytest.fixture(scope="session")
 def fp32_stage_runs(tmp_path_factory, fp32_configs) -> dict[str, Path]:
     """DDP and ZeRO-0/1/2/3 (+ ZeRO-3 offload, + ZeRO-3 with activation checkpointing) in fp32,
-    2 torchrun processes, same seed and data: the stage equivalence tests and the
-    measured-memory tests read the same launches. The ZeRO-3 run shows its warnings as a user's
-    would (no PYTHONWARNINGS) and emits two of its own at exit (tests/warnings_probe): its stderr
-    is what tests/test_stages.py checks for library noise."""
-    runs = {name: cached_run(tmp_path_factory, "torchrun", 2, ["--ds-config", fp32_configs[name], *STAGE_ARGS],
-                             **({"env": ZERO3_WARNINGS_VISIBLE} if name == "zero3" else {}))
-            for name in STAGE_RUNS}
-    runs["zero3_ckpt"] = cached_run(tmp_path_factory, "torchrun", 2, ["--ds-config", fp32_configs["zero3"], *STAGE_ARGS,
-                                                                      "--model.activation_checkpointing", "true"])
-    return runs
+    2 torchrun processes, same seed and data, each launched when a test first reads it: the stage
+    equivalence tests and the measured-memory tests read the same launches. The ZeRO-3 run shows
+    its warnings as a user's would (no PYTHONWARNINGS) and emits two of its own at exit
+    (tests/warnings_probe): its stderr is what tests/test_stages.py checks for library noise."""
+    def launch(name: str) -> Path:
+        stage = "zero3" if name == "zero3_ckpt" else name
+        extra = ["--model.activation_checkpointing", "true"] if name == "zero3_ckpt" else []
+        return cached_run(tmp_path_factory, "torchrun", 2, ["--ds-config", fp32_configs[stage], *STAGE_ARGS, *extra],
+                          **({"env": ZERO3_WARNINGS_VISIBLE} if name == "zero3" else {}))
+    return _StageRuns(launch)
 
 
 @pytest.fixture(scope="session")

@@ -194,8 +194,6 @@ STAGE_ARGS = [*TINY, "--model.d_model", "256", "--model.n_layer", "2", "--train.
               "--train.max_steps", str(STAGE_STEPS), "--train.eval_every", "0", "--train.eval_batches", "1"]
 
 
-STAGE_RUNS = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero3_offload")
-
 
 def run_main(capsys, argv) -> tuple[int, str]:
     """train/main.py's main() in this process, expected to exit: (exit code, stderr)."""

@@ -86,12 +86,17 @@ def frontier(tmp_path_factory):
     # 3. DDP under the cap: refused before the model exists.
     out["ddp_proc"] = launch([*FRONTIER, "--ds-config", str(Path(family) / "ddp.json"),
                               "--train.run_dir", str(work / "ddp")], cap=cap)
-    # 4. auto under the cap: a partitioned stage, trained under the kernel's limit, peaks recorded.
-    capped = work / "capped"
-    out["capped_proc"] = launch([*FRONTIER, "--ds-config", f"auto:{family}", "--train.run_dir", str(capped)],
-                                cap=cap, report=work / "cgroups")
-    out["capped"] = capped
     return out
+
+
+@pytest.fixture(scope="module")
+def capped(frontier):
+    """4. auto under the cap: a partitioned stage, trained under the kernel's limit, peaks recorded."""
+    work = frontier["work"]
+    run_dir = work / "capped"
+    proc = launch([*FRONTIER, "--ds-config", f"auto:{frontier['family']}", "--train.run_dir", str(run_dir)],
+                  cap=frontier["cap"], report=work / "cgroups")
+    return {"proc": proc, "dir": run_dir}
 
 
 @pytest.mark.multiproc
@@ -101,27 +106,27 @@ def test_ddp_over_the_cap_stops_before_training_naming_the_limit_and_the_stage_t
     err = p.stderr
     assert "zerotrain: error: DDP (fp32)" in err and "needs about" in err and "memory cgroup limit" in err, err[-3000:]
     assert "ZeRO-3 is the fastest option that fits" in err and "--ds-config auto" in err
-    # One estimate whichever path asks: the check's figure for ZeRO-3 is auto's own under the same cap
-    # (before, the check measured its runtime after DDP's Accelerator, auto before DeepSpeed's: 0.04 GiB apart).
-    auto = json.loads((frontier["capped"] / "config.json").read_text())["resolved"]["auto_ds_config"]
-    said = re.search(r"ZeRO-3 is the fastest option that fits with the 10% margin \(([\d.]+) GiB \+ 10% margin", err)
-    assert said and abs(float(said.group(1)) * GiB - auto["predicted_peak_bytes"]) < 0.011 * GiB, (err[-3000:], auto)
     assert f'File "{REPO}/train/' not in err                      # our ranks: one line each, no stack frames
     assert "memcap: the kernel killed" not in err               # refused, not killed
     assert not (frontier["work"] / "ddp" / "metrics.jsonl").exists()
 
 
 @pytest.mark.multiproc
-def test_auto_under_the_cap_trains_partitioned_within_the_planned_peak(frontier):
-    p = frontier["capped_proc"]
+def test_auto_under_the_cap_trains_partitioned_within_the_planned_peak(frontier, capped):
+    p = capped["proc"]
     assert p.returncode == 0, p.stderr[-4000:]
-    resolved = json.loads((frontier["capped"] / "config.json").read_text())["resolved"]
+    resolved = json.loads((capped["dir"] / "config.json").read_text())["resolved"]
     auto = resolved["auto_ds_config"]
+    # One estimate whichever path asks: the DDP refusal's figure for ZeRO-3 is auto's own under the same cap
+    # (before, the check measured its runtime after DDP's Accelerator, auto before DeepSpeed's: 0.04 GiB apart).
+    err = frontier["ddp_proc"].stderr
+    said = re.search(r"ZeRO-3 is the fastest option that fits with the 10% margin \(([\d.]+) GiB \+ 10% margin", err)
+    assert said and abs(float(said.group(1)) * GiB - auto["predicted_peak_bytes"]) < 0.011 * GiB, (err[-3000:], auto)
     assert auto["option"] == "ZeRO-3" and auto["next_faster"]["option"] in ("ZeRO-1", "ZeRO-2")
     assert "--ds-config auto: ZeRO-3" in p.stdout and "memory cgroup limit" in auto["budget_source"]
     assert abs(auto["budget_bytes"] - frontier["cap"]) < 4096  # the kernel rounds limits to pages
     # Partitioned for real: each rank holds half of every big tensor.
-    for info in rank_infos(frontier["capped"]):
+    for info in rank_infos(capped["dir"]):
         z = info["zero3"]
         assert z["partitioned_elements"] > 0.99 * z["elements"]
         assert abs(z["held_elements"] - z["partitioned_elements"] / 2) <= z["partitioned_tensors"]
@@ -134,13 +139,13 @@ def test_auto_under_the_cap_trains_partitioned_within_the_planned_peak(frontier)
 
 
 @pytest.mark.multiproc
-def test_auto_without_a_cap_takes_ddp_and_both_runs_train_the_same_model(frontier):
+def test_auto_without_a_cap_takes_ddp_and_both_runs_train_the_same_model(frontier, capped):
     assert "--ds-config auto: DDP" in frontier["free_proc"].stdout
     free = json.loads((frontier["free"] / "config.json").read_text())["resolved"]
     assert free["auto_ds_config"]["option"] == "DDP" and free["auto_ds_config"]["next_faster"] is None
-    ref, capped = train_losses(frontier["free"]), train_losses(frontier["capped"])
+    ref, partitioned = train_losses(frontier["free"]), train_losses(capped["dir"])
     assert sorted(ref) == [1, 2, 3]
-    assert capped == pytest.approx(ref, rel=2e-5, abs=1e-5)  # DDP and ZeRO-3 in fp32: the same mathematics
+    assert partitioned == pytest.approx(ref, rel=2e-5, abs=1e-5)  # DDP and ZeRO-3 in fp32: the same mathematics
 
 
 def test_cgroup_limit_is_the_tightest_ancestor(tmp_path, monkeypatch):

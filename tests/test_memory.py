@@ -82,7 +82,7 @@ def test_measured_model_states_decrease_with_the_stage(runs):
 
 
 @pytest.mark.multiproc
-def test_planner_matches_measured_within_10_percent(runs, fp32_stage_runs):
+def test_planner_matches_measured_within_10_percent(runs):
     for stage in STAGES:
         row = runs[stage][0]
         for measured, planned in zip(row["mem/model_states_bytes_per_rank"], row["plan/model_states_bytes_per_rank"]):
@@ -90,13 +90,17 @@ def test_planner_matches_measured_within_10_percent(runs, fp32_stage_runs):
     # ZeRO-3's parameters and gradients to the byte (a prefetched parameter is "gathered", no model state).
     z3 = runs["zero3"][0]
     assert_zero3_planned_to_the_byte(z3)
-    for stage in ("zero0", "zero3_offload"):  # on the device and, offloaded, on the host
-        row = next(r for r in metrics(fp32_stage_runs[stage]) if "mem/model_states_bytes_per_rank" in r)
-        for kind in ("model_states", "host"):
-            for measured, planned in zip(row[f"mem/{kind}_bytes_per_rank"], row[f"plan/{kind}_bytes_per_rank"]):
-                # + 1 MiB: with everything offloaded, the parameters ZeRO-3 has gathered at the
-                # moment of measurement (here the tied embedding, 256 KiB) dominate the device's bytes.
-                assert abs(planned - measured) <= 0.10 * measured + 2 ** 20, (stage, kind, measured, planned)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("stage", ["zero0", "zero3_offload"])
+def test_plan_of_device_and_host_bytes_matches_without_partitions_and_offloaded(fp32_stage_runs, stage):
+    row = next(r for r in metrics(fp32_stage_runs[stage]) if "mem/model_states_bytes_per_rank" in r)
+    for kind in ("model_states", "host"):  # on the device and, offloaded, on the host
+        for measured, planned in zip(row[f"mem/{kind}_bytes_per_rank"], row[f"plan/{kind}_bytes_per_rank"]):
+            # + 1 MiB: with everything offloaded, the parameters ZeRO-3 has gathered at the
+            # moment of measurement (here the tied embedding, 256 KiB) dominate the device's bytes.
+            assert abs(planned - measured) <= 0.10 * measured + 2 ** 20, (stage, kind, measured, planned)
 
 
 @pytest.mark.multiproc
