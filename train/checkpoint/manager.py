@@ -115,7 +115,8 @@ class Checkpointer:
 
     @property
     def raw_model(self):
-        return self.acc.unwrap_model(self.model)
+        """The module the engine or DDP wraps (accelerate's unwrap_model would import DeepSpeed in a DDP run)."""
+        return self.workload.model
 
     def _say(self, msg: str):
         if self.is_main:

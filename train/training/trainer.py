@@ -385,7 +385,7 @@ class Trainer:
         n = self.cfg.train.sample_tokens
         if n == 0 or self.workload.family != "gpt" or self.data.decode is None or self.data.vocab_size != 256:
             return None
-        model = self.acc.unwrap_model(self.model)
+        model = self.workload.model  # the wrapped module (accelerate's unwrap_model imports DeepSpeed)
         model.eval()
         # Every rank runs the same generation (ZeRO-3 gathers parameters collectively).
         g = torch.Generator(device=self.acc.device).manual_seed(self.cfg.train.seed)
