@@ -147,6 +147,33 @@ def test_a_corrupt_image_read_by_a_dataloader_worker_is_one_line(tmp_path):
     _one_line_exit_2(p, f"unreadable image {broken}", "data.on_bad_sample skip")
 
 
+@pytest.mark.multiproc
+def test_a_corrupt_image_only_rank_1_reads_is_the_same_line_from_rank_1(tmp_path):
+    """2 ranks under the deepspeed launcher (which passes the rank's exit code on), 1 DataLoader
+    worker each; every image rank 1 reads this epoch is corrupt, none of rank 0's. The user sees
+    rank 1's line as in-process (prefixed with its rank), and only that: exit 2, no traceback."""
+    from helpers import run_train
+    from train.config import TrainConfig
+    from train.data.make_shapes import make_shapes
+    from train.data.sampler import GlobalBatchSampler
+    root = make_shapes(tmp_path / "img", ["red", "blue"], per_class=4, val_per_class=1, size=16)
+    files = sorted((root / "train").rglob("*.jpg"))  # ImageFolder's index order: classes, then files, sorted
+    order = GlobalBatchSampler(len(files), micro=1, world=2, accum=1, seed=TrainConfig().seed).order(0).tolist()
+    rank1 = [files[i] for i in order[1::2]]  # Accelerate gives rank r element r of each global micro-batch
+    for f in rank1:
+        f.write_bytes(b"not a jpeg at all")
+    p = run_train("deepspeed", 2, ["--ds-config", fp32(tmp_path, "ddp"), "--model.name", "resnet18",
+                                   "--data.kind", "imagefolder", "--data.path", str(root), "--data.image_size", "16",
+                                   "--data.num_workers", "1", "--train.micro_batch_size", "1", "--train.max_steps", "4",
+                                   "--train.eval_every", "0", "--train.progress", "false",
+                                   "--train.run_dir", str(tmp_path / "run")], check=False, timeout=300)
+    errors = [line for line in p.stderr.splitlines() if "zerotrain: error: " in line]
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "DataLoader worker" not in p.stderr, p.stderr[-3000:]
+    # Rank 0, which then loses rank 1 in a collective, exits 2 too (the launcher's exit code) and adds nothing.
+    assert len(errors) == 1 and errors[0].startswith("[rank 1] zerotrain: error: unreadable image "), p.stderr[-3000:]
+    assert any(str(f) in errors[0] for f in rank1) and "data.on_bad_sample skip" in errors[0], errors[0]
+
+
 def test_a_bad_stream_record_read_by_a_tokenizer_worker_is_one_line(tmp_path):
     """data.kind stream tokenizes in its own pool (data.num_workers 1): a record without the text
     field, deep in the file, is named by byte offset in one line from the worker."""

@@ -31,11 +31,21 @@ def user_errors(debug: bool = False):
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank not in (None, "0") and os.environ.get("WORLD_SIZE", "1") != "1" else ""
         print(f"{prefix}zerotrain: error: {e}", file=sys.stderr, flush=True)
+        if _distributed() is not None:
+            _distributed().report_user_error(str(e))
         sys.exit(e.exit_code)
     except Exception as e:
-        # A collective failing because another node died: say which node (exit 1, not a usage error).
-        lost = sys.modules["train.launch.distributed"].explain_peer_failure(e) if "train.launch.distributed" in sys.modules else None
+        # A collective failing because another rank died: say which node (exit 1, not a usage error),
+        # or, where that rank stopped on a user error it already printed, exit as it did.
+        lost = _distributed().explain_peer_failure(e) if _distributed() is not None else None
         if lost is None or debug:
             raise
+        if _distributed().peer_user_error() is not None:
+            sys.exit(2)
         print(f"[rank {os.environ.get('RANK', '?')}] zerotrain: error: {lost}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def _distributed():
+    """train.launch.distributed once a launch imported it (a bad flag never imports torch for this)."""
+    return sys.modules.get("train.launch.distributed")

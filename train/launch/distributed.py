@@ -341,6 +341,40 @@ def _abort_peer_lost(nodes: list[int] | None, silent_s: float):
     os._exit(1)  # the main thread is blocked inside a collective: no clean way out
 
 
+_USER_ERROR_KEY = "zerotrain/user_error"
+
+
+def _store_client(timeout_s: float = 2.0):
+    """A client of the launch's rendezvous store (the one the process group was built on), or None."""
+    if not _PEERS["timeout_s"] or int(os.environ.get("WORLD_SIZE", "1")) < 2 or "MASTER_ADDR" not in os.environ:
+        return None
+    try:
+        return torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                          timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception:  # the store's host is the one that failed: nobody to tell, nothing to read
+        return None
+
+
+def report_user_error(message: str) -> None:
+    """Before a rank exits on a user error, say so in the store: the ranks that then lose it in a
+    collective exit with the same code and no second message (the first line is the cause)."""
+    store = _store_client()
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.set(_USER_ERROR_KEY, f"rank {os.environ.get('RANK', '?')}: {message}")
+
+
+def peer_user_error() -> str | None:
+    """The user error another rank reported before it exited, if any."""
+    store = _store_client()
+    if store is None:
+        return None
+    with contextlib.suppress(Exception):
+        if store.check([_USER_ERROR_KEY]):
+            return store.get(_USER_ERROR_KEY).decode()
+    return None
+
+
 def describe_node(node_rank: int, roster: list[dict]) -> str:
     ranks = [r for r in roster if r["node_rank"] == node_rank]
     addrs = sorted({r["addr"] for r in ranks})
