@@ -111,6 +111,7 @@ def hf_llama_workload(tmp_path: Path):
     from transformers import AutoModelForCausalLM
     d = save_tiny("llama", tmp_path / "llama", vocab=256)
     model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, local_files_only=True)
+    model.config.use_cache = False  # as build_hf: transformers skips packed-sequence detection with a cache
     return Workload(model=model, task="lm", family="hf", model_config={})
 
 
