@@ -209,3 +209,32 @@ def test_data_packing_builds_rows_from_jsonl(tmp_path):
     ref = sorted(int(t) for i in range(len(plain.train)) for t in plain.train[i]["labels"] if t != IGNORE_INDEX)
     assert lab == ref
     assert data.train.real_tokens(list(range(len(data.train)))) == plain.train.real_tokens(list(range(180)))
+
+
+# ----------------------------------------------------------------------------- bad input: one line each
+
+def test_packing_with_a_kind_that_cannot_pack_is_refused():
+    from train.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"^data.packing packs instruction records \(data.kind sft; this run: "
+                                          r'"tokens"\); token windows are already full, remove it$'):
+        DataConfig(kind="tokens", packing=True)
+
+
+def test_an_attention_that_cannot_isolate_documents_is_refused(tmp_path):
+    """A state-space model (no attention mask at all: its state carries one record into the
+    next) and an attention implementation outside the packed-sequence path are refused."""
+    from transformers import FalconMambaConfig, FalconMambaForCausalLM
+    from models.errors import ConfigError
+    from models.hf import check_packing
+    torch.manual_seed(0)
+    mamba = FalconMambaForCausalLM(FalconMambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                                     state_size=4))
+    with pytest.raises(ConfigError, match=r"does not build its attention mask with transformers' masking_utils.*"
+                                          r"set data.packing false$"):
+        check_packing(mamba, "hf:mamba")
+    llama = hf_llama_workload(tmp_path).model
+    check_packing(llama, "hf:llama")  # sdpa: fine
+    llama.config._attn_implementation_internal = "paged|sdpa"
+    with pytest.raises(ConfigError, match=r"uses attention implementation 'paged\|sdpa', which cannot keep packed "
+                                          r"records apart; use one of eager, sdpa"):
+        check_packing(llama, "hf:llama")

@@ -107,10 +107,6 @@ class DataConfig:
     windows of 1024 records of a seeded order; train/data/packing.py) instead of one padded record
     per row. Attention stays inside each record and positions restart at 0 per record, so every
     record's loss and gradient are those of the unpacked run; a step's batch is then in rows."""
-    document_mask: bool = False
-    """tokens (one token file): windows that hold several documents (separated by the tokenizer's
-    EOS, from the data's sidecar) attend only inside each document, with positions restarting at
-    each document (Llama 3's intra-document masking)."""
     chat_template: bool = True
     """sft: render records with the tokenizer's chat template when it has one; false (or no
     template): the plain format (prompt + response + EOS; chat turns as "role: content")."""
@@ -156,12 +152,8 @@ class DataConfig:
         self._check_keys_belong_to_kind()
         if self.packing and self.kind != "sft":
             raise ConfigError(f'data.packing packs instruction records (data.kind sft; this run: "{self.kind}")'
-                              + ("; for token data set data.document_mask true instead (windows are already full)"
+                              + ("; token windows are already full, remove it"
                                  if self.kind in ("tokens", "stream", "text") else "; remove it"))
-        if self.document_mask and self.kind != "tokens":
-            raise ConfigError(f'data.document_mask is for token files (data.kind tokens; this run: "{self.kind}")'
-                              + ("; instruction data: set data.packing true" if self.kind == "sft" else
-                                 "; remove it or prepare the data with `zerotrain prepare` and use data.kind tokens"))
         if self.kind != "stream":
             for k in ("text_field", "shuffle_windows"):
                 if getattr(self, k) is not None:
