@@ -197,11 +197,15 @@ class Rotary(nn.Module):
         self.head_dim, self.seq_len, self.theta = head_dim, seq_len, theta
         self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # -> 2 x (T, Hd/2)
+    def forward(self, T: int, device: torch.device, positions: Optional[torch.Tensor] = None):
+        """2 x (T, Hd/2) for positions 0..T-1, or 2 x (B, 1, T, Hd/2) for per-token `positions`
+        (B, T): packed rows restart each document's positions at 0 (broadcast over heads)."""
         if device not in self._cache:
             self._cache[device] = self._tables(device)
         cos, sin = self._cache[device]
-        return cos[:T], sin[:T]
+        if positions is None:
+            return cos[:T], sin[:T]
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, Hd/2)
 
     def _tables(self, device):
         # Explicit fp32 on the target device; no ambient dtype or device can change it.
@@ -211,11 +215,24 @@ class Rotary(nn.Module):
                 angles.sin().to(device=device, dtype=torch.float32))
 
 
-def apply_rope(x, cos, sin):  # x (B, h, T, Hd); cos/sin (T, Hd/2) -> (B, h, T, Hd)
+def apply_rope(x, cos, sin):  # x (B, h, T, Hd); cos/sin (T, Hd/2) or (B, 1, T, Hd/2) -> (B, h, T, Hd)
     # Rotate-half (GPT-NeoX / HF Llama) layout: pairs are (i, i + Hd/2).
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.type_as(x)  # back to the matmul dtype so SDPA sees uniform dtypes
+
+
+def document_mask(doc_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Block-diagonal causal mask of packed rows: query i sees key j iff j <= i and both tokens
+    belong to the same document. doc_ids (B, T) int -> (B, 1, T, T) bool (True = attend), or None
+    (plain causal attention). Built once per batch and shared by every layer: B*T*T bytes, never
+    a (T, T) fp32 tensor per layer. Every token sees itself, so no row is all-masked."""
+    if doc_ids is None:
+        return None
+    T = doc_ids.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril_()  # (T, T)
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]                           # (B, T, T)
+    return (same & causal).unsqueeze(1)                                         # (B, 1, T, T)
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -232,7 +249,7 @@ class Attention(nn.Module):
         self.proj = Linear(cfg.d_model, cfg.d_model, cfg.init_std / math.sqrt(2 * cfg.n_layer))
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cos, sin):  # x (B, T, D) -> (B, T, D)
+    def forward(self, x, cos, sin, mask=None):  # x (B, T, D), mask None or (B, 1, T, T) bool -> (B, T, D)
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
                                      self.n_kv_head * self.head_dim], dim=-1)
@@ -248,7 +265,8 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
             v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
             gqa = False
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa,
+        # Packed rows: the document mask (causal within each document); else plain causal.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa,
                                            dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, Hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return self.resid_drop(self.proj(y))
@@ -274,8 +292,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin):  # (B, T, D) -> (B, T, D)
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x, cos, sin, mask=None):  # (B, T, D) -> (B, T, D)
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -295,18 +313,24 @@ class GPT(nn.Module):
             # Same Parameter object: optimisers/ZeRO see it once, and counts dedupe it.
             self.lm_head.weight = self.tok_emb.weight
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx (B, T) int64 -> logits (B, T, V)
+    def forward(self, idx: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:  # idx (B, T) int64 -> logits (B, T, V)
+        """Packed rows (several documents per row) pass doc_ids (B, T), the document index of each
+        token, and position_ids (B, T), each document's positions from 0: attention stays inside a
+        document and RoPE sees the document's own positions, so every document is computed as if
+        it had a row of its own. Without them: one causal sequence at positions 0..T-1."""
         B, T = idx.shape
         if T > self.config.seq_len:
             raise ValueError(f"sequence length {T} exceeds config.seq_len {self.config.seq_len}")
-        cos, sin = self.rotary(T, idx.device)  # 2 x (T, Hd/2), fp32
+        cos, sin = self.rotary(T, idx.device, position_ids)  # 2 x (T, Hd/2) or 2 x (B, 1, T, Hd/2), fp32
+        mask = document_mask(doc_ids)  # None or (B, 1, T, T) bool, shared by every layer
         x = self.drop(self.tok_emb(idx))  # (B, T, D)
         for block in self.blocks:
             if self.config.activation_checkpointing and self.training:
                 # Recompute block activations in backward: memory O(L) -> O(1) blocks.
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
-                x = block(x, cos, sin)
+                x = block(x, cos, sin, mask)
         # Logits in the compute dtype; the trainer upcasts for the loss.
         return self.lm_head(self.norm(x))  # (B, T, V)
 

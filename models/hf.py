@@ -160,6 +160,8 @@ def build_hf(spec: ModelSpec, data, init_context):
         print(f"zerotrain: {d} has no weights ({', '.join(WEIGHT_FILES[:2])}): training {config.model_type} from "
               f"random initialisation", flush=True)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if data.extra.get("packed"):
+        check_packing(model, spec.name)
     if init_context is not contextlib.nullcontext:
         _restore_buffers(model, config, d, files)
     if spec.config.activation_checkpointing:
@@ -177,6 +179,28 @@ def build_hf(spec: ModelSpec, data, init_context):
                     model_config={"family": "hf", "source": str(d.resolve()), "model_type": config.model_type,
                                   "config": config.to_dict(), "num_params": n_params},
                     hidden_size=width, flops_per_item=flops, tied=tied_names(model))
+
+
+# Attention implementations for which transformers 5.x isolates packed documents from position_ids
+# alone: masking_utils.find_packed_sequence_indices turns position restarts into a packed-sequence
+# mask (eager, sdpa, flex_attention), and the flash kernels run varlen from the same positions.
+PACKING_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+def check_packing(model, name: str):
+    """data.packing: refuse a model that would attend across the packed documents. The model's
+    attention must be one of PACKING_ATTENTION and its modeling code must build its mask with
+    masking_utils (create_causal_mask: where the packed rows are detected)."""
+    import inspect
+    impl = getattr(model.config, "_attn_implementation", None)
+    source = inspect.getsource(inspect.getmodule(type(model)))
+    if impl not in PACKING_ATTENTION:
+        raise ConfigError(f"data.packing: model.name {name} uses attention implementation {impl!r}, which cannot "
+                          f"keep packed records apart; use one of {', '.join(PACKING_ATTENTION)} "
+                          f"(attn_implementation in config.json) or set data.packing false")
+    if "create_causal_mask" not in source:
+        raise ConfigError(f"data.packing: {type(model).__name__} ({name}) does not build its attention mask with "
+                          f"transformers' masking_utils, so it cannot isolate packed records; set data.packing false")
 
 
 def flops_per_token(model, width: Optional[int], layers: Optional[int], seq_len: Optional[int]) -> float:

@@ -27,9 +27,14 @@ class Workload:
     lora: Optional[dict] = None             # model.lora's adapter (models/lora.py apply): r, alpha, targets, base
 
     def logits(self, model, batch):
+        """Packed rows (data.packing, data.document_mask) carry position_ids that restart per
+        document: transformers builds its packed-sequence mask from them (models/hf.py
+        check_packing); the GPT takes the document index too and masks with it."""
         if self.family == "hf":
-            return model(input_ids=batch["input_ids"]).logits
+            return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
         if self.task == "lm":
+            if "doc_ids" in batch:
+                return model(batch["input_ids"], position_ids=batch["position_ids"], doc_ids=batch["doc_ids"])
             return model(batch["input_ids"])
         if self.task == "classify":
             return model(batch["pixel_values"])

@@ -102,6 +102,11 @@ class DataConfig:
     shuffle_windows: Optional[int] = None
     """stream: windows are shuffled (seeded) inside consecutive groups of this many (None = 1024;
     1 = stream order). A resume re-tokenizes at most one group (train/data/stream.py)."""
+    packing: bool = False
+    """sft: pack several records into each row of data.seq_len tokens (best-fit-decreasing in
+    windows of 1024 records of a seeded order; train/data/packing.py) instead of one padded record
+    per row. Attention stays inside each record and positions restart at 0 per record, so every
+    record's loss and gradient are those of the unpacked run; a step's batch is then in rows."""
     chat_template: bool = True
     """sft: render records with the tokenizer's chat template when it has one; false (or no
     template): the plain format (prompt + response + EOS; chat turns as "role: content")."""
@@ -145,6 +150,10 @@ class DataConfig:
         if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0 (got {self.num_workers})")
         self._check_keys_belong_to_kind()
+        if self.packing and self.kind != "sft":
+            raise ConfigError(f'data.packing packs instruction records (data.kind sft; this run: "{self.kind}")'
+                              + ("; token windows are already full, remove it"
+                                 if self.kind in ("tokens", "stream", "text") else "; remove it"))
         if self.kind != "stream":
             for k in ("text_field", "shuffle_windows"):
                 if getattr(self, k) is not None:

@@ -35,7 +35,7 @@ def build_data(cfg: DataConfig, seq_len: Optional[int], seed: int, tokenizer: Op
         return build_tokens(cfg, seq_len)
     if cfg.kind == "sft":
         from train.data.sft import build_sft
-        return build_sft(cfg, seq_len, tokenizer)
+        return build_sft(cfg, seq_len, tokenizer, seed)
     if cfg.kind == "stream":
         from train.data.stream import build_stream
         return build_stream(cfg, seq_len, seed, tokenizer)

@@ -19,8 +19,8 @@ Samples. One record = one sample of data.seq_len tokens: its first seq_len + 1 t
 input = ids[:-1] and labels = ids[1:], a label set to IGNORE_INDEX (-100) where its token is
 not trained. Shorter records are right-padded (pad id as input, -100 as label). Right padding
 needs no attention mask for causal models: a token attends only to the positions before it,
-never to the pads after it, and positions stay 0..T-1 as in an unpadded sequence. Records are
-not packed. The order is the GlobalBatchSampler's (train/data/sampler.py): per record,
+never to the pads after it, and positions stay 0..T-1 as in an unpadded sequence. With
+data.packing a sample is instead a row of several records (train/data/packing.py). The order is the GlobalBatchSampler's (train/data/sampler.py): per record,
 world-size independent and resumable, like every other kind.
 
 Validation: a sibling `<name>.val.jsonl` if present, else the last data.val_fraction of the
@@ -214,6 +214,11 @@ class SFTSequences(Dataset):
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
+    def real_tokens(self, rows: list[int]) -> int:
+        """Non-pad tokens of these samples (host arithmetic: the trainer's pad fraction)."""
+        lengths = np.minimum(self.offsets[np.asarray(rows) + 1] - self.offsets[np.asarray(rows)], self.seq_len + 1)
+        return int((lengths - 1).sum())
+
     def __getitem__(self, i: int) -> dict:
         if not 0 <= i < len(self):
             raise IndexError(i)
@@ -329,9 +334,11 @@ def _prepared_sets(path: Path, enc: Encoder, seq_len: int):
     return records, val, val_file.name, top, f"prepared instruction data (from {Path(meta['source']['path']).name})"
 
 
-def build_sft(cfg: DataConfig, seq_len: Optional[int], tokenizer: Optional[str]) -> DataBundle:
+def build_sft(cfg: DataConfig, seq_len: Optional[int], tokenizer: Optional[str], seed: int = 0) -> DataBundle:
     """`tokenizer`: a local Hugging Face tokenizer directory, or None for bytes. data.path is a
-    JSONL file, or a .bin set from `zerotrain prepare --sft` (the same samples, memory-mapped)."""
+    JSONL file, or a .bin set from `zerotrain prepare --sft` (the same samples, memory-mapped).
+    data.packing: the samples are rows of packed records (train/data/packing.py), planned from
+    `seed` and the record lengths."""
     if cfg.path is None:
         raise DataError('data.kind = sft needs data.path (a .jsonl file of {"prompt", "response"} or '
                         '{"messages"} records, or a .bin set from `zerotrain prepare --sft`)')
@@ -352,13 +359,20 @@ def build_sft(cfg: DataConfig, seq_len: Optional[int], tokenizer: Optional[str])
                                                                  if n_val else None)
         split = f"val: last {n_val} records"
     fmt = "chat template" if enc.render else "plain format"
+    n_records, layout = len(train), f"padded to {seq_len}"
+    if cfg.packing:
+        from train.data.packing import PackedSFT
+        train, val = PackedSFT(train, seed), PackedSFT(val, seed) if val is not None else None
+        layout = (f"packed into {len(train)} rows of {seq_len} ({1 - train.row_tokens.sum() / (len(train) * seq_len):.1%}"
+                  f" padding)")
     counted = ""
     if sets is _jsonl_sets:  # in memory: cheap to count (a prepared set's tokens are not read here)
-        labelled = int(train.trained.sum()) - int(train.trained[train.offsets[:-1]].sum())  # first tokens: inputs only
+        recs = train.records if cfg.packing else train
+        labelled = int(recs.trained.sum()) - int(recs.trained[recs.offsets[:-1]].sum())  # first tokens: inputs only
         counted = f", {labelled} response tokens"
     return DataBundle(train=train, val=val, task="lm", items_per_sample=seq_len, vocab_size=enc.vocab_size,
                       seq_len=seq_len, decode=enc.decode, masked_labels=True,
-                      describe=f"{what} {path} ({len(train)} records{counted}, "
-                               f"{'bytes' if enc.name == 'bytes' else 'tokenizer ' + enc.name} {fmt}, padded to "
-                               f"{seq_len}; {split})",
-                      extra={"max_token": top, "token_file": str(path), "tokenizer": enc.name})
+                      describe=f"{what} {path} ({n_records} records{counted}, "
+                               f"{'bytes' if enc.name == 'bytes' else 'tokenizer ' + enc.name} {fmt}, {layout}; "
+                               f"{split})",
+                      extra={"max_token": top, "token_file": str(path), "tokenizer": enc.name, "packed": cfg.packing})

@@ -159,6 +159,7 @@ class Trainer:
     wandb_status: Optional[str] = field(init=False, default=None)      # rank 0's banner line about W&B
     start_counts: tuple = field(init=False, default=(0, 0, 0))         # (step, samples, tokens) at start()
     _it: object = field(init=False, default=None)       # the batch iterator; None: re-made at `state`'s position
+    _order: tuple = field(init=False, default=(None, None))  # (epoch, sampler.slicer) for counting real tokens
     _bad_run: int = field(init=False, default=0)        # consecutive non-finite steps
     _health: list = field(init=False, default_factory=list)  # (step, grad norm, fp16 scale) not yet read
     _t_start: float = field(init=False, default=0.0)
@@ -241,10 +242,21 @@ class Trainer:
             # reduce_window logs the mean over micro-batches and ranks: with a token denominator
             # that mean is the step's normalised loss, sum / global count.
             loss_sum += loss.detach().to(torch.float64)
+        real = self._real_tokens()
         self._advance_position()
         self.state.step += 1
         self._health.append((self.state.step, grad_norm, self._scale_now()))
-        return {"loss_sum": loss_sum, "lr": lr, "data_s": t_data}
+        return {"loss_sum": loss_sum, "lr": lr, "data_s": t_data, "real_tokens": real}
+
+    def _real_tokens(self) -> Optional[int]:
+        """Non-pad tokens of this step's global batch (sft records or packed rows: their
+        real_tokens), from the step's sample indices: host arithmetic, no device read."""
+        count = getattr(self.data.train, "real_tokens", None)
+        if count is None:
+            return None
+        if self._order[0] != self.state.epoch:
+            self._order = (self.state.epoch, self.sampler.slicer(self.state.epoch))
+        return count(self._order[1](self.state.offset, self.state.offset + self.batch.global_size))
 
     def _token_denominator(self, batches: list[dict]) -> torch.Tensor:
         """What each micro-batch's summed token loss is divided by, so that the step's gradient
@@ -404,7 +416,7 @@ class Trainer:
             from tqdm.auto import tqdm
             bar = tqdm(total=self.max_steps, initial=st.step, desc="train", unit="step", dynamic_ncols=True)
         # Per logging interval; train_s counts only step time (not eval / checkpoint pauses).
-        window = {"loss": self._zero(), "micro": 0, "data_s": 0.0, "train_s": 0.0, "steps": 0}
+        window = {"loss": self._zero(), "micro": 0, "data_s": 0.0, "train_s": 0.0, "steps": 0, "real": None}
         last = {}
         self.model.train()
         if self.checkpointer:
@@ -426,6 +438,8 @@ class Trainer:
                 window["micro"] += self.batch.accum
                 window["data_s"] += out["data_s"]
                 window["steps"] += 1
+                if out["real_tokens"] is not None:
+                    window["real"] = (window["real"] or 0) + out["real_tokens"]
                 # Every rank agrees on stopping (a signal may reach the ranks at different steps;
                 # stopping alone would hang the others): an async vote, read one step later.
                 # The vote also carries rank 0's checkpoint.every_minutes clock (cadence.py).
@@ -485,7 +499,7 @@ class Trainer:
              **throughput(samples=self.batch.global_size * steps, seconds=elapsed,
                           items_per_sample=self.data.items_per_sample, flops_per_item=self.workload.flops_per_item,
                           world_size=self.topo.world_size,
-                          peak_per_device=self.cfg.logging.peak_flops or device_peak_flops()),
+                          peak_per_device=self.cfg.logging.peak_flops or device_peak_flops(), real_items=w["real"]),
              "step_time_s": elapsed / steps, "data_wait_s": red["data_wait_s"] / steps,
              "compute_s": (elapsed - red["data_wait_s"]) / steps,
              "samples_seen": self.state.samples_seen, "tokens_seen": self.state.tokens_seen,
@@ -507,7 +521,7 @@ class Trainer:
             bar.set_postfix(post, refresh=False)
         elif self.acc.is_main_process:  # no bar (train.progress false, e.g. log files): one line per interval
             print(report.progress_line(m, self.state.step, self.max_steps), flush=True)
-        w.update(loss=self._zero(), micro=0, data_s=0.0, train_s=0.0, steps=0)
+        w.update(loss=self._zero(), micro=0, data_s=0.0, train_s=0.0, steps=0, real=None)
         return m
 
     # ------------------------------------------------------------------ start / finish / close
