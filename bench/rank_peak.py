@@ -64,7 +64,10 @@ if __name__ == "__main__":
         sys.exit("usage: rank_peak.py SCRIPT [ARGS...]")
     atexit.register(_dump)
     threading.Thread(target=_sample, daemon=True).start()
-    script = sys.argv[1]
-    sys.argv = sys.argv[1:]
+    # The deepspeed launcher puts --local_rank=N first: it belongs to SCRIPT, after its own args.
+    local = [x for x in sys.argv[1:] if x.startswith("--local_rank=")]
+    rest = [x for x in sys.argv[1:] if not x.startswith("--local_rank=")]
+    script = rest[0]
+    sys.argv = rest + local
     sys.path[0] = str(Path(script).resolve().parent)  # as if SCRIPT had been run directly
     runpy.run_path(script, run_name="__main__")

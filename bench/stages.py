@@ -1,9 +1,11 @@
 """Stage benchmark: train one GPT for a fixed number of steps under each ds_configs/*.json on
-N processes, twice — with zerotrain (train/main.py) and with bench/minimal_loop.py (a bare
-deepspeed.initialize loop on the same model, data and JSON) — and report per stage:
+N processes (the deepspeed launcher), alternately with zerotrain (train/main.py, its defaults)
+and with bench/plain_loop.py (the independent baseline: the same model file and data bytes,
+nothing else of zerotrain, a clean environment) — and report per stage:
 
-* tokens/s: the median over timed windows after the warm-up steps (trainer and minimal loop),
-  and the trainer overhead = 1 - trainer / minimal;
+* tokens/s: the median over timed windows after the warm-up steps (trainer and plain loop),
+  and trainer/plain per alternated pair: the median of the pairs' ratios and their spread;
+* optionally the trainer with settings changed (--variant), each alternated with the baseline too;
 * peak memory per rank (CUDA max allocated on GPU, max RSS on CPU; bench/rank_peak.py);
 * model-state bytes per rank measured in the running engine (train/observe/memory.py, mem/*) and the
   planner's estimate for the same rank (train/plan/estimate.py, plan/*).
@@ -13,6 +15,10 @@ Writes <out>/stages-<timestamp>.json and .md (and prints the table).
     python bench/stages.py                      # every ds_configs/*.json, 2 processes
     python bench/stages.py --configs zero2,zero3 --d-model 512 --n-layer 8
     python bench/stages.py --quick              # a smoke run (tests/test_bench.py)
+    python bench/stages.py --configs zero2 --variant 'compact||--train.host_malloc compact' \
+        --variant 'thp|THP_MEM_ALLOC_ENABLE=1|'  # the trainer with a setting changed: NAME|ENV=V ...|FLAGS
+
+The JSON keeps the baseline under the key "minimal" (bench/gpu_checks.py reads it).
 """
 
 from __future__ import annotations
@@ -48,7 +54,10 @@ def parse(argv):
     p.add_argument("--configs", default=",".join(ORDER), help="comma-separated ds_configs/*.json names")
     p.add_argument("--precision", default="auto", choices=("auto", "json", "fp32", "bf16"),
                    help="auto: fp32 on CPU (bf16 matmuls are ~80x slower there), the JSON's own on GPU")
-    p.add_argument("--repeats", type=int, default=1, help="trainer/minimal pairs per config (interleaved)")
+    p.add_argument("--repeats", type=int, default=3, help="trainer/plain pairs per config (alternated)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME|ENV=V ...|FLAGS",
+                   help="also run the trainer with these environment variables and flags (repeatable)")
+    p.add_argument("--launcher", default="deepspeed", choices=("deepspeed", "torchrun"))
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes (data.max_bytes)")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per launch")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
@@ -57,6 +66,7 @@ def parse(argv):
     if a.quick:
         a.model, a.d_model, a.n_layer, a.seq_len, a.micro_batch = "gpt-tiny", 64, 2, 32, 4
         a.steps, a.warmup, a.window, a.max_bytes = 6, 2, 2, 200_000
+        a.repeats = 1
         if a.configs == ",".join(ORDER):
             a.configs = "zero2"
     if a.steps < a.warmup + a.window or a.warmup < 2:
@@ -96,7 +106,7 @@ def config_for(name: str, precision: str, cuda: bool, tmp: Path) -> Path:
 
 def trainer_args(a) -> list[str]:
     return ["--model.name", a.model, "--model.d_model", str(a.d_model), "--model.n_layer", str(a.n_layer),
-            "--data.seq_len", str(a.seq_len), "--data.max_bytes", str(a.max_bytes),
+            "--model.seq_len", str(a.seq_len), "--data.seq_len", str(a.seq_len),  # the plain loop's context too "--data.max_bytes", str(a.max_bytes),
             "--train.micro_batch_size", str(a.micro_batch), "--train.grad_accum_steps", str(a.grad_accum),
             "--train.max_steps", str(a.steps), "--logging.every_steps", str(a.window),
             "--train.eval_every", "0", "--train.eval_batches", "1", "--train.sample_tokens", "0",
@@ -104,30 +114,52 @@ def trainer_args(a) -> list[str]:
             "--optim.warmup_steps", "2"]
 
 
-def launch(a, script: str, args: list[str], peak_dir: Path, log: Path) -> float:
-    env = dict(os.environ)
+# Settings that change how the process allocates or where it runs: none reaches the baseline,
+# and the trainer gets them only through --variant (what its defaults do is the point).
+HOST_VARS = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX",
+             "LD_PRELOAD", "ZEROTRAIN_DEVICE", "WANDB_MODE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+             "MASTER_PORT")
+
+
+def clean_env(a, peak_dir: Path, extra: dict | None = None) -> dict:
+    """This shell's environment without any host setting, plus what the harness needs: the
+    venv first on PATH (its ninja: a different one discards DeepSpeed's JIT build log and
+    rebuilds), DeepSpeed's JIT cache, the peak-memory output; `extra` (a --variant's) last."""
+    env = {k: v for k, v in os.environ.items() if k not in HOST_VARS and not k.startswith("ZEROTRAIN_")}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    # The venv's ninja first: a different ninja version elsewhere on PATH discards the other's
-    # .ninja_log, and DeepSpeed's JIT ops (shm comm, CPUAdam) then rebuild from scratch.
     env["PATH"] = str(BIN) + os.pathsep + env.get("PATH", "")
-    env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # what train/main.py sets for itself; the minimal loop too
-    env.update(ZT_PEAK_DIR=str(peak_dir), PYTHONUNBUFFERED="1", WANDB_MODE="disabled", PYTHONWARNINGS="ignore",
-               OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // a.nproc))))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    # `python -m torch.distributed.run` = torchrun, also where pip put no torchrun next to python
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc),
-           "--master_port", str(free_port()),
-           str(REPO / "bench" / "rank_peak.py"), script, *args]
+    env.update(ZT_PEAK_DIR=str(peak_dir), PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    env.update(extra or {})
+    return env
+
+
+def launch(a, script: str, args: list[str], peak_dir: Path, log: Path, extra_env: dict | None = None) -> float:
+    env = clean_env(a, peak_dir, extra_env)
+    port = str(free_port())
+    if a.launcher == "deepspeed":  # as `make train` (it sets LOCAL_SIZE: DeepSpeed's shm all-reduce on CPU)
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(a.nproc), "--master_port", port]
+    else:  # `python -m torch.distributed.run` = torchrun, also where pip put no torchrun next to python
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc), "--master_port", port]
+    cmd += [str(REPO / "bench" / "rank_peak.py"), script, *args]
     t0 = time.perf_counter()
-    with open(log, "w") as f:
-        f.write("$ " + shlex.join(cmd) + "\n")
-        f.flush()
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
+    try:
+        with open(log, "w") as f:
+            f.write("$ " + shlex.join(cmd) + "\n")
+            f.flush()
+            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=a.timeout).returncode
+    finally:
+        _sweep_shm()  # the plain loop leaves DeepSpeed's /dev/shm buffers behind (train/launch/shm_buffers.py)
     if rc != 0:
         tail = "\n".join(log.read_text().splitlines()[-25:])
         raise RuntimeError(f"{script} failed (exit {rc}); log {log}:\n{tail}")
     return time.perf_counter() - t0
+
+
+def _sweep_shm():
+    sys.path.insert(0, str(REPO))
+    from train.launch import shm_buffers
+    shm_buffers.sweep_stale(min_age_s=0.0)
 
 
 def free_port() -> int:
@@ -155,27 +187,71 @@ def tokens_per_cpu_s(peak_dir: Path, windows: list[tuple[float, float, float]]) 
     return [tokens / (cpu_at(end) - cpu_at(start)) for start, end, tokens in windows]
 
 
+def parse_variant(text: str) -> tuple[str, dict, list[str]]:
+    """'NAME|ENV=V ENV2=V|--flag value ...' -> (name, env, flags)."""
+    parts = text.split("|")
+    if len(parts) != 3 or not parts[0].strip():
+        sys.exit(f"stages.py: --variant {text!r}: want NAME|ENV=V ...|FLAGS (either part may be empty)")
+    env = dict(kv.split("=", 1) for kv in shlex.split(parts[1]))
+    return parts[0].strip(), env, shlex.split(parts[2])
+
+
+def plain_args(a, ds: Path, data: Path, out: Path) -> list[str]:
+    """bench/plain_loop.py's flags for the same run: the stage read from the JSON, nothing else."""
+    js = json.loads(ds.read_text())
+    zero = js.get("zero_optimization", {})
+    stage = "ddp" if "ddp" in js or "zero_optimization" not in js else str(zero.get("stage", 0))
+    offload = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+    return ["--stage", stage, *(["--offload"] if offload else []), "--data", str(data), "--model", a.model,
+            "--d-model", str(a.d_model), "--n-layer", str(a.n_layer), "--seq-len", str(a.seq_len),
+            "--micro-batch", str(a.micro_batch), "--grad-accum", str(a.grad_accum), "--steps", str(a.steps),
+            "--window", str(a.window), "--out", str(out)]
+
+
+def corpus(a, tmp: Path) -> Path:
+    """The bytes both loops train on: this Python's standard library sources (the trainer's
+    default corpus), the first --max-bytes of them, written once to a file."""
+    out = tmp / "corpus.txt"
+    if not out.is_file():
+        import sysconfig
+        chunks, n = [], 0
+        for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+            b = f.read_bytes()
+            chunks.append(b)
+            n += len(b)
+            if n >= a.max_bytes:
+                break
+        out.write_bytes(b"".join(chunks)[:a.max_bytes])
+    return out
+
+
 def run_config(a, name: str, tmp: Path, cuda: bool) -> dict:
     ds = config_for(name, a.precision, cuda, tmp)
-    res = {"config": name, "ds_config": f"ds_configs/{name}.json", "trainer": [], "minimal": []}
+    data = corpus(a, tmp)
+    variants = [("defaults", {}, [])] + [parse_variant(v) for v in a.variant]
+    res = {"config": name, "ds_config": f"ds_configs/{name}.json", "trainer": [], "minimal": [],
+           "variants": {v[0]: [] for v in variants[1:]}}
+    first = a.warmup // a.window   # windows that end after the warm-up
     for rep in range(a.repeats):
         run = tmp / f"{name}-{rep}"
         run.mkdir(parents=True, exist_ok=True)
         load0 = os.getloadavg()[0]
-        launch(a, str(REPO / "train" / "main.py"), ["--ds-config", str(ds), *trainer_args(a), "--train.run_dir",
-               str(run / "trainer")], run / "peak-trainer", run / "trainer.log")
-        res["trainer"].append(trainer_result(run / "trainer", run / "peak-trainer", a))
-        out = run / "minimal.json"
-        launch(a, str(REPO / "bench" / "minimal_loop.py"), ["--ds-config", str(ds), "--steps", str(a.steps),
-               "--window", str(a.window), "--out", str(out), "--", *trainer_args(a)], run / "peak-minimal",
-               run / "minimal.log")
+        out = run / "plain.json"
+        launch(a, str(REPO / "bench" / "plain_loop.py"), plain_args(a, ds, data, out), run / "peak-plain",
+               run / "plain.log")
         m = json.loads(out.read_text())
-        first = a.warmup // a.window   # windows that end after the warm-up
         b = m["window_bounds"]
         cpu_windows = [(b[i], b[i + 1], m["window_steps"] * m["tokens_per_step"]) for i in range(first, len(b) - 1)]
         res["minimal"].append({"window_tokens_per_s": m["window_tokens_per_s"][first:],
-                               "window_tokens_per_cpu_s": tokens_per_cpu_s(run / "peak-minimal", cpu_windows),
-                               "peak_bytes_per_rank": peaks(run / "peak-minimal")})
+                               "window_tokens_per_cpu_s": tokens_per_cpu_s(run / "peak-plain", cpu_windows),
+                               "peak_bytes_per_rank": peaks(run / "peak-plain")})
+        for vname, env, flags in variants:
+            tdir = run / f"trainer-{vname}"
+            launch(a, str(REPO / "train" / "main.py"), ["--ds-config", str(ds), *trainer_args(a), "--data.path",
+                   str(data), *flags, "--train.run_dir", str(tdir)], run / f"peak-{vname}",
+                   run / f"trainer-{vname}.log", env)
+            r = trainer_result(tdir, run / f"peak-{vname}", a)
+            (res["trainer"] if vname == "defaults" else res["variants"][vname]).append(r)
         res.setdefault("load_avg_1min", []).append([load0, os.getloadavg()[0]])
     return summarize(res)
 
@@ -216,6 +292,11 @@ def summarize(res: dict) -> dict:
     if t and m:
         res["throughput_ratio"] = res["trainer_tokens_per_s"] / res["minimal_tokens_per_s"]
         res["trainer_overhead"] = 1 - res["throughput_ratio"]
+    # Per alternated pair (the baseline run of the same repeat): median ratio and spread.
+    res["pair_ratios"] = pair_ratios(res["trainer"], res["minimal"])
+    if res["pair_ratios"]:
+        res["pair_ratio_median"] = statistics.median(res["pair_ratios"])
+    res["variant_ratios"] = {k: pair_ratios(v, res["minimal"]) for k, v in res.get("variants", {}).items()}
     tc = [w for r in res["trainer"] for w in r["window_tokens_per_cpu_s"]]
     mc = [w for r in res["minimal"] for w in r["window_tokens_per_cpu_s"]]
     if tc and mc:
@@ -229,6 +310,17 @@ def summarize(res: dict) -> dict:
     return res
 
 
+def pair_ratios(trainer: list[dict], plain: list[dict]) -> list[float]:
+    return [statistics.median(t["window_tokens_per_s"]) / statistics.median(p["window_tokens_per_s"])
+            for t, p in zip(trainer, plain) if t["window_tokens_per_s"] and p["window_tokens_per_s"]]
+
+
+def _ratios(rs: list[float]) -> str:
+    if not rs:
+        return "-"
+    return f"{statistics.median(rs):.3f} ({min(rs):.3f}-{max(rs):.3f}, n={len(rs)})"
+
+
 def _mib(n) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"
 
@@ -238,14 +330,15 @@ def markdown(results: list[dict], meta: dict) -> str:
              f"({meta['machine'].get('cpu_cores')} cores), {meta['machine'].get('gpus', 'no GPU')}, torch "
              f"{meta['machine'].get('torch')}, deepspeed {meta['machine'].get('deepspeed')}  ",
              f"Model: {meta['model']}, {meta['nproc']} processes, precision {meta['precision']}; "
-             f"tokens/s = median of {meta['window']}-step windows after {meta['warmup']} warm-up steps", "",
-             "| config | trainer tok/s | minimal tok/s | trainer/minimal | same, per CPU-second (rank 0) | "
+             f"tokens/s = median of {meta['window']}-step windows after {meta['warmup']} warm-up steps; "
+             f"trainer/plain = median (min-max) over alternated pairs; launcher {meta.get('launcher')}", "",
+             "| config | trainer tok/s | plain tok/s | trainer/plain (pairs) | same, per CPU-second (rank 0) | "
              "peak MiB per rank | planner peak MiB (rank 0) | model states MiB per rank (measured) | "
              "planner MiB per rank | planner error | load avg |",
-             "|---|---:|---:|---:|---:|---|---:|---|---|---|---|"]
+             "|---|---:|---:|---|---:|---|---:|---|---|---|---|"]
     for r in results:
         t = r["trainer"][-1]
-        ratio = f"{r['throughput_ratio']:.3f}" if r.get("throughput_ratio") else "-"
+        ratio = _ratios(r.get("pair_ratios", []))
         cpu_ratio = f"{r['cpu_throughput_ratio']:.3f}" if r.get("cpu_throughput_ratio") else "-"
         err = ", ".join(f"{e:+.1%}" for e in r.get("planner_error_per_rank", [])) or "-"
         loads = ", ".join(f"{x:.1f}" for pair in r.get("load_avg_1min", []) for x in pair)
@@ -254,6 +347,14 @@ def markdown(results: list[dict], meta: dict) -> str:
                      f"| {_mib(t.get('planned_peak_bytes'))} "
                      f"| {' / '.join(map(_mib, t['measured_model_states_per_rank'] or []))} "
                      f"| {' / '.join(map(_mib, t['planned_model_states_per_rank'] or []))} | {err} | {loads} |")
+    if any(r.get("variant_ratios") for r in results):
+        lines += ["", "| config | trainer run | tok/s | trainer/plain (pairs) |", "|---|---|---:|---|"]
+        for r in results:
+            lines.append(f"| {r['config']} | defaults | {r['trainer_tokens_per_s'] or 0:,.0f} "
+                         f"| {_ratios(r.get('pair_ratios', []))} |")
+            for k, rs in r.get("variant_ratios", {}).items():
+                tps = [w for x in r["variants"][k] for w in x["window_tokens_per_s"]]
+                lines.append(f"| {r['config']} | {k} | {statistics.median(tps) if tps else 0:,.0f} | {_ratios(rs)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -273,8 +374,8 @@ def main(argv=None) -> int:
     meta = {"command": shlex.join([Path(sys.executable).name, "bench/stages.py", *(sys.argv[1:] if argv is None
                                                                                      else argv)]),
             "machine": machine(), "model": f"{a.model} d_model={a.d_model} n_layer={a.n_layer} seq={a.seq_len} "
-            f"micro={a.micro_batch} accum={a.grad_accum}", "nproc": a.nproc, "steps": a.steps,
-            "warmup": a.warmup, "window": a.window,
+            f"micro={a.micro_batch} accum={a.grad_accum}", "nproc": a.nproc, "steps": a.steps, "launcher": a.launcher, "repeats": a.repeats, "variants": a.variant,
+            "load_before": os.getloadavg()[0], "warmup": a.warmup, "window": a.window,
             "precision": a.precision if a.precision != "auto" else ("json" if cuda else "fp32"),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     results = []
@@ -282,8 +383,8 @@ def main(argv=None) -> int:
         print(f"[stages] {name} ...", flush=True)
         results.append(run_config(a, name, tmp, cuda))
         r = results[-1]
-        print(f"[stages] {name}: trainer {r['trainer_tokens_per_s'] or 0:,.0f} tok/s, minimal "
-              f"{r['minimal_tokens_per_s'] or 0:,.0f} tok/s", flush=True)
+        print(f"[stages] {name}: trainer {r['trainer_tokens_per_s'] or 0:,.0f} tok/s, plain "
+              f"{r['minimal_tokens_per_s'] or 0:,.0f} tok/s, pairs {_ratios(r['pair_ratios'])}", flush=True)
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     (out_dir / f"stages-{stamp}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     md = markdown(results, meta)

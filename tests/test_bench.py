@@ -1,4 +1,4 @@
-"""bench/stages.py --quick: the stage benchmark runs end to end (trainer + minimal loop, 2
+"""bench/stages.py --quick: the stage benchmark runs end to end (trainer + bench/plain_loop.py, 2
 processes) and reports what BENCHMARKS.md is made of, so the script cannot rot. Speed is
 never asserted (DEVELOPERS.md: no timed assertions); only that the numbers exist and hold
 together."""
@@ -32,7 +32,7 @@ def test_quick_benchmark_reports_throughput_memory_and_planner_error(tmp_path):
     assert len(trainer["measured_model_states_per_rank"]) == 2
     assert all(abs(e) < 0.10 for e in r["planner_error_per_rank"]), r["planner_error_per_rank"]
     md = next(tmp_path.glob("stages-*.md")).read_text()
-    assert "| zero2 |" in md and "trainer/minimal" in md
+    assert "| zero2 |" in md and "trainer/plain (pairs)" in md
 
 
 def test_bench_rejects_unknown_configs(tmp_path):

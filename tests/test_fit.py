@@ -125,6 +125,9 @@ def test_auto_under_the_cap_trains_partitioned_within_the_planned_peak(frontier,
     assert auto["option"] == "ZeRO-3" and auto["next_faster"]["option"] in ("ZeRO-1", "ZeRO-2")
     assert "--ds-config auto: ZeRO-3" in p.stdout and "memory cgroup limit" in auto["budget_source"]
     assert abs(auto["budget_bytes"] - frontier["cap"]) < 4096  # the kernel rounds limits to pages
+    # The run needs compact malloc to fit (glibc's growth would not): the memory check switched it on, said so.
+    assert resolved["host_settings"]["malloc"] == "compact", resolved["host_settings"]
+    assert "host: compact malloc on (the memory check" in p.stdout
     # Partitioned for real: each rank holds half of every big tensor.
     for info in rank_infos(capped["dir"]):
         z = info["zero3"]
@@ -143,6 +146,8 @@ def test_auto_without_a_cap_takes_ddp_and_both_runs_train_the_same_model(frontie
     assert "--ds-config auto: DDP" in frontier["free_proc"].stdout
     free = json.loads((frontier["free"] / "config.json").read_text())["resolved"]
     assert free["auto_ds_config"]["option"] == "DDP" and free["auto_ds_config"]["next_faster"] is None
+    assert free["host_settings"]["malloc"] == "glibc"  # fits as it is: nothing that costs step time
+    assert "host: compact malloc" not in frontier["free_proc"].stdout
     ref, partitioned = train_losses(frontier["free"]), train_losses(capped["dir"])
     assert sorted(ref) == [1, 2, 3]
     assert partitioned == pytest.approx(ref, rel=2e-5, abs=1e-5)  # DDP and ZeRO-3 in fp32: the same mathematics

@@ -359,3 +359,48 @@ def test_online_without_credentials_fails_early_with_a_fix(tmp_path):
     assert "wandb login" in proc.stderr and "--logging.wandb.mode offline" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------- off the step's critical path
+
+def test_sink_calls_wandb_on_a_writer_thread_in_order():
+    """A log line costs the step no wandb work (issue 24): log() returns while the tracker's
+    own call is still blocked; close() runs what is queued, in order, then finishes the run."""
+    import threading
+    from types import SimpleNamespace
+
+    from train.observe.wandb_logger import WandbSink
+    gate, calls = threading.Event(), []
+
+    class Acc:
+        def log(self, metrics, step):
+            gate.wait(30)
+            calls.append(("log", step, metrics["loss"], threading.current_thread().name))
+
+    run = SimpleNamespace(settings=SimpleNamespace(mode="offline"), summary={},
+                          finish=lambda exit_code: calls.append(("finish", exit_code)))
+    sink = WandbSink(Acc(), run)
+    metrics = {"loss": 1.0}
+    sink.log(metrics, 1)
+    metrics["loss"] = 2.0  # the caller reuses its dict: the row keeps what was logged
+    sink.log(metrics, 2)
+    assert calls == []  # both returned with the tracker still blocked
+    gate.set()
+    sink.close()
+    assert calls == [("log", 1, 1.0, "zerotrain-wandb"), ("log", 2, 2.0, "zerotrain-wandb"), ("finish", 0)]
+
+
+def test_sink_reraises_a_writer_error_on_the_training_thread():
+    from types import SimpleNamespace
+
+    from train.observe.wandb_logger import WandbSink
+
+    class Acc:
+        def log(self, metrics, step):
+            raise RuntimeError("wandb broke")
+
+    run = SimpleNamespace(settings=SimpleNamespace(mode="offline"), summary={}, finish=lambda exit_code: None)
+    sink = WandbSink(Acc(), run)
+    sink.log({"loss": 1.0}, 1)
+    with pytest.raises(RuntimeError, match="wandb broke"):
+        sink.close()

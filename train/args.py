@@ -1,5 +1,5 @@
 """The training program's flags: --config, --ds-config, --resume, --debug and dotted overrides
-(train/main.py, `zerotrain train`, bench/minimal_loop.py); `--help` lists every option with its
+(train/main.py, `zerotrain train`); `--help` lists every option with its
 attribute docstring."""
 
 from __future__ import annotations

@@ -286,11 +286,12 @@ class TrainConfig:
     "high" float32 matmul precision. Affects fp32 runs only (bf16/fp16 use their own units);
     false = full fp32. Without a GPU there is nothing to set."""
     host_malloc: str = "auto"
-    """Host memory allocator: "compact" returns every freed block of 1 MiB or more to the OS at
-    once (resident memory follows live tensors), "glibc" keeps glibc's default (freed blocks stay
-    resident for reuse). "auto" = compact for DeepSpeed on a CPU-only machine (ZeRO-3's peak
-    -33%, ZeRO-2's -4% at no cost with huge pages), glibc with DDP (compact: -2% memory, +27%
-    step time) or a GPU. BENCHMARKS.md; MALLOC_MMAP_THRESHOLD_ in the environment wins."""
+    """Host memory allocator on a CPU-only machine: "compact" returns every freed block of 1 MiB
+    or more to the OS at once (resident memory follows live tensors, at a cost in step time),
+    "glibc" keeps glibc's default (freed blocks stay resident for reuse, fastest). "auto" =
+    glibc, unless the memory check finds the run would not fit without compact
+    (train/launch/host_settings.py; the banner then says so). MALLOC_MMAP_THRESHOLD_ in the
+    environment wins."""
 
     def __post_init__(self):
         for k in ("micro_batch_size", "max_steps"):

@@ -21,7 +21,7 @@ if __package__ in (None, ""):
 
 from train.launch import device_env, library_warnings  # noqa: E402
 
-device_env.apply()  # before torch is imported: huge pages, ZEROTRAIN_DEVICE=cpu
+device_env.apply()  # before torch is imported: ZEROTRAIN_DEVICE=cpu
 library_warnings.quiet()  # before DeepSpeed's first collective: torch's deprecations of the calls it makes
 
 from train.args import parse_train_args  # noqa: E402

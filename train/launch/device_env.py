@@ -13,10 +13,8 @@ import os
 
 
 def apply(environ=os.environ) -> None:
-    # Large CPU tensors on transparent huge pages (PyTorch's own switch, read once when torch
-    # loads). Fewer page faults for the fresh memory that train/device_memory.compact_host_malloc()
-    # hands out on CPU (BENCHMARKS.md). THP_MEM_ALLOC_ENABLE=0 opts out.
-    environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    # Nothing that trades speed for memory (huge pages, allocator settings) is set here:
+    # train/launch/host_settings.py decides those, off by default (issue 24).
     device = environ.get("ZEROTRAIN_DEVICE", "").strip().lower()
     if device not in ("", "auto", "cpu"):
         raise SystemExit(f'zerotrain: error: ZEROTRAIN_DEVICE="{device}" is not understood; use "cpu" (hide the '

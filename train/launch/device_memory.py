@@ -155,8 +155,8 @@ def compact_host_malloc() -> bool:
     tensors come from the heap, and freed ones stay resident wherever live ones sit above
     them: a ZeRO-3 rank (139M-parameter GPT, fp32, 2 ranks) peaked at 3.2 GiB with 2.2 GiB of
     live tensors (BENCHMARKS.md, host allocator). With a fixed 1 MiB threshold memory follows
-    live tensors. Fresh pages cost page faults, which huge pages (THP_MEM_ALLOC_ENABLE, set by
-    train/main.py) mostly remove: ZeRO-3's step +10% with them, +62% without. A threshold the
+    live tensors. Fresh pages cost page faults, which huge pages (THP_MEM_ALLOC_ENABLE, which the
+    user may set before torch loads) mostly remove: ZeRO-3's step +10% with them, +62% without. A threshold the
     user set (MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES) is left alone. Returns True if applied."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
         return False

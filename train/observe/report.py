@@ -53,6 +53,9 @@ def banner(t) -> str:
         if t.memory.text:
             lines.append(f"  model states {t.memory.text} per rank (estimated)")
         lines.append(f"  memory       {_memory_text(t.memory)}")
+    host = t.resolved_config.get("resolved", {}).get("host_settings") or {}
+    if host.get("banner"):  # a host setting that costs step time is on (train/launch/host_settings.py)
+        lines.append(f"  {host['banner']}")
     if t.state.step:
         lines.append(f"  resumed      at step {t.state.step} ({human(t.state.tokens_seen)} tokens seen)")
     lines.append(f"  run dir      {t.run_dir}")

@@ -39,8 +39,10 @@ A rank's peak is
   copy of everything; fused: none), the fp32 gradient partition ZeRO hands to it.
 
 On CPU it predicts what the kernel charges a rank's memory cgroup at its peak (memory.max_usage
-of bench/memcap.py's cgroups; BENCHMARKS.md, fit frontier), which follows live tensors because
-zerotrain makes glibc return freed blocks (train/launch/device_memory.py). On CUDA it predicts
+of bench/memcap.py's cgroups; BENCHMARKS.md, fit frontier) with compact malloc, where memory
+follows live tensors (train/launch/device_memory.py); glibc's default keeps freed blocks on top,
+so the memory check turns compact on where that growth would not fit (train/launch/host_settings.py).
+On CUDA it predicts
 torch.cuda.max_memory_allocated; the allocator's cache comes on top (the headroom).
 
 Where this differs from DeepSpeed's own estimators (estimate_zero2_model_states_mem_needs /

@@ -15,7 +15,7 @@ from train import paths
 from train.checkpoint.state import TrainState
 from train.config import RunConfig
 from train.errors import ConfigError
-from train.launch import shm_buffers
+from train.launch import host_settings, shm_buffers
 
 
 def _init_context(ds):
@@ -161,10 +161,6 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     ds = resolve(ds_path, cfg, batch, max_steps, cuda=cuda, hidden_size=hidden_size_of(spec, data))
     dist_.check_accelerate_precision(ds)
     hardware.check_compile(cfg, ds)
-    if cfg.train.host_malloc == "compact" or (cfg.train.host_malloc == "auto" and not cuda and ds.is_deepspeed):
-        # DeepSpeed on a CPU: freed tensors go back to the OS, so memory follows live tensors (train.host_malloc).
-        from train.launch.device_memory import compact_host_malloc
-        compact_host_malloc()
 
     _sweep_shm_buffers()  # before DeepSpeed creates this job's own
     from train.observe import wandb_logger
@@ -175,6 +171,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     _write_rank_info(run_dir, acc, topo, ds)
     # Before the model exists: a plan that does not fit the device memory stops here.
     planned, budget = fit.preflight(cfg, spec, ds, data, batch, seq_len, world, acc.is_main_process, view, choice)
+    # Compact malloc only where the plan would not fit without it (train/launch/host_settings.py).
+    host = host_settings.apply(host_settings.decide(cfg, ds, cuda, planned, budget))
 
     from accelerate.utils import set_seed
     set_seed(cfg.train.seed)  # identical initial weights on every rank
@@ -228,6 +226,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
         resolved["resolved"]["memory_plan"] = planned.to_dict()  # the peak the check compared with the budget
     if choice is not None:
         resolved["resolved"]["auto_ds_config"] = choice.record()
+    resolved["resolved"]["host_settings"] = host.record()
     resolved["resolved"]["hardware"] = {"float32_matmul_precision": matmul_precision, "channels_last": channels_last,
                                         "compile": cfg.train.compile, "data_workers": workers,
                                         **({"stream_workers": data.stream.workers} if data.stream else {})}

@@ -1,0 +1,87 @@
+"""Host memory settings that trade step time for memory: which ones a run gets, and why.
+
+zerotrain turns none on by default (issue 24: on this machine compact malloc cost a small
+model's ZeRO-1/2 step about a third, transparent huge pages about a tenth; BENCHMARKS.md):
+
+* transparent huge pages (PyTorch's THP_MEM_ALLOC_ENABLE, read once when torch loads): never
+  set by zerotrain; a value in the environment is the user's and is recorded as such.
+* compact malloc (train.host_malloc, train/launch/device_memory.compact_host_malloc: freed
+  blocks of 1 MiB or more go back to the OS at once). "auto" turns it on only where the run would
+  not fit without it: the memory check's plan (which predicts memory that follows live tensors)
+  times what glibc's default keeps of freed blocks (GLIBC_GROWTH) leaves less than
+  distributed.memory_margin of the budget free, while the plan itself fits. "compact" / "glibc"
+  force either. Never on a GPU (the device's memory is not malloc's).
+
+The decision is one line in the banner when compact is on (with its measured cost), and
+config.json's resolved.host_settings always.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# A rank's peak with glibc's default over its peak with compact malloc (cgroup peaks, fp32,
+# 2 ranks, huge pages off; BENCHMARKS.md "Host allocator on CPU"): DDP 2.66/2.61, ZeRO-2
+# 2.99/2.87, ZeRO-3 3.21/2.16. ZeRO-0/1 hold the same flat buffers as ZeRO-2.
+GLIBC_GROWTH = {"ddp": 1.02, 0: 1.05, 1: 1.05, 2: 1.05, 3: 1.50}
+# Compact malloc's step time over glibc's, same measurement (the banner quotes it).
+COMPACT_COST = {"ddp": 1.01, 0: 0.11, 1: 0.11, 2: 0.11, 3: 0.62}
+
+
+def _key(ds):
+    return "ddp" if not ds.is_deepspeed else ds.stage
+
+
+@dataclass
+class HostSettings:
+    malloc: str               # "compact" | "glibc"
+    why: str                  # what decided it (a clause for the banner and config.json)
+    huge_pages: str | None    # THP_MEM_ALLOC_ENABLE as the environment set it (None: unset = off)
+    cost: float | None = None  # compact's measured step-time cost for this strategy, when on
+
+    def record(self) -> dict:
+        return {"malloc": self.malloc, "why": self.why, "huge_pages_env": self.huge_pages,
+                "compact_step_cost": self.cost, "banner": self.banner_line()}
+
+    def banner_line(self) -> str | None:
+        """One line when a setting that costs step time is on; None otherwise."""
+        if self.malloc != "compact":
+            return None
+        cost = f"; measured cost about +{self.cost:.0%} step time on CPU (BENCHMARKS.md)" if self.cost else ""
+        return f"host: compact malloc on ({self.why}){cost}"
+
+
+def decide(cfg, ds, cuda: bool, planned=None, budget=None) -> HostSettings:
+    """The run's host settings. `planned`/`budget`: the memory check's Estimate and Budget
+    (None when the check is off: then auto keeps glibc's default)."""
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE")
+    choice = cfg.train.host_malloc
+    if cuda:
+        return HostSettings("glibc", "a GPU run: the device memory is not malloc's", thp)
+    if choice != "auto":
+        return _settings(choice, f"train.host_malloc {choice}", ds, thp)
+    if planned is None or budget is None:
+        return HostSettings("glibc", "train.host_malloc auto without a memory check", thp)
+    growth = GLIBC_GROWTH[_key(ds)]
+    grown = planned.device_total * growth
+    room = (1 - cfg.distributed.memory_margin) * budget.bytes
+    if grown <= room:
+        return HostSettings("glibc", "train.host_malloc auto: the run fits without compact malloc", thp)
+    from train.observe.report import human_bytes as hb
+    why = (f"the memory check: the plan {hb(planned.device_total)} x glibc's growth {growth:g} = {hb(grown)} "
+           f"would leave less than the {cfg.distributed.memory_margin:.0%} margin of {hb(budget.bytes)}")
+    return _settings("compact", why, ds, thp)
+
+
+def _settings(malloc: str, why: str, ds, thp) -> HostSettings:
+    return HostSettings(malloc, why, thp, COMPACT_COST[_key(ds)] if malloc == "compact" else None)
+
+
+def apply(settings: HostSettings) -> HostSettings:
+    """Make the allocator choice real in this process (compact: mallopt; glibc: nothing)."""
+    if settings.malloc == "compact":
+        from train.launch.device_memory import compact_host_malloc
+        if not compact_host_malloc():
+            settings.why += " (not applied: MALLOC_MMAP_THRESHOLD_/GLIBC_TUNABLES set it, or not glibc)"
+    return settings
