@@ -260,7 +260,10 @@ def node_addr() -> str:
 
 
 def gather_roster(topo: Topology) -> list[dict]:
-    me = {"rank": topo.rank, "node_rank": topo.node_rank, "host": socket.gethostname(), "addr": node_addr()}
+    # start: a token of this start of the job (rank 0's), so that store keys of an earlier start
+    # under the same elastic agent's store are never read as this one's.
+    me = {"rank": topo.rank, "node_rank": topo.node_rank, "host": socket.gethostname(), "addr": node_addr(),
+          "start": os.urandom(8).hex()}
     roster: list = [None] * topo.world_size
     torch.distributed.all_gather_object(roster, me)
     _PEERS.update(roster=roster, me=me)
@@ -341,12 +344,14 @@ def _abort_peer_lost(nodes: list[int] | None, silent_s: float):
     os._exit(1)  # the main thread is blocked inside a collective: no clean way out
 
 
-_USER_ERROR_KEY = "zerotrain/user_error"
+def _user_error_key() -> str:
+    return f"zerotrain/user_error/{_PEERS['roster'][0]['start']}"
 
 
 def _store_client(timeout_s: float = 2.0):
-    """A client of the launch's rendezvous store (the one the process group was built on), or None."""
-    if not _PEERS["timeout_s"] or int(os.environ.get("WORLD_SIZE", "1")) < 2 or "MASTER_ADDR" not in os.environ:
+    """A client of the launch's rendezvous store (the one the process group was built on), or None
+    before the ranks have met (gather_roster)."""
+    if not _PEERS["roster"] or len(_PEERS["roster"]) < 2 or "MASTER_ADDR" not in os.environ:
         return None
     try:
         return torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -361,7 +366,7 @@ def report_user_error(message: str) -> None:
     store = _store_client()
     if store is not None:
         with contextlib.suppress(Exception):
-            store.set(_USER_ERROR_KEY, f"rank {os.environ.get('RANK', '?')}: {message}")
+            store.set(_user_error_key(), f"rank {os.environ.get('RANK', '?')}: {message}")
 
 
 def peer_user_error() -> str | None:
@@ -370,8 +375,8 @@ def peer_user_error() -> str | None:
     if store is None:
         return None
     with contextlib.suppress(Exception):
-        if store.check([_USER_ERROR_KEY]):
-            return store.get(_USER_ERROR_KEY).decode()
+        if store.check([_user_error_key()]):
+            return store.get(_user_error_key()).decode()
     return None
 
 
