@@ -106,7 +106,7 @@ def config_for(name: str, precision: str, cuda: bool, tmp: Path) -> Path:
 
 def trainer_args(a) -> list[str]:
     return ["--model.name", a.model, "--model.d_model", str(a.d_model), "--model.n_layer", str(a.n_layer),
-            "--model.seq_len", str(a.seq_len), "--data.seq_len", str(a.seq_len),  # the plain loop's context too "--data.max_bytes", str(a.max_bytes),
+            "--model.seq_len", str(a.seq_len), "--data.seq_len", str(a.seq_len),  # the plain loop's context too
             "--train.micro_batch_size", str(a.micro_batch), "--train.grad_accum_steps", str(a.grad_accum),
             "--train.max_steps", str(a.steps), "--logging.every_steps", str(a.window),
             "--train.eval_every", "0", "--train.eval_batches", "1", "--train.sample_tokens", "0",

@@ -107,6 +107,19 @@ def test_tf32_is_on_for_cuda_fp32_matmuls_unless_disabled():
     assert hardware.float32_matmul_precision(load_config(None), cuda=False) is None
 
 
+def test_cpu_ranks_of_a_node_share_its_cores_unless_omp_num_threads_says_otherwise(monkeypatch):
+    """2 ranks on 2 cores with torch's default (2 threads each) oversubscribe the cores: measured
+    ~10% slower steps (BENCHMARKS.md, issue 24). Each rank gets its share; the user's
+    OMP_NUM_THREADS and a GPU run keep torch's choice."""
+    monkeypatch.setattr(hardware, "cores_per_rank", lambda local_world: max(1, 16 // local_world))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    assert hardware.cpu_threads(cuda=False, local_world=2, env={}) == 8
+    assert hardware.cpu_threads(cuda=False, local_world=32, env={}) == 1
+    assert hardware.cpu_threads(cuda=False, local_world=1, env={}) is None          # already all of them
+    assert hardware.cpu_threads(cuda=False, local_world=2, env={"OMP_NUM_THREADS": "4"}) is None
+    assert hardware.cpu_threads(cuda=True, local_world=2, env={}) is None
+
+
 def _ds(tmp_path, name):
     cfg = load_config(None)
     return resolve(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100, cuda=True,

@@ -123,6 +123,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     cuda = torch.cuda.is_available()
     from train.training import hardware
     matmul_precision = hardware.apply_tf32(cfg, cuda)
+    threads = hardware.apply_cpu_threads(cuda, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     run_dir = Path(cfg.train.run_dir)
     _check_run_dir(run_dir)
     elastic = _elastic_join(cfg, run_dir, world, launcher)  # torchrun's agent: a restart of the same job resumes
@@ -227,8 +228,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     if choice is not None:
         resolved["resolved"]["auto_ds_config"] = choice.record()
     resolved["resolved"]["host_settings"] = host.record()
-    resolved["resolved"]["hardware"] = {"float32_matmul_precision": matmul_precision, "channels_last": channels_last,
-                                        "compile": cfg.train.compile, "data_workers": workers,
+    resolved["resolved"]["hardware"] = {"float32_matmul_precision": matmul_precision, "cpu_threads": threads,
+                                        "channels_last": channels_last, "compile": cfg.train.compile, "data_workers": workers,
                                         **({"stream_workers": data.stream.workers} if data.stream else {})}
     sinks = []
     if acc.is_main_process:

@@ -1,4 +1,4 @@
-"""Run options that only concern the hardware: TF32, channels-last, torch.compile, loader workers.
+"""Run options that only concern the hardware: TF32, CPU threads, channels-last, torch.compile, loader workers.
 
 Each decision is a small pure function of the config, the strategy and the machine, so it is
 tested on CPU; build.py applies them.
@@ -29,6 +29,27 @@ def apply_tf32(cfg: RunConfig, cuda: bool) -> str | None:
         torch.set_float32_matmul_precision(precision)
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32  # convolutions (cuDNN's own switch)
     return precision
+
+
+def cpu_threads(cuda: bool, local_world: int, env=None) -> int | None:
+    """torch's intra-op threads per rank on a CPU-only machine: this rank's share of the node's
+    cores, so that the ranks of a node do not oversubscribe them (torch's default gives every
+    process all the cores; Accelerate makes the same split for multi-CPU DDP, DeepSpeed's
+    launcher only with --bind_cores_to_rank). None keeps torch's choice: on a GPU, where
+    OMP_NUM_THREADS sets it, or where the share would not be fewer threads."""
+    env = os.environ if env is None else env
+    if cuda or env.get("OMP_NUM_THREADS", "").strip():
+        return None
+    share = cores_per_rank(local_world)
+    return share if share < torch.get_num_threads() else None
+
+
+def apply_cpu_threads(cuda: bool, local_world: int) -> int:
+    """Sets cpu_threads() where it has one; returns the threads torch uses (config.json)."""
+    n = cpu_threads(cuda, local_world)
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
 
 
 def use_channels_last(cfg: RunConfig, ds, family: str, cuda: bool) -> bool:
