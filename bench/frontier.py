@@ -2,15 +2,17 @@
 it and as the kernel decides it.
 
 For one GPT and one cap, every option of train/plan.OPTIONS (the shipped JSONs, fp32 on a CPU)
-is trained twice on N processes (torchrun), each rank in a memory cgroup of its own
+is trained three times on N processes (torchrun), each rank in a memory cgroup of its own
 (bench/memcap.py): without a limit, to measure its peak as the kernel counts it against one
 (the cgroup's peak usage; bench/rank_peak.py's max RSS is recorded too, and includes ~0.5 GiB of
-shared library code no cgroup is charged for), and under the cap with zerotrain's own memory
-check switched off, to see whether the kernel lets it finish or kills it. The planner's peak comes from each run's
+shared library code no cgroup is charged for); under the cap with zerotrain's defaults (its
+memory check refuses what would not fit, and turns compact malloc on where only that makes a
+run fit: train/launch/host_settings.py); and under the cap with the memory check switched off,
+to see whether the kernel lets it finish or kills it. The planner's peak comes from each run's
 config.json (the figure zerotrain's check compares with the budget). Last, --ds-config auto
 under the cap says what zerotrain itself would choose.
 
-    python bench/frontier.py                                 # the BENCHMARKS.md table (~15 min)
+    python bench/frontier.py                                 # the BENCHMARKS.md table (~20 min)
     python bench/frontier.py --d-model 1024 --n-layer 16 --cap 3GiB --options ddp,zero3
 
 Writes bench/results/frontier-<timestamp>.{json,md}.
@@ -29,6 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memcap  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from train.launch.host_settings import GLIBC_GROWTH  # noqa: E402
 from stages import BIN, REPO, free_port, machine, peaks  # noqa: E402
 
 OPTIONS = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
@@ -97,6 +102,7 @@ def launch(a, args: list[str], run: Path, cap: int | None, report: bool = True, 
     cgroups = [json.loads(f.read_text()) for f in sorted((run / "cgroup").glob("rank*.json"))] \
         if (run / "cgroup").is_dir() else []
     out = {"rc": rc, "seconds": time.perf_counter() - t0, "killed": "memcap: the kernel killed" in log,
+           "refused": "(distributed.memory_check false skips this check)" in log,
            "peak_bytes_per_rank": [c["peak_usage_bytes"] for c in cgroups] or
            (peaks(run / "peak") if (run / "peak").is_dir() else []),
            "max_rss_bytes_per_rank": peaks(run / "peak") if (run / "peak").is_dir() else []}
@@ -107,7 +113,23 @@ def launch(a, args: list[str], run: Path, cap: int | None, report: bool = True, 
         out["planned_peak_bytes"] = (plan.get("device_bytes") or {}).get("total")
         out["budget"] = resolved.get("memory_budget")
         out["auto"] = resolved.get("auto_ds_config")
+        out["host_malloc"] = (resolved.get("host_settings") or {}).get("malloc")
     return out
+
+
+def outcome(run: dict) -> str:
+    if run["rc"] == 0:
+        return "trained" + (f" ({run['host_malloc']} malloc)" if run.get("host_malloc") else "")
+    if run["killed"]:
+        return "killed by the kernel (exit 137)"
+    if run.get("refused"):
+        return "refused by the memory check before building the model (exit 2)"
+    return f"failed (exit {run['rc']})"
+
+
+def _strategy_key(option: str):
+    """host_settings' key of a shipped option: "ddp" or the ZeRO stage."""
+    return "ddp" if option == "ddp" else int(option[4])
 
 
 def markdown(rows: list[dict], auto: dict, meta: dict) -> str:
@@ -117,17 +139,19 @@ def markdown(rows: list[dict], auto: dict, meta: dict) -> str:
              f"{meta['machine'].get('ram_bytes', 0) / GiB:.0f} GiB), torch {meta['machine'].get('torch')}, deepspeed "
              f"{meta['machine'].get('deepspeed')}  ",
              f"Model: {meta['model']}; {meta['nproc']} processes; cap {cap / GiB:.2f} GiB per rank (memory cgroup)", "",
-             "| option | predicted peak GiB | measured peak GiB (no cap) | planner error | predicted under the cap "
-             "| under the cap (memory check off) |", "|---|---:|---:|---:|---|---|"]
+             "| option | predicted peak GiB (live tensors) | no cap: malloc, predicted for it GiB | measured peak GiB "
+             "(no cap) | planner error | predicted under the cap | under the cap, defaults (memory check on) "
+             "| under the cap, memory check off |", "|---|---:|---|---:|---:|---|---|---|"]
     for r in rows:
         pred, meas = r["free"].get("planned_peak_bytes"), max(r["free"]["peak_bytes_per_rank"] or [0])
-        err = f"{(pred - meas) / meas:+.1%}" if pred and meas else "-"
-        capped = r["capped"]
-        outcome = ("trained" if capped["rc"] == 0 else "killed by the kernel (exit 137)" if capped["killed"]
-                   else f"failed (exit {capped['rc']})")
-        lines.append(f"| {r['label']} | {pred / GiB:.3f} | {meas / GiB:.3f} | {err} | "
-                     f"{'fits' if pred and pred <= cap else 'does not fit'} | {outcome} |" if pred else
-                     f"| {r['label']} | - | {meas / GiB:.3f} | - | - | {outcome} |")
+        malloc = r["free"].get("host_malloc") or "?"
+        # glibc keeps freed blocks: the memory check's host settings scale the plan by its growth.
+        expect = pred * (GLIBC_GROWTH[_strategy_key(r["config"])] if malloc == "glibc" else 1.0) if pred else None
+        err = f"{(expect - meas) / meas:+.1%}" if expect and meas else "-"
+        checked, capped = outcome(r["checked"]), outcome(r["capped"])
+        lines.append(f"| {r['label']} | {pred / GiB:.3f} | {malloc}, {expect / GiB:.3f} | {meas / GiB:.3f} | {err} | "
+                     f"{'fits' if pred and pred <= cap else 'does not fit'} | {checked} | {capped} |" if pred else
+                     f"| {r['label']} | - | {malloc} | {meas / GiB:.3f} | - | - | {checked} | {capped} |")
     if auto:
         a = auto.get("auto") or {}
         lines += ["", f"`--ds-config auto` under the cap: **{a.get('option')}** ({a.get('ds_config')}), predicted "
@@ -156,10 +180,13 @@ def main(argv=None) -> int:
     for name in [n.strip() for n in a.options.split(",") if n.strip()]:
         print(f"[frontier] {name}: no cap ...", flush=True)
         free = launch(a, [*base, "--ds-config", str(fam / f"{name}.json")], tmp / name / "free", None)
+        print(f"[frontier] {name}: under {a.cap}, defaults (memory check on) ...", flush=True)
+        checked = launch(a, [*base, "--ds-config", str(fam / f"{name}.json")], tmp / name / "checked", cap)
         print(f"[frontier] {name}: under {a.cap}, memory check off ...", flush=True)
         capped = launch(a, [*base, "--ds-config", str(fam / f"{name}.json"), "--distributed.memory_check", "false"],
                         tmp / name / "capped", cap)
-        rows.append({"config": name, "label": labels.get(name, name), "free": free, "capped": capped})
+        rows.append({"config": name, "label": labels.get(name, name), "free": free, "checked": checked,
+                     "capped": capped})
         print(f"[frontier] {name}: predicted {(free.get('planned_peak_bytes') or 0) / GiB:.3f} GiB, measured "
               f"{max(free['peak_bytes_per_rank'] or [0]) / GiB:.3f} GiB; under the cap: exit {capped['rc']}", flush=True)
     print("[frontier] --ds-config auto under the cap ...", flush=True)

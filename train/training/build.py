@@ -123,7 +123,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     cuda = torch.cuda.is_available()
     from train.training import hardware
     matmul_precision = hardware.apply_tf32(cfg, cuda)
-    threads = hardware.apply_cpu_threads(cuda, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    local_world = dist_.node_layout(os.environ, int(os.environ["RANK"]), world)[2]  # this node's ranks
+    threads = hardware.apply_cpu_threads(cuda, local_world)
     run_dir = Path(cfg.train.run_dir)
     _check_run_dir(run_dir)
     elastic = _elastic_join(cfg, run_dir, world, launcher)  # torchrun's agent: a restart of the same job resumes
@@ -189,7 +190,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     raw_optimizer = build_optimizer(workload.model, cfg.optim, ds)
     set_seed(cfg.train.seed + topo.rank)  # dropout etc. differ per rank, deterministically
 
-    workers = hardware.data_workers(cfg.data, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    workers = hardware.data_workers(cfg.data, local_world)
     train_loader = DataLoader(data.train, batch_sampler=sampler,
                               generator=torch.Generator().manual_seed(cfg.train.seed),
                               **hardware.loader_options(workers, batch.accum, cuda, train=True))
