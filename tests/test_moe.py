@@ -18,8 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (MOE_VOCAB, SEQ, assert_resumable_checkpoint, data_trace, ds_variant, hf_val_loss, layer0_experts,
-                     metrics, rank_infos, run_train, save_tiny_moe, write_token_file)
+from helpers import (MOE_VOCAB, SEQ, assert_resumable_checkpoint, assert_zero3_planned_to_the_byte, data_trace,
+                     ds_variant, hf_val_loss, layer0_experts, metrics, rank_infos, run_train, save_tiny_moe,
+                     train_losses, write_token_file)
 
 STEPS, SEED, MICRO, ACCUM = 6, 1234, 1, 2
 NO_LEAF_TIMEOUT = 240  # s: the leaf run takes ~30 s here
@@ -214,3 +215,55 @@ def test_zero3_without_leaf_blocks(moe, zero3, tmp_path_factory):
     assert "Qwen3MoeSparseMoeBlock;" in run.proc.stdout and "as ZeRO-3 leaf" not in run.proc.stdout
     for a, b in zip(run.rows, zero3.rows, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+
+
+@pytest.mark.multiproc
+def test_zero3_moe_model_states_are_planned_to_the_byte(zero3):
+    """The planner sizes the fused 3-D expert tensors and the routers like any parameter: measured
+    parameters, gradients and optimizer states equal the plan."""
+    assert_zero3_planned_to_the_byte(next(r for r in metrics(zero3.dir) if "mem/model_states_bytes_per_rank" in r))
+
+
+@pytest.mark.multiproc
+def test_resume_on_one_process_continues_the_two_process_run(moe, zero3, tmp_path):
+    """The step-3 checkpoint of the 2-rank ZeRO-3 run resumed by 1 process (accumulation 4: the same
+    global batch and data order): steps 4-6 have the 2-rank losses, LM and aux, within 1e-5 (fp32)."""
+    run_dir = tmp_path / "one"
+    args = run_args(moe, run_dir, zero3_all_partitioned(tmp_path))
+    args[args.index("--train.grad_accum_steps") + 1] = str(2 * ACCUM)
+    args += ["--resume", str(zero3.dir / "checkpoints" / "step_00000003"), "--checkpoint.save_at_end", "false",
+             "--checkpoint.export", "false"]
+    run_train("python", 1, args, env={"HF_HUB_OFFLINE": "1"})
+    one = {r["step"]: r for r in metrics(run_dir) if "loss" in r}
+    two = {r["step"]: r for r in zero3.rows}
+    assert sorted(one) == [4, 5, 6]
+    for s in one:
+        for k in ("loss", "loss/lm", "loss/aux"):
+            assert abs(one[s][k] - two[s][k]) < 1e-5, (s, k, one[s], two[s])
+        assert one[s]["moe/expert_tokens"] == two[s]["moe/expert_tokens"]
+
+
+@pytest.mark.multiproc
+def test_lora_on_the_moe_model_under_zero3_saves_an_adapter_peft_loads(moe, tmp_path):
+    """Adapters on the attention projections of the partitioned MoE model: the export is PEFT's
+    adapter directory, non-empty and trained, and PeftModel over the base reproduces the run's
+    validation loss."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    run_dir = tmp_path / "lora"
+    args = run_args(moe, run_dir, zero3_all_partitioned(tmp_path))
+    args[args.index("--train.max_steps") + 1] = "4"
+    args += ["--model.lora.r", "8", "--model.lora.target_modules", "q_proj,v_proj", "--optim.lr", "1e-2"]
+    proc = run_train("torchrun", 2, args, env={"HF_HUB_OFFLINE": "1"})
+    assert "Qwen3MoeSparseMoeBlock as ZeRO-3 leaf" in proc.stdout
+    live = run_dir / "export"
+    assert sorted(p.name for p in live.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    saved = load_file(str(live / "adapter_model.safetensors"))
+    assert len(saved) == 2 * 2 * 2 and all(t.numel() > 0 for t in saved.values())  # 2 layers x q,v x A,B
+    assert any(t.abs().sum() > 0 for n, t in saved.items() if "lora_B" in n)  # B moved off zero: trained
+    base = AutoModelForCausalLM.from_pretrained(str(moe.model), dtype=torch.float32, local_files_only=True)
+    peft_model = PeftModel.from_pretrained(base, str(live)).eval()
+    val = [r for r in metrics(run_dir) if "val/loss" in r][-1]
+    loss, n = hf_val_loss(peft_model, moe.tokens)
+    assert n == val["val/samples"] and math.isclose(loss, val["val/loss"], rel_tol=1e-5), (loss, val)
