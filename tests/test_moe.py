@@ -267,3 +267,29 @@ def test_lora_on_the_moe_model_under_zero3_saves_an_adapter_peft_loads(moe, tmp_
     val = [r for r in metrics(run_dir) if "val/loss" in r][-1]
     loss, n = hf_val_loss(peft_model, moe.tokens)
     assert n == val["val/samples"] and math.isclose(loss, val["val/loss"], rel_tol=1e-5), (loss, val)
+
+
+def test_planner_counts_total_and_active_parameters_and_the_gathered_block(tmp_path, capsys):
+    """Memory follows every parameter, FLOPs the active ones; under ZeRO-3 a whole sparse block
+    (all its experts) is gathered at once even when stage3_max_live_parameters is smaller."""
+    from train.commands import plan as plan_cli
+    from train.plan.estimate import Batch, estimate, strategy_from_json
+    from train.plan.fit import model_shape
+    from models import resolve
+    from models.config import ModelConfig
+    d = save_tiny_moe(tmp_path / "m")
+    shape = model_shape(resolve(ModelConfig(name=f"hf:{d}")), None)
+    experts = 2 * 8 * (2 * 16 * 32 + 32 * 16)          # 2 layers x 8 experts x (gate_up + down)
+    assert shape.leaf_block == experts // 2 + 8 * 32    # one layer's experts and its router
+    assert shape.active_params == shape.num_params - experts * 6 // 8
+    small = ds_variant(tmp_path, "zero3", "z3_small_live", bf16={"enabled": False},
+                       zero_optimization={"stage": 3, "stage3_max_live_parameters": 1000,
+                                          "stage3_param_persistence_threshold": 0})
+    e = estimate(shape, strategy_from_json("z3", Path(small)), 2, Batch(1, SEQ), rank=0)
+    largest = max(shape.tensors)
+    assert e.backward_work == 4 * shape.leaf_block + 4 * largest  # fp32: the block, not 1000 elements
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model: {{name: 'hf:{d}'}}\ndata: {{seq_len: {SEQ}}}\n")
+    assert plan_cli.main([str(run), "--device-mem", "24GB"]) == 0
+    out = capsys.readouterr().out
+    assert f"{shape.active_params / 1e6:,.1f}M active per token" in out and "(one MoE block)" in out, out
