@@ -186,14 +186,14 @@ def build_hf(spec: ModelSpec, data, init_context):
 
 def _moe(model, config, spec: ModelSpec):
     """models/moe.py's accumulators for a sparse-MoE model; None (and the override refused) for a dense one."""
-    from models import moe
-    info = moe.detect(model, config, spec.config.router_aux_loss_coef)
+    from models.moe import MoEStats, detect
+    info = detect(model, config, spec.config.router_aux_loss_coef)
     if info is None:
         if spec.config.router_aux_loss_coef is not None:
             raise ConfigError(f"model.router_aux_loss_coef: {spec.name} ({config.model_type}) has no sparse "
                               f"mixture-of-experts block; remove the key")
         return None
-    return moe.MoEStats(info)
+    return MoEStats(info)
 
 
 # Attention implementations for which transformers 5.x isolates packed documents from position_ids

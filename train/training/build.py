@@ -183,9 +183,9 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
         from models import partition_summary
         print(f"zerotrain: {partition_summary(workload.model, topo.world_size)}", flush=True)
     if workload.moe is not None:  # sparse-MoE blocks: ZeRO-3 leaves before the engine hooks the modules
-        from models import moe
+        from models.moe import make_leaf
         if ds.is_deepspeed and ds.stage == 3:
-            moe.make_leaf(workload.model, workload.moe.info)
+            make_leaf(workload.model, workload.moe.info)
         if acc.is_main_process:
             print(f"zerotrain: {workload.moe.info.banner()}", flush=True)
     channels_last = hardware.use_channels_last(cfg, ds, workload.family, cuda)
