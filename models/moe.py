@@ -163,11 +163,14 @@ class MoEStats:
         if not router_logits:
             return
         e = self.info.num_experts
-        rows = [torch.bincount(r.topk(self.info.top_k, dim=-1).indices.reshape(-1), minlength=e)[:e]
-                for r in router_logits if r is not None and r.shape[-1] == e]
+        # index_add_, not bincount: bincount sizes its output from the data (a host sync on CUDA).
+        rows = [torch.zeros(e, dtype=torch.float64, device=r.device).index_add_(
+                    0, idx, torch.ones(idx.numel(), dtype=torch.float64, device=r.device))
+                for r in router_logits if r is not None and r.shape[-1] == e
+                for idx in [r.topk(self.info.top_k, dim=-1).indices.reshape(-1)]]
         if not rows:
             return
-        c = torch.stack(rows).to(torch.float64)
+        c = torch.stack(rows)
         self.counts = c if self.counts is None or self.counts.shape != c.shape else self.counts + c
 
     def window(self, acc, idle_share: float = 0.01) -> tuple[dict, list[str]]:
@@ -202,11 +205,14 @@ class MoEStats:
         e = self.info.num_experts
         for layer, row in enumerate(grid):
             even = sum(row) / e
+            idle = []
             for ex, n in enumerate(row):
                 key = (layer, ex)
                 self.idle_intervals[key] = self.idle_intervals.get(key, 0) + 1 if n < share * even else 0
                 if self.idle_intervals[key] == intervals:
-                    out.append(f"MoE: expert {ex} of sparse layer {layer} got under {share:.0%} of an even share "
-                               f"of tokens for {intervals} log intervals in a row (router collapse?); "
-                               f"raise model.router_aux_loss_coef")
+                    idle.append(str(ex))
+            if idle:
+                out.append(f"MoE: expert{'s' if len(idle) > 1 else ''} {', '.join(idle)} of sparse layer {layer} got "
+                           f"under {share:.0%} of an even share of tokens for {intervals} log intervals in a row "
+                           f"(router collapse?); raise model.router_aux_loss_coef")
         return out

@@ -245,7 +245,8 @@ def test_resume_on_one_process_continues_the_two_process_run(moe, zero3, tmp_pat
 
 @pytest.mark.multiproc
 def test_lora_on_the_moe_model_under_zero3_saves_an_adapter_peft_loads(moe, tmp_path):
-    """Adapters on the attention projections of the partitioned MoE model: the export is PEFT's
+    """Adapters on the attention projections of the partitioned MoE model, activation checkpointing
+    on (each recomputed layer gathers its leaf block again): the export is PEFT's
     adapter directory, non-empty and trained, and PeftModel over the base reproduces the run's
     validation loss."""
     from peft import PeftModel
@@ -254,7 +255,8 @@ def test_lora_on_the_moe_model_under_zero3_saves_an_adapter_peft_loads(moe, tmp_
     run_dir = tmp_path / "lora"
     args = run_args(moe, run_dir, zero3_all_partitioned(tmp_path))
     args[args.index("--train.max_steps") + 1] = "4"
-    args += ["--model.lora.r", "8", "--model.lora.target_modules", "q_proj,v_proj", "--optim.lr", "1e-2"]
+    args += ["--model.lora.r", "8", "--model.lora.target_modules", "q_proj,v_proj", "--optim.lr", "1e-2",
+             "--model.activation_checkpointing", "true"]  # transformers' own, around the leaf blocks
     proc = run_train("torchrun", 2, args, env={"HF_HUB_OFFLINE": "1"})
     assert "Qwen3MoeSparseMoeBlock as ZeRO-3 leaf" in proc.stdout
     live = run_dir / "export"
@@ -293,3 +295,54 @@ def test_planner_counts_total_and_active_parameters_and_the_gathered_block(tmp_p
     assert plan_cli.main([str(run), "--device-mem", "24GB"]) == 0
     out = capsys.readouterr().out
     assert f"{shape.active_params / 1e6:,.1f}M active per token" in out and "(one MoE block)" in out, out
+
+
+def _skewed_training(d: Path, coef: float, steps: int = 40) -> list[list[int]]:
+    """The banded model trained in process on band-0 tokens only (layer 0 routes them all to
+    experts 0-3) with the trainer's loss; the layer-0 expert load of each step."""
+    from models import build_workload, resolve
+    from models.config import ModelConfig
+    from helpers import lm_bundle
+    torch.manual_seed(0)
+    wl = build_workload(resolve(ModelConfig(name=f"hf:{d}", router_aux_loss_coef=coef)), lm_bundle(MOE_VOCAB))
+    opt = torch.optim.AdamW(wl.model.parameters(), lr=1e-2)
+    loads = []
+    for _ in range(steps):
+        x = torch.randint(0, MOE_VOCAB // 2, (4, SEQ + 1))
+        wl.loss(wl.model, {"input_ids": x[:, :-1], "labels": x[:, 1:]}).backward()
+        opt.step()
+        opt.zero_grad()
+        loads.append(wl.moe.window(SimpleNamespace(num_processes=1))[0]["moe/expert_tokens"][0])
+    return loads
+
+
+def test_aux_loss_moves_the_router_towards_balance_on_skewed_data(tmp_path):
+    """Skewed data (one token band) trained with and without the aux loss: the load spread of layer 0."""
+    d = save_tiny_moe(tmp_path / "m")
+    without, with_aux = _skewed_training(d, 0.0), _skewed_training(d, 1.0)
+    assert without[0] == with_aux[0] and sum(without[0][4:]) == 0  # the same start: experts 4-7 idle
+    late = lambda loads: [sum(col) for col in zip(*loads[-10:])]  # noqa: E731 - the last 10 steps' load
+    spread = lambda load: max(load) / (sum(load) / len(load))  # noqa: E731
+    print(f"layer-0 load, last 10 steps: without aux {late(without)}, with aux (coef 1) {late(with_aux)}")
+    # Without it the router collapses onto 2 of the 4 experts it can reach; with it all 4 keep tokens
+    # (experts 4-7 stay out of reach in 40 steps: the band's embedding sign outweighs the router's update).
+    assert sorted(late(without)[:4])[:2] == [0, 0]
+    assert min(late(with_aux)[:4]) > 0.1 * sum(late(with_aux)) / 4
+    assert spread(late(with_aux)) < 0.75 * spread(late(without))
+
+
+def test_an_idle_expert_is_warned_about_after_five_intervals(tmp_path):
+    from models import build_workload, resolve
+    from models.config import ModelConfig
+    from helpers import lm_bundle
+    wl = build_workload(resolve(ModelConfig(name=f"hf:{save_tiny_moe(tmp_path / 'm')}")), lm_bundle(MOE_VOCAB))
+    x = torch.randint(0, MOE_VOCAB // 2, (2, SEQ))  # band 0 only: layer 0's experts 4-7 get nothing
+    warned = []
+    with torch.no_grad():
+        for _ in range(6):
+            wl.loss(wl.model, {"input_ids": x, "labels": x})
+            warned.append(wl.moe.window(SimpleNamespace(num_processes=1))[1])
+    assert warned[:4] == [[]] * 4 and warned[5] == []  # said once, at the fifth interval
+    assert warned[4][0].startswith("MoE: experts 4, 5, 6, 7 of sparse layer 0 got under 1% of an even share of "
+                                   "tokens for 5 log intervals in a row"), warned[4]
+    assert len(warned[4]) <= 2  # one line per sparse layer
