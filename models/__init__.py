@@ -37,6 +37,9 @@ def resolve(cfg: ModelConfig) -> ModelSpec:
     if cfg.lora is not None:
         from models.lora import check_family
         check_family(spec)
+    if cfg.router_aux_loss_coef is not None and spec.family != "hf":
+        raise ConfigError(f"model.router_aux_loss_coef is for mixture-of-experts hf: models; {cfg.name} has no "
+                          f"router: remove the key")
     return spec
 
 

@@ -76,6 +76,9 @@ class ModelConfig:
     GPU, off elsewhere (on CPU it brings nothing measurable for these models)."""
     init_from: Optional[str] = None
     """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json."""
+    router_aux_loss_coef: Optional[float] = None
+    """Mixture-of-experts hf: models: weight of the router's load-balancing (aux) loss added to
+    the LM loss (models/moe.py). None = the model config's router_aux_loss_coef; 0 = logged only."""
     lora: Optional[LoraConfig] = None
     """LoRA fine-tuning (GPT presets and hf: models): only low-rank adapters are trained, the base
     weights stay frozen and are not saved in checkpoints (docs/lora.md). None = off; set any key,
@@ -90,3 +93,5 @@ class ModelConfig:
             raise ConfigError(f"model.dropout must be in [0, 1) (got {self.dropout})")
         if not self.name:
             raise ConfigError("model.name must not be empty")
+        if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
+            raise ConfigError(f"model.router_aux_loss_coef must be >= 0 (got {self.router_aux_loss_coef})")

@@ -175,10 +175,25 @@ def build_hf(spec: ModelSpec, data, init_context):
     width = spec.hidden_size
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
     flops = flops_per_token(model, width, layers, data.seq_len)
+    moe = _moe(model, config, spec)
+    if moe is not None:
+        flops -= 6.0 * moe.info.active_params_delta  # FLOPs follow the active parameters (top-k experts)
     return Workload(model=model, task="lm", family="hf",
                     model_config={"family": "hf", "source": str(d.resolve()), "model_type": config.model_type,
                                   "config": config.to_dict(), "num_params": n_params},
-                    hidden_size=width, flops_per_item=flops, tied=tied_names(model))
+                    hidden_size=width, flops_per_item=flops, tied=tied_names(model), moe=moe)
+
+
+def _moe(model, config, spec: ModelSpec):
+    """models/moe.py's accumulators for a sparse-MoE model; None (and the override refused) for a dense one."""
+    from models.moe import MoEStats, detect
+    info = detect(model, config, spec.config.router_aux_loss_coef)
+    if info is None:
+        if spec.config.router_aux_loss_coef is not None:
+            raise ConfigError(f"model.router_aux_loss_coef: {spec.name} ({config.model_type}) has no sparse "
+                              f"mixture-of-experts block; remove the key")
+        return None
+    return MoEStats(info)
 
 
 # Attention implementations for which transformers 5.x isolates packed documents from position_ids

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from models.losses import IGNORE_INDEX, cross_entropy, token_losses
+
+if TYPE_CHECKING:
+    from models.moe import MoEStats
 
 
 @dataclass
@@ -25,6 +28,7 @@ class Workload:
     flops_per_item: Optional[float] = None  # training FLOPs per token (LM) or per sample
     tied: list = field(default_factory=list)  # [(alias, source)] parameter names sharing storage
     lora: Optional[dict] = None             # model.lora's adapter (models/lora.py apply): r, alpha, targets, base
+    moe: Optional["MoEStats"] = None        # sparse-MoE hf: models (models/moe.py): aux loss, expert load
 
     def logits(self, model, batch):
         """Packed rows (data.packing, data.document_mask) carry position_ids that restart per
@@ -46,6 +50,11 @@ class Workload:
         an fp32 copy of the (B, T, V) logits or a saved fp32 log-softmax (issue 12).
         `denominator` (LMs only): the summed token loss is divided by it instead of by this
         micro-batch's number of labelled tokens (the trainer's token-count normalisation)."""
+        if self.moe is not None:  # the router's aux loss and routed tokens come with the logits
+            out = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), output_router_logits=True)
+            lm = cross_entropy(out.logits.reshape(-1, out.logits.size(-1)), batch["labels"].reshape(-1),
+                               denominator=denominator)
+            return self.moe.loss(out, lm)
         out = self.logits(model, batch)
         if self.task == "lm":
             return cross_entropy(out.reshape(-1, out.size(-1)), batch["labels"].reshape(-1), denominator=denominator)

@@ -339,3 +339,50 @@ def write_shard_dir(path: Path, tokens, shard_tokens: int, vocab_size: int = 256
     write_manifest(path, manifest_meta(np.uint16, vocab_size, "bytes", shard_tokens, {"shards": writer.entries}, 0,
                                        {"test": str(path)}))
     return path
+
+
+# A tiny sparse mixture-of-experts causal LM (the MoE tests, docs/workloads.md's walk-through).
+
+MOE_VOCAB, MOE_EXPERTS = 64, 8
+
+
+def save_tiny_moe(out: Path, kind: str = "qwen3_moe") -> Path:
+    """A random 2-layer Qwen3-MoE or Mixtral (8 experts, top-2) whose first sparse layer routes
+    by token band: ids below MOE_VOCAB / 2 go to experts 0-3, the others to experts 4-7. Its
+    first attention output is zero and each embedding's first coordinate is +-3 by band, so the
+    router of layer 0 sees the band; the router's rows weight that coordinate +1 (experts 0-3)
+    or -1 (experts 4-7). Data whose ranks hold different bands routes to disjoint experts."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    common = dict(vocab_size=MOE_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2,
+                  router_aux_loss_coef=0.01, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    if kind == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**common, head_dim=8, intermediate_size=64, moe_intermediate_size=16,
+                             num_experts=MOE_EXPERTS, decoder_sparse_step=1, norm_topk_prob=True)
+        model = Qwen3MoeForCausalLM(cfg)
+    else:
+        cfg = MixtralConfig(**common, intermediate_size=16, num_local_experts=MOE_EXPERTS)
+        model = MixtralForCausalLM(cfg)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb.normal_(0, 0.02)
+        emb[:, 0] = torch.where(torch.arange(MOE_VOCAB) < MOE_VOCAB // 2, 3.0, -3.0)
+        layer = model.model.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        router = layer.mlp.gate.weight
+        router.normal_(0, 0.02)
+        router[:, 0] = torch.where(torch.arange(MOE_EXPERTS) < MOE_EXPERTS // 2, 1.0, -1.0)
+    model.save_pretrained(str(out))
+    return out
+
+
+def layer0_experts(model_dir: Path, input_ids) -> set[int]:
+    """The experts layer 0 of the saved model routes these tokens to (top-k of its router logits)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor(input_ids).reshape(1, -1), output_router_logits=True)
+    return set(out.router_logits[0].topk(model.config.num_experts_per_tok, dim=-1).indices.reshape(-1).tolist())

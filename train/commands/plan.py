@@ -45,6 +45,9 @@ def render(plan: Plan) -> str:
     c, b, dev = plan.cluster, plan.batch, plan.device
     trained = sum(plan.shape.tensors)
     frozen = f", {trained / 1e6:,.3f}M trained" if plan.shape.frozen else ""  # LoRA: the adapters
+    if plan.shape.active_params is not None:  # mixture of experts: memory follows the total, FLOPs the active
+        frozen += (f", {plan.shape.active_params / 1e6:,.1f}M active per token; ZeRO-3 gathers "
+                   f"{plan.shape.leaf_block / 1e6:,.2f}M at once (one MoE block)")
     head = (f"zerotrain plan: {plan.shape.name} ({plan.shape.num_params / 1e6:,.1f}M params{frozen}), "
             f"{c.nodes} node(s) x {c.devices_per_node} {'CPU rank' if dev.kind == 'cpu' else 'device'}(s) = {c.world}, "
             f"{c.device_mem / GiB:.2f} GiB/{'rank' if dev.kind == 'cpu' else 'device'}"

@@ -97,6 +97,8 @@ class ModelShape:
     gpt: object = None          # models.gpt.GPTConfig for activations; None = parameter count only
     width: Optional[int] = None  # hidden size: fills the JSON's "auto" ZeRO sizes (train/dsconfig.AUTO_SIZES)
     frozen: tuple = ()          # numel of parameters without gradients (held, never stepped)
+    leaf_block: int = 0         # numel of the largest sparse-MoE block: gathered whole under ZeRO-3 (models/moe.py)
+    active_params: Optional[int] = None  # mixture of experts: parameters one token uses (FLOPs); None = all
 
     @property
     def tensors(self) -> list[int]:
@@ -227,8 +229,17 @@ def module_shape(model, name: str, gpt=None, width: Optional[int] = None) -> Mod
     groups = tuple(tuple(int(getattr(p, "ds_numel", p.numel())) for p in g["params"])
                    for g in param_groups(model, 0.1))
     frozen = tuple(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if not p.requires_grad)
-    return ModelShape(name, sum(map(sum, groups)) + sum(frozen), groups, gpt,
-                      width=width or (gpt.d_model if gpt is not None else None), frozen=frozen)
+    total = sum(map(sum, groups)) + sum(frozen)
+    moe = _moe_sizes(model)
+    return ModelShape(name, total, groups, gpt, width=width or (gpt.d_model if gpt is not None else None),
+                      frozen=frozen, leaf_block=moe.largest_block_params if moe else 0,
+                      active_params=total - moe.active_params_delta if moe else None)
+
+
+def _moe_sizes(model):
+    """models/moe.py's view of a sparse mixture-of-experts model (None for a dense one)."""
+    from models.moe import detect
+    return detect(model, getattr(model, "config", None))
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -408,7 +419,8 @@ def estimate(shape: ModelShape, s: Strategy, world: int, batch: Batch, rank: Opt
     partitioned = sum(t for t in tensors if t > threshold)
     group_part = max(sum(math.ceil(t / n) for t in g) for g in shape.groups)
     sub_group = int(min(s.z("sub_group_size"), group_part))          # one optimizer sub-group
-    gathered = b * int(min(partitioned, s.z("stage3_max_live_parameters")))
+    # A ZeRO-3 leaf block (all experts of one MoE layer) is gathered as one unit, whatever the limit.
+    gathered = b * int(max(min(partitioned, s.z("stage3_max_live_parameters")), shape.leaf_block))
     ipg = int(min(rbs, largest or trained) if cpu else rbs) * b
     comm = 1.5 * batch.accum if n > 1 else None
     params_dev, grads_dev, opt_dev = b * (part + frozen_part) + b * persistent, acc * part, 12 * part

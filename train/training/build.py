@@ -50,6 +50,8 @@ def resolved_config(cfg: RunConfig, ds, batch, topo, max_steps: int, data, workl
     if data.mixture is not None:
         d["data"]["mixture"] = data.mixture.record()  # each source's sequences and samples per epoch
     d["model"]["resolved"] = workload.model_config
+    if workload.moe is not None:
+        d["model"]["resolved"] = {**workload.model_config, "moe": workload.moe.info.record()}
     if workload.lora is not None:
         d["model"]["lora"]["resolved"] = workload.lora  # the target modules chosen, where the base comes from
     d["distributed"]["ds_config"] = ds.path
@@ -182,6 +184,12 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     if ds.is_deepspeed and ds.stage == 3 and acc.is_main_process:
         from models import partition_summary
         print(f"zerotrain: {partition_summary(workload.model, topo.world_size)}", flush=True)
+    if workload.moe is not None:  # sparse-MoE blocks: ZeRO-3 leaves before the engine hooks the modules
+        from models.moe import make_leaf
+        if ds.is_deepspeed and ds.stage == 3:
+            make_leaf(workload.model, workload.moe.info)
+        if acc.is_main_process:
+            print(f"zerotrain: {workload.moe.info.banner()}", flush=True)
     channels_last = hardware.use_channels_last(cfg, ds, workload.family, cuda)
     if channels_last:
         workload.model.to(memory_format=torch.channels_last)

@@ -513,6 +513,11 @@ class Trainer:
         if skipped is not None:
             self.state.skipped_steps = skipped
         m["skipped_steps"] = self.state.skipped_steps
+        if self.workload.moe is not None:  # loss/lm, loss/aux, tokens per expert (models/moe.py)
+            moe_metrics, warnings = self.workload.moe.window(self.acc)
+            m.update(moe_metrics)
+            for line in warnings if self.acc.is_main_process else ():
+                print(f"zerotrain: WARNING: {line}", flush=True)
         self.loggers.log(m, self.state.step)
         if bar:
             post = {"loss": f"{m['loss']:.4f}"}
