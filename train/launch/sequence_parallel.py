@@ -96,12 +96,17 @@ class SPRun:
     size: int
     rank: int        # this rank's place in its group: which slice of each row it holds
     group: object    # torch process group of the N consecutive ranks
+    ranks: tuple = ()  # the group's global ranks
 
     @classmethod
     def join(cls, n: int, rank: int, world: int) -> "SPRun":
         dist = torch.distributed
         groups = [dist.new_group(list(range(first, first + n))) for first in range(0, world, n)]  # every rank, in order
-        return cls(size=n, rank=rank % n, group=groups[rank // n])
+        first = rank - rank % n
+        return cls(size=n, rank=rank % n, group=groups[rank // n], ranks=tuple(range(first, first + n)))
+
+    def record(self) -> dict:
+        return {"size": self.size, "rank": self.rank, "ranks": list(self.ranks)}
 
     def model_side(self):
         from models.sequence_parallel import SeqParallel

@@ -226,6 +226,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     if ds.is_deepspeed and ds.stage == 3:
         from models import partition_counts
         _add_rank_info(run_dir, topo, zero3=partition_counts(workload.model))
+    if sp is not None:
+        _add_rank_info(run_dir, topo, sequence_parallel=sp.record())
 
     resolved = resolved_config(cfg, ds, batch, topo, max_steps, data, workload)
     if budget is not None:
