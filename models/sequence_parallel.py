@@ -75,13 +75,55 @@ def heads_to_seq(y: torch.Tensor, sp: SeqParallel) -> torch.Tensor:
 
 def attach(model: torch.nn.Module, sp: SeqParallel | None) -> int:
     """Give every module that supports SP (the GPT and its attention layers: a `seq_parallel`
-    attribute) this rank's group; None detaches. Returns the number of modules attached."""
+    attribute) this rank's group; a transformers model gets the "zerotrain_ulysses" attention
+    (hf_attention) instead of its sdpa. None detaches. Returns the number of modules attached."""
     n = 0
     for m in model.modules():
         if hasattr(m, "seq_parallel"):
             m.seq_parallel = sp
             n += 1
+    if n == 0 and hasattr(getattr(model, "config", None), "_attn_implementation"):
+        n = _attach_hf(model, sp)
     return n
 
 
-__all__ = ["SeqParallel", "attach", "heads_to_seq", "seq_to_heads"]
+# ----------------------------------------------------------------------------- transformers models
+
+HF_NAME = "zerotrain_ulysses"
+_HF = {"sp": None}  # the process's SP group for the registered attention function (one group per rank)
+
+
+def hf_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' attention-function interface (query (B, H, T/N, Hd) after RoPE, key/value
+    (B, K, T/N, Hd)) around its own sdpa: the all-to-all, causal sdpa over the whole sequence for
+    H/N and K/N heads (module.num_key_value_groups, H/K, is unchanged), the inverse all-to-all.
+    The model's mask was made for the local slice: unused (plain causal rows; packed rows are
+    refused with SP for hf: models)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    sp = _HF["sp"]
+    q, k, v = (seq_to_heads(t.transpose(1, 2), sp).transpose(1, 2) for t in (query, key, value))
+    kwargs.pop("is_causal", None)
+    out, _ = sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)  # (B, T, H/N, Hd)
+    return heads_to_seq(out, sp), None                                                 # (B, T/N, H, Hd)
+
+
+def _attach_hf(model, sp: SeqParallel | None) -> int:
+    from transformers import AttentionInterface
+    cfg = model.config
+    if sp is None:
+        cfg._attn_implementation = getattr(model, "_zerotrain_core_attention", cfg._attn_implementation)
+        return 1
+    if cfg._attn_implementation != HF_NAME:
+        if cfg._attn_implementation not in (None, "sdpa"):
+            from models.errors import ConfigError
+            raise ConfigError(f'distributed.sequence_parallel: the model uses attn_implementation '
+                              f'"{cfg._attn_implementation}", which the Ulysses all-to-all cannot wrap; use "sdpa" '
+                              f"(attn_implementation in its config.json)")
+        model._zerotrain_core_attention = cfg._attn_implementation
+    AttentionInterface.register(HF_NAME, hf_attention)
+    _HF["sp"] = sp
+    cfg._attn_implementation = HF_NAME
+    return 1
+
+
+__all__ = ["HF_NAME", "SeqParallel", "attach", "heads_to_seq", "hf_attention", "seq_to_heads"]

@@ -229,3 +229,47 @@ def test_world_size_not_divisible_exits_2_in_one_line(capsys):
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1, err
     assert "distributed.sequence_parallel 2 does not divide the world size 1" in lines[0], err
+
+
+# ---------------------------------------------------------------------------- hf: models
+
+@pytest.fixture(scope="module")
+def hf_llama(work):
+    """A tiny random Llama (4 heads, 2 KV heads, a 4096-token context) saved with save_pretrained,
+    and random byte tokens for it: nothing downloads."""
+    import numpy as np
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from helpers import write_token_file
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
+                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    d = work["dir"] / "llama"
+    LlamaForCausalLM(cfg).save_pretrained(str(d))
+    tokens = np.random.default_rng(0).integers(0, 256, size=12 * (SEQ_LEN + 1))
+    tok = write_token_file(work["dir"] / "llama_tokens" / "train.bin", tokens)
+    return ["--model.name", f"hf:{d}", "--data.kind", "tokens", "--data.path", str(tok)]
+
+
+def _hf_launch(work, hf_llama, name: str, nproc: int, *args) -> Path:
+    run_dir = work["dir"] / name
+    launcher = "python" if nproc == 1 else "torchrun"
+    argv = [*TINY, *hf_llama, "--data.seq_len", str(SEQ_LEN), "--train.micro_batch_size", "1",
+            "--train.grad_accum_steps", "2", "--train.max_steps", "3", "--train.eval_every", "0",
+            "--ds-config", work["zero3"], *args, "--train.run_dir", str(run_dir)]
+    run_train(launcher, nproc, argv)
+    return run_dir
+
+
+@pytest.mark.multiproc
+def test_hf_llama_sp2_matches_one_rank_with_accumulation(work, hf_llama):
+    """transformers' Llama under SP=2 (the "zerotrain_ulysses" attention around its sdpa, the
+    slice's own positions for its RoPE) has the 1-rank losses of the same rows."""
+    base = _steps(_hf_launch(work, hf_llama, "hf_base", 1))
+    sp_dir = _hf_launch(work, hf_llama, "hf_sp", 2, *SP2)
+    sp = _steps(sp_dir)
+    assert sorted(sp) == sorted(base) == [1, 2, 3]
+    assert _max_diff(base, sp, [1, 2, 3]) < TOL, (base, sp)
+    assert rank_infos(sp_dir)[1]["sequence_parallel"]["rank"] == 1

@@ -32,7 +32,7 @@ from train.config import Batch, RunConfig
 from train.errors import ConfigError
 
 WHOLE_KEYS = ("position_ids", "doc_ids")  # the GPT's attention reads them for the whole row
-ATTENTION = ("sdpa", "eager")             # hf: attention implementations the all-to-all wraps
+ATTENTION = ("sdpa",)                     # hf: attention implementations the all-to-all wraps
 
 
 def size(cfg: RunConfig, world: int) -> int:
@@ -65,6 +65,9 @@ def check(cfg: RunConfig, spec, seq_len: int | None, ds) -> None:
     if seq_len is None or seq_len % n:
         raise ConfigError(f"{flag} does not divide data.seq_len {seq_len}: each rank holds seq_len / {n} tokens; "
                           f"choose a data.seq_len that is a multiple of {n}")
+    if spec.family == "hf" and cfg.data.packing:
+        raise ConfigError(f"{flag} with data.packing on an hf: model is not supported (its document mask is made "
+                          f"per slice); set data.packing false, or use the built-in GPT")
     heads, kv_heads = _heads(cfg, spec)
     for what, h in (("attention heads", heads), ("key/value heads", kv_heads)):
         if h % n:
@@ -97,13 +100,15 @@ class SPRun:
     rank: int        # this rank's place in its group: which slice of each row it holds
     group: object    # torch process group of the N consecutive ranks
     ranks: tuple = ()  # the group's global ranks
+    whole: tuple = WHOLE_KEYS  # batch keys the model reads whole (the GPT); hf: none, positions sliced
 
     @classmethod
-    def join(cls, n: int, rank: int, world: int) -> "SPRun":
+    def join(cls, n: int, rank: int, world: int, family: str = "gpt") -> "SPRun":
         dist = torch.distributed
         groups = [dist.new_group(list(range(first, first + n))) for first in range(0, world, n)]  # every rank, in order
         first = rank - rank % n
-        return cls(size=n, rank=rank % n, group=groups[rank // n], ranks=tuple(range(first, first + n)))
+        return cls(size=n, rank=rank % n, group=groups[rank // n], ranks=tuple(range(first, first + n)),
+                   whole=WHOLE_KEYS if family == "gpt" else ())
 
     def record(self) -> dict:
         return {"size": self.size, "rank": self.rank, "ranks": list(self.ranks)}
@@ -129,10 +134,14 @@ class SPRun:
             attach(model, self.model_side())
 
     def slice_batch(self, batch: dict) -> dict:
-        """This rank's contiguous 1/N of every (B, T) tensor; WHOLE_KEYS stay whole."""
+        """This rank's contiguous 1/N of every (B, T) tensor; `whole` keys stay whole. A model that
+        applies RoPE to the slice (hf:) gets the slice's own positions (position_ids made if absent)."""
+        if not self.whole and "position_ids" not in batch:
+            ids = batch["input_ids"]
+            batch = {**batch, "position_ids": torch.arange(ids.size(1), device=ids.device).expand(ids.size(0), -1)}
         out = {}
         for k, v in batch.items():
-            if k in WHOLE_KEYS or not torch.is_tensor(v) or v.dim() < 2:
+            if k in self.whole or not torch.is_tensor(v) or v.dim() < 2:
                 out[k] = v
             else:
                 t = v.size(1) // self.size

@@ -172,7 +172,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     acc = dist_.build_accelerator(ds, batch, cfg.distributed.timeout_s, log_with=wandb_logger.log_with(cfg))
     topo = dist_.topology(launcher, "nccl" if cuda else "gloo")
     dist_.check_world(acc, topo)
-    sp = sp_.SPRun.join(sp_size, topo.rank, topo.world_size) if sp_size > 1 else None
+    sp = sp_.SPRun.join(sp_size, topo.rank, topo.world_size, spec.family) if sp_size > 1 else None
     wandb_logger.preflight(acc, cfg)  # W&B online without credentials: every rank stops here
     _write_rank_info(run_dir, acc, topo, ds)
     # Before the model exists: a plan that does not fit the device memory stops here.
