@@ -256,7 +256,8 @@ def hf_llama(work):
 def _hf_launch(work, hf_llama, name: str, nproc: int, *args) -> Path:
     run_dir = work["dir"] / name
     launcher = "python" if nproc == 1 else "torchrun"
-    argv = [*TINY, *hf_llama, "--data.seq_len", str(SEQ_LEN), "--train.micro_batch_size", "1",
+    tiny = [a for a in TINY if a not in ("--data.max_bytes", "300000")]  # (text-only)
+    argv = [*tiny, *hf_llama, "--data.seq_len", str(SEQ_LEN), "--train.micro_batch_size", "1",
             "--train.grad_accum_steps", "2", "--train.max_steps", "3", "--train.eval_every", "0",
             "--ds-config", work["zero3"], *args, "--train.run_dir", str(run_dir)]
     run_train(launcher, nproc, argv)
