@@ -277,3 +277,37 @@ def test_hf_llama_sp2_matches_one_rank_with_accumulation(work, hf_llama):
     assert sorted(sp) == sorted(base) == [1, 2, 3]
     assert _max_diff(base, sp, [1, 2, 3]) < TOL, (base, sp)
     assert rank_infos(sp_dir)[1]["sequence_parallel"]["rank"] == 1
+
+
+# ---------------------------------------------------------------------------- planner
+
+def test_planner_divides_activations_by_n_and_counts_the_all_to_all_buffers():
+    """Per rank: every saved activation is per token, so 1/N of them; the exchange buffers are
+    q, k, v of one layer (send copy + receive buffer) on the local tokens."""
+    from models.gpt import preset
+    from train.plan.estimate import Batch, activation_bytes, sp_exchange_bytes
+    g = preset("gpt-tiny", seq_len=SEQ_LEN)
+    for ckpt in (False, True):
+        one = Batch(1, SEQ_LEN, 1, ckpt, 1)
+        two = Batch(1, SEQ_LEN, 1, ckpt, 2)
+        assert activation_bytes(g, two, 4) * 2 == activation_bytes(g, one, 4)
+        assert sp_exchange_bytes(g, one, 4) == 0
+        kv = g.n_kv_head * g.head_dim
+        assert sp_exchange_bytes(g, two, 4) == 2 * 4 * (SEQ_LEN // 2) * (g.d_model + 2 * kv)
+
+
+def test_zerotrain_plan_sequence_parallel_flag(capsys):
+    from train.commands.plan import main as plan
+    rows = {}
+    for n in (1, 2):
+        assert plan(["gpt-tiny", "--seq-len", "64", "--micro-batch", "1", "--json", "--sequence-parallel", str(n)]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["batch"]["sequence_parallel"] == n
+        rows[n] = {o["option"]: o["device_bytes"] for o in out["options"]}
+    z3 = [k for k in rows[1] if k.startswith("ZeRO-3")][0]
+    assert rows[2][z3]["activations"] * 2 == rows[1][z3]["activations"]
+    assert rows[2][z3]["params"] == rows[1][z3]["params"]  # ZeRO still partitions over the whole world
+    with pytest.raises(SystemExit) as e:
+        plan(["gpt-tiny", "--seq-len", "64", "--sequence-parallel", "3"])
+    assert e.value.code == 2
+    assert "--sequence-parallel 3 does not divide the sequence length 64" in capsys.readouterr().err
