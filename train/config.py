@@ -462,7 +462,7 @@ class DistributedConfig:
     sequence for heads with two all-to-alls. Activation memory per rank divides by N, the loss
     is exactly the 1-rank loss. ZeRO still partitions over the whole world; the global batch
     counts samples per data-parallel rank (world / N of them), so the data order is that of a
-    run without SP. Needs a ZeRO JSON, the built-in GPT or an hf: model (sdpa/eager attention),
+    run without SP. Needs a ZeRO JSON, the built-in GPT or an hf: model (sdpa attention),
     and N dividing the world size, data.seq_len and the (KV) heads. 1 = off."""
 
     def __post_init__(self):
