@@ -63,15 +63,12 @@ def sp6(work):
     return _launch(work, "sp6", 2, *SIX, *SP2)
 
 
-# With activation checkpointing: the recomputation repeats the all-to-alls in backward.
-ACCUM = ["--train.micro_batch_size", "2", "--train.grad_accum_steps", "2", "--train.max_steps", "3",
-         "--model.activation_checkpointing", "true"]
+ACCUM = ["--train.micro_batch_size", "2", "--train.grad_accum_steps", "2", "--train.max_steps", "3"]
 
 
 @pytest.fixture(scope="module")
 def base_accum(work):
-    """1 process, no SP: micro-batches of 2 rows, accumulation 2 (4 rows per step), activation
-    checkpointing on."""
+    """1 process, no SP: micro-batches of 2 rows, accumulation 2 (4 rows per step)."""
     return _launch(work, "base_accum", 1, *ACCUM)
 
 
@@ -104,7 +101,7 @@ def test_sp2_zero3_matches_one_rank_step_by_step(base6, sp6):
 
 
 @pytest.mark.multiproc
-def test_sp2_with_accumulation_checkpointing_and_two_rows_per_micro_batch_matches_one_rank(base_accum, sp_accum):
+def test_sp2_with_accumulation_and_two_rows_per_micro_batch_matches_one_rank(base_accum, sp_accum):
     base, sp = _steps(base_accum), _steps(sp_accum)
     assert sorted(sp) == sorted(base) == [1, 2, 3]
     assert _max_diff(base, sp, [1, 2, 3]) < TOL, (base, sp)
