@@ -24,6 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from models.sequence_parallel import heads_to_seq, seq_to_heads
+
 
 @dataclass
 class GPTConfig:
@@ -248,14 +250,19 @@ class Attention(nn.Module):
         # by sqrt(2L) to keep the residual stream's variance ~constant with depth.
         self.proj = Linear(cfg.d_model, cfg.d_model, cfg.init_std / math.sqrt(2 * cfg.n_layer))
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.seq_parallel = None  # models/sequence_parallel.py SeqParallel: x is this rank's slice
 
     def forward(self, x, cos, sin, mask=None):  # x (B, T, D), mask None or (B, 1, T, T) bool -> (B, T, D)
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
                                      self.n_kv_head * self.head_dim], dim=-1)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, Hd)
-        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, K, T, Hd)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, K, T, Hd)
+        q = q.view(B, T, self.n_head, self.head_dim)
+        k = k.view(B, T, self.n_kv_head, self.head_dim)
+        v = v.view(B, T, self.n_kv_head, self.head_dim)
+        sp = self.seq_parallel
+        if sp is not None:  # Ulysses: the whole sequence for H/N query and K/N kv heads (cos, sin, mask: whole)
+            q, k, v = seq_to_heads(q, sp), seq_to_heads(k, sp), seq_to_heads(v, sp)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, Hd), 2 x (B, K, T, Hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_kv_head != self.n_head
         if gqa and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
@@ -268,7 +275,10 @@ class Attention(nn.Module):
         # Packed rows: the document mask (causal within each document); else plain causal.
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa,
                                            dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, Hd)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
+        y = y.transpose(1, 2)  # (B, T, H, Hd)
+        if sp is not None:
+            y = heads_to_seq(y, sp)  # back to this rank's slice, every head
+        y = y.reshape(B, T, self.n_head * self.head_dim)
         return self.resid_drop(self.proj(y))
 
 
@@ -312,14 +322,19 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             # Same Parameter object: optimisers/ZeRO see it once, and counts dedupe it.
             self.lm_head.weight = self.tok_emb.weight
+        self.seq_parallel = None  # models/sequence_parallel.py: idx is this rank's slice of each sequence
 
     def forward(self, idx: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:  # idx (B, T) int64 -> logits (B, T, V)
         """Packed rows (several documents per row) pass doc_ids (B, T), the document index of each
         token, and position_ids (B, T), each document's positions from 0: attention stays inside a
         document and RoPE sees the document's own positions, so every document is computed as if
-        it had a row of its own. Without them: one causal sequence at positions 0..T-1."""
+        it had a row of its own. Without them: one causal sequence at positions 0..T-1.
+        Under sequence parallelism (seq_parallel set) idx is this rank's contiguous slice of
+        each row; position_ids and doc_ids, if given, are the whole rows' (attention sees them whole)."""
         B, T = idx.shape
+        sp = self.seq_parallel
+        T = T * sp.size if sp is not None else T  # the whole row's length
         if T > self.config.seq_len:
             raise ValueError(f"sequence length {T} exceeds config.seq_len {self.config.seq_len}")
         cos, sin = self.rotary(T, idx.device, position_ids)  # 2 x (T, Hd/2) or 2 x (B, 1, T, Hd/2), fp32

@@ -456,8 +456,20 @@ class DistributedConfig:
     auto chooses only options that leave it, and so does the memory check's advice; a chosen JSON
     that leaves less but fits runs with a warning. Messages state the arithmetic and the margin
     that would run an option."""
+    sequence_parallel: int = 1
+    """Ulysses sequence parallelism (docs/long_context.md): groups of this many consecutive ranks
+    share each sample, every rank holding a contiguous 1/N of its tokens; attention trades
+    sequence for heads with two all-to-alls. Activation memory per rank divides by N, the loss
+    is exactly the 1-rank loss. ZeRO still partitions over the whole world; the global batch
+    counts samples per data-parallel rank (world / N of them), so the data order is that of a
+    run without SP. Needs a ZeRO JSON, the built-in GPT or an hf: model (sdpa attention),
+    and N dividing the world size, data.seq_len and the (KV) heads. 1 = off."""
 
     def __post_init__(self):
+        if isinstance(self.sequence_parallel, bool) or not isinstance(self.sequence_parallel, int) \
+                or self.sequence_parallel < 1:
+            raise ConfigError(f"distributed.sequence_parallel must be a whole number >= 1, 1 = off "
+                              f"(got {self.sequence_parallel!r})")
         if self.timeout_s <= 0:
             raise ConfigError(f"distributed.timeout_s must be positive (got {self.timeout_s})")
         if not 0 <= self.memory_margin < 1:

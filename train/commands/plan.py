@@ -54,6 +54,8 @@ def render(plan: Plan) -> str:
             + (f", {c.cpu_mem / GiB:.0f} GiB CPU/node" if c.cpu_mem else "")
             + f"\n  batch: micro {b.micro} x seq {b.seq_len} x accum {b.accum}, activation checkpointing "
             + ("on" if b.checkpointing else "off") + f", {plan.rows[0].strategy.precision}"
+            + (f", sequence parallel {b.sequence_parallel} ({b.seq_len // b.sequence_parallel} tokens of a row per "
+               f"rank; ZeRO only: DDP is refused with it)" if b.sequence_parallel > 1 else "")
             + (f"\n  device: CPU (host RAM); runtime (libraries) {dev.runtime / GiB:.2f} GiB per rank"
                if dev.kind == "cpu" else ""))
     cols = ("option", "params", "grads", "optim", "buffers", "activ", "bwd+", "step+", "peak", "host/node", "comm",
@@ -111,6 +113,7 @@ def _rel(path: Optional[str]) -> str:
 
 USAGE = """usage: zerotrain plan MODEL [--nodes N] [--gpus-per-node G] [--device-mem SIZE] [--cpu-mem SIZE]
                       [--micro-batch B] [--seq-len T] [--grad-accum K] [--activation-checkpointing]
+                      [--sequence-parallel N]
                       [--precision bf16|fp16|fp32] [--safety 0.1] [--device cuda|cpu] [--runtime SIZE] [--json]
 
 MODEL is a GPT preset (gpt-tiny ... gpt-7b), a run file (.yaml/.json; its model, batch and
@@ -123,11 +126,14 @@ two offload options (from ds_configs/*.json) and recommends the fastest that fit
 --gpus-per-node then counts ranks per node): the peak includes the memory a rank owns before
 its model exists (anonymous pages of the imported libraries; their shared code pages are not
 charged per rank), measured by importing them once here (~10 s), or --runtime SIZE.
+
+--sequence-parallel N plans Ulysses sequence parallelism (distributed.sequence_parallel): each
+rank holds 1/N of every row, so activations divide by N; the all-to-all buffers are added.
 """
 
 FLAGS = {"--nodes": int, "--gpus-per-node": int, "--device-mem": str, "--cpu-mem": str, "--micro-batch": int,
          "--seq-len": int, "--grad-accum": int, "--precision": str, "--safety": float, "--device": str,
-         "--runtime": str}
+         "--runtime": str, "--sequence-parallel": int}
 
 
 def measure_cpu_runtime() -> int:
@@ -177,7 +183,8 @@ def resolve_model(spec: str) -> tuple[ModelShape, dict]:
         from train.config import load_config
         cfg = load_config(spec)
         batch = {"micro_batch": cfg.train.micro_batch_size, "grad_accum": cfg.train.grad_accum_steps or 1,
-                 "activation_checkpointing": cfg.model.activation_checkpointing}
+                 "activation_checkpointing": cfg.model.activation_checkpointing,
+                 "sequence_parallel": cfg.distributed.sequence_parallel}
         if cfg.model.lora is not None or cfg.model.name.startswith("hf:"):
             # Sized from the model itself, built on the meta device: a LoRA run's optimizer state and
             # gradients are its adapters' (models/lora.py), an hf: model's shapes its config.json's.
@@ -219,14 +226,20 @@ def main(argv: list[str]) -> int:
         ckpt = a["activation_checkpointing"] if a["activation_checkpointing"] is not None else run.get(
             "activation_checkpointing", False)
         seq = a.get("seq_len") or run.get("seq_len") or (shape.gpt.seq_len if shape.gpt else None)
+        sp = a.get("sequence_parallel") or run.get("sequence_parallel", 1)
         batch = Batch(a.get("micro_batch") or run.get("micro_batch", 8), seq, a.get("grad_accum") or run.get(
-            "grad_accum", 1), ckpt)
+            "grad_accum", 1), ckpt, sp)
         for name, v in (("--nodes", cluster.nodes), ("--gpus-per-node", cluster.devices_per_node),
-                        ("--micro-batch", batch.micro), ("--grad-accum", batch.accum)):
+                        ("--micro-batch", batch.micro), ("--grad-accum", batch.accum), ("--sequence-parallel", sp)):
             if v <= 0:
                 raise ConfigError(f"{name} must be a positive integer (got {v})")
         if shape.gpt is not None and seq > shape.gpt.seq_len:
             raise ConfigError(f"--seq-len {seq} exceeds {shape.name}'s context length {shape.gpt.seq_len}")
+        if seq is not None and seq % sp:
+            raise ConfigError(f"--sequence-parallel {sp} does not divide the sequence length {seq}; choose a divisor")
+        if shape.gpt is not None and (shape.gpt.n_head % sp or shape.gpt.n_kv_head % sp):
+            raise ConfigError(f"--sequence-parallel {sp} does not divide {shape.name}'s {shape.gpt.n_head} attention "
+                              f"heads and {shape.gpt.n_kv_head} key/value heads; choose a divisor of both")
         precision = a.get("precision", "bf16")
         if precision not in ("bf16", "fp16", "fp32"):
             raise ConfigError(f"--precision must be bf16, fp16 or fp32 (got {precision!r})")

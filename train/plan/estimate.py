@@ -140,6 +140,7 @@ class Batch:
     seq_len: Optional[int]
     accum: int = 1
     checkpointing: bool = False
+    sequence_parallel: int = 1  # distributed.sequence_parallel: each rank holds seq_len / N of a row
 
 
 @dataclass(frozen=True)
@@ -317,15 +318,28 @@ def activation_bytes(cfg, batch: Batch, elem: int) -> int:
     kernels: no T x T matrix) and the proj input (6D + 3kv elements with the MLP input D),
     plus fp32 log-sum-exp per head; SwiGLU keeps gate/up, silu(gate) and their product (4F).
     The head keeps the final norm, lm_head input and fp32 log-probs (+ their gradient and
-    the logits while backward starts). Checked against saved-tensor hooks in tests/test_plan.py."""
+    the logits while backward starts). Checked against saved-tensor hooks in tests/test_plan.py.
+    Sequence parallelism (N): a rank holds 1/N of each row's tokens and every saved tensor is per
+    token (attention's q, k, v, output: the whole row for 1/N of the heads, the same count), so
+    everything divides by N; the all-to-all buffers are sp_exchange_bytes."""
     d, kv, f, v, h = cfg.d_model, cfg.n_kv_head * cfg.head_dim, cfg.ffn_dim, cfg.vocab_size, cfg.n_head
     layer = 16 * d + elem * (6 * d + 3 * kv + 4 * f) + 4 * h
     head = 8 * d + elem * d + 4 * v + (4 + elem) * v + 16
-    tokens = batch.micro * (batch.seq_len or cfg.seq_len)
+    tokens = batch.micro * (batch.seq_len or cfg.seq_len) // batch.sequence_parallel
     if batch.checkpointing:
         # Only block inputs are saved; one block is recomputed (fully) during backward.
         return tokens * (cfg.n_layer * elem * d + layer + head)
     return tokens * (cfg.n_layer * layer + head)
+
+
+def sp_exchange_bytes(cfg, batch: Batch, elem: int) -> int:
+    """Ulysses' all-to-all buffers at their peak, transient in forward (and again for the gradients
+    in backward): q, k and v of one layer each as a contiguous send copy and a receive buffer
+    (models/sequence_parallel.py), 2 x (D + 2 kv) elements per local token; 0 without SP."""
+    if batch.sequence_parallel <= 1:
+        return 0
+    tokens = batch.micro * (batch.seq_len or cfg.seq_len) // batch.sequence_parallel
+    return 2 * elem * tokens * (cfg.d_model + 2 * cfg.n_kv_head * cfg.head_dim)
 
 
 def _adam_work(device: Device, largest: int, total: int, fused: bool = False) -> int:
@@ -355,7 +369,10 @@ def estimate(shape: ModelShape, s: Strategy, world: int, batch: Batch, rank: Opt
     # The same runtime whichever path asks (the memory check, --ds-config auto, zerotrain plan).
     runtime = device.runtime + (STARTUP[s.backend] if cpu and device.runtime else 0)
 
+    exchange = sp_exchange_bytes(shape.gpt, batch, b) if shape.gpt is not None else 0
+
     def finish(**kw) -> Estimate:
+        kw["backward_work"] = kw.get("backward_work", 0) + exchange  # SP: the all-to-all buffers
         e = Estimate(s, activations=act, runtime=runtime, device_kind=device.kind, notes=notes, **kw)
         for k in ("params", "grads", "optimizer", "buffers", "host", "backward_work", "step_work"):
             setattr(e, k, int(getattr(e, k)))
@@ -525,7 +542,8 @@ def banner_estimate(model, cfg, ds, batch, world: int, gpt=None, seq_len: Option
     from train.observe.report import human_bytes
     shape = module_shape(model, cfg.model.name, gpt, width)
     e = estimate(shape, strategy_from_setup(ds), world,
-                 Batch(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing), rank, device)
+                 Batch(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing,
+                       cfg.distributed.sequence_parallel), rank, device)
     # report.banner prints "model states <text> per rank (estimated)".
     text = (f"{human_bytes(e.model_states)} (params {human_bytes(e.params)}, grads {human_bytes(e.grads)}, "
             f"optimizer {human_bytes(e.optimizer)})"

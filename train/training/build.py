@@ -16,6 +16,7 @@ from train.checkpoint.state import TrainState
 from train.config import RunConfig
 from train.errors import ConfigError
 from train.launch import host_settings, shm_buffers
+from train.launch import sequence_parallel as sp_
 
 
 def _init_context(ds):
@@ -130,7 +131,9 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     run_dir = Path(cfg.train.run_dir)
     _check_run_dir(run_dir)
     elastic = _elastic_join(cfg, run_dir, world, launcher)  # torchrun's agent: a restart of the same job resumes
-    batch = cfg.train.batch(world)
+    sp_size = sp_.size(cfg, world)
+    batch = cfg.train.batch(world // sp_size)  # samples per data-parallel rank: SP groups share theirs
+    dp = batch.world
 
     spec = resolve_model(cfg.model)  # the model checked and its config.json read, once for the whole build
     # Data first: the model's vocabulary / classes / features come from it.
@@ -146,12 +149,12 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     data = build_data(cfg.data, seq_len, cfg.train.seed, tokenizer)
     if data.mixture is not None:  # data.sources: the same order, positions tagged with their epoch
         from train.data.mixture import MixtureSampler
-        sampler = MixtureSampler(data.mixture, batch.micro, world, batch.accum, cfg.train.seed)
+        sampler = MixtureSampler(data.mixture, batch.micro, dp, batch.accum, cfg.train.seed)
     elif data.stream is not None:  # data.kind stream: one endless epoch, windows shuffled in groups
         from train.data.stream import StreamSampler  # (train.epochs is refused by RunConfig)
-        sampler = StreamSampler(cfg.data.shuffle_windows, batch.micro, world, batch.accum, cfg.train.seed)
+        sampler = StreamSampler(cfg.data.shuffle_windows, batch.micro, dp, batch.accum, cfg.train.seed)
     else:
-        sampler = GlobalBatchSampler(len(data.train), batch.micro, world, batch.accum, cfg.train.seed)
+        sampler = GlobalBatchSampler(len(data.train), batch.micro, dp, batch.accum, cfg.train.seed)
     max_steps = cfg.train.epochs * sampler.steps_per_epoch if cfg.train.epochs else cfg.train.max_steps
 
     from train.plan import fit
@@ -162,7 +165,9 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
         print(f"zerotrain: no --ds-config given: ds_configs/{name} ({why}); pass --ds-config to choose", flush=True)
     view = fit.measure(cfg, ds_path)  # the memory budget: one view for the check and --ds-config auto
     ds_path, choice = fit.resolve_auto(ds_path, cfg, spec, data, batch, seq_len, world, view)  # --ds-config auto
-    ds = resolve(ds_path, cfg, batch, max_steps, cuda=cuda, hidden_size=hidden_size_of(spec, data))
+    ds = resolve(ds_path, cfg, sp_.engine_batch(batch, sp_size), max_steps, cuda=cuda,
+                 hidden_size=hidden_size_of(spec, data))
+    sp_.check(cfg, spec, seq_len, ds)
     dist_.check_accelerate_precision(ds)
     hardware.check_compile(cfg, ds)
 
@@ -171,6 +176,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     acc = dist_.build_accelerator(ds, batch, cfg.distributed.timeout_s, log_with=wandb_logger.log_with(cfg))
     topo = dist_.topology(launcher, "nccl" if cuda else "gloo")
     dist_.check_world(acc, topo)
+    sp = sp_.SPRun.join(sp_size, topo.rank, topo.world_size, spec.family) if sp_size > 1 else None
     wandb_logger.preflight(acc, cfg)  # W&B online without credentials: every rank stops here
     _write_rank_info(run_dir, acc, topo, ds)
     # Before the model exists: a plan that does not fit the device memory stops here.
@@ -181,6 +187,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     from accelerate.utils import set_seed
     set_seed(cfg.train.seed)  # identical initial weights on every rank
     workload = build_workload(spec, data, _init_context(ds))
+    if sp is not None:
+        sp.attach(workload.model)
     if ds.is_deepspeed and ds.stage == 3 and acc.is_main_process:
         from models import partition_summary
         print(f"zerotrain: {partition_summary(workload.model, topo.world_size)}", flush=True)
@@ -199,7 +207,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     set_seed(cfg.train.seed + topo.rank)  # dropout etc. differ per rank, deterministically
 
     workers = hardware.data_workers(cfg.data, local_world)
-    train_loader = DataLoader(data.train, batch_sampler=sampler,
+    train_loader = DataLoader(data.train, batch_sampler=sp_.ReplicatedBatches(sampler, sp_size, batch.micro)
+                              if sp is not None else sampler,
                               generator=torch.Generator().manual_seed(cfg.train.seed),
                               **hardware.loader_options(workers, batch.accum, cuda, train=True))
     val_loader = None
@@ -227,6 +236,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     if ds.is_deepspeed and ds.stage == 3:
         from models import partition_counts
         _add_rank_info(run_dir, topo, zero3=partition_counts(workload.model))
+    if sp is not None:
+        _add_rank_info(run_dir, topo, sequence_parallel=sp.record())
 
     resolved = resolved_config(cfg, ds, batch, topo, max_steps, data, workload)
     if budget is not None:
@@ -262,7 +273,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     return Trainer(cfg=cfg, resolved_config=resolved, topo=topo, ds=ds, batch=batch, max_steps=max_steps,
                    run_dir=run_dir, acc=acc, model=model, optimizer=optimizer, raw_optimizer=raw_optimizer,
                    workload=workload, data=data, train_loader=train_loader, sampler=sampler, val_loader=val_loader,
-                   loggers=loggers, checkpointer=checkpointer, memory=memory, state=state, elastic=elastic)
+                   loggers=loggers, checkpointer=checkpointer, memory=memory, state=state, elastic=elastic,
+                   seq_parallel=sp)
 
 
 def _elastic_join(cfg: RunConfig, run_dir: Path, world: int, launcher: str):

@@ -14,6 +14,7 @@ assembles them and nothing is attached to a Trainer afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from train.dsconfig import DSSetup
     from train.launch.distributed import Topology
     from train.launch.elastic import ElasticRun
+    from train.launch.sequence_parallel import SPRun
     from train.observe.metrics import Loggers
     from train.observe.wandb_logger import WandbSink
     from train.plan.estimate import RankPlan
@@ -148,6 +150,8 @@ class Trainer:
     state: TrainState
     # -- torchrun's elastic agent: this attempt of the job (restarts, membership); None otherwise
     elastic: Optional[ElasticRun] = None
+    # -- distributed.sequence_parallel > 1: this rank's SP group (its slice of each row); None: off
+    seq_parallel: Optional[SPRun] = None
 
     # -- the loop's own bookkeeping (not passed in)
     param_dtype: torch.dtype = field(init=False)  # batches are cast to it under DeepSpeed bf16/fp16
@@ -178,6 +182,8 @@ class Trainer:
             raise RuntimeError("data loader ran out inside an optimizer step")
         if self.cfg.train.trace_data:
             self._trace(b)
+        if self.seq_parallel is not None:
+            b = self.seq_parallel.slice_batch(b)  # this rank's contiguous slice of each row
         if self.ds.is_deepspeed and self.param_dtype != torch.float32:
             # DeepSpeed bf16/fp16 keeps the parameters themselves in half precision.
             b = {k: v.to(self.param_dtype) if v.is_floating_point() else v for k, v in b.items()}
@@ -221,7 +227,7 @@ class Trainer:
         loss_sum = self._zero()
         grad_norm = None
         prefetched, denominator = [], None
-        if self.data.masked_labels:
+        if self.data.masked_labels or self.seq_parallel is not None:
             # The step's micro-batches first: their labelled tokens, counted over every rank,
             # normalise the loss before the first backward (_token_denominator).
             t0 = time.perf_counter()
@@ -365,8 +371,15 @@ class Trainer:
         return loss_scale.current(scaler=self.acc.scaler), None
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
     def evaluate(self) -> dict:
+        """Under sequence parallelism every rank evaluates whole rows of its own samples."""
+        if self.seq_parallel is None:
+            return self._evaluate()
+        with self.seq_parallel.detached(self.workload.model):
+            return self._evaluate()
+
+    @torch.no_grad()
+    def _evaluate(self) -> dict:
         self.workload.sync_norm_stats(self.model)  # also what the end-of-run export then writes
         if self.val_loader is None:
             return {}
@@ -402,7 +415,8 @@ class Trainer:
         # Every rank runs the same generation (ZeRO-3 gathers parameters collectively).
         g = torch.Generator(device=self.acc.device).manual_seed(self.cfg.train.seed)
         idx = torch.tensor([list(prompt)], dtype=torch.long, device=self.acc.device)
-        out = model.generate(idx, max_new_tokens=n, temperature=0.8, top_k=50, generator=g)
+        with self.seq_parallel.detached(model) if self.seq_parallel is not None else contextlib.nullcontext():
+            out = model.generate(idx, max_new_tokens=n, temperature=0.8, top_k=50, generator=g)
         model.train()
         return self.data.decode(out[0].tolist())
 
