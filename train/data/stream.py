@@ -570,7 +570,7 @@ def build_stream(cfg, seq_len: Optional[int], seed: int, tokenizer: Optional[str
     tok = make_tokenizer(tokenizer)
     eos = None
     if cfg.document_mask:  # every document is followed by the separator: no occurrence to check
-        from train.data import document_mask
+        import train.data.document_mask as document_mask
         eos = document_mask.resolve_eos(cfg, f"data.path {corpus.root} (tokenized by {tokenizer or 'bytes'})",
                                         tok.name, list(tok.separator), None)
     train = StreamWindows(corpus, seq_len, tokenizer, workers, group, cfg.val_fraction, tokenizer=tok)

@@ -28,8 +28,8 @@ from typing import Optional
 
 import numpy as np
 
+import train.data.document_mask as document_mask
 from train.config import DataConfig
-from train.data import document_mask
 from train.data.bundle import DataBundle
 from train.data.shards import build_shards, is_sharded
 from train.errors import DataError
