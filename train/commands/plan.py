@@ -50,7 +50,8 @@ def render(plan: Plan) -> str:
             f"{c.device_mem / GiB:.2f} GiB/{'rank' if dev.kind == 'cpu' else 'device'}"
             + (f", {c.cpu_mem / GiB:.0f} GiB CPU/node" if c.cpu_mem else "")
             + f"\n  batch: micro {b.micro} x seq {b.seq_len} x accum {b.accum}, activation checkpointing "
-            + ("on" if b.checkpointing else "off") + f", {plan.rows[0].strategy.precision}"
+            + ("on" if b.checkpointing else "off") + (", document mask" if b.document_mask else "")
+            + f", {plan.rows[0].strategy.precision}"
             + (f"\n  device: CPU (host RAM); runtime (libraries) {dev.runtime / GiB:.2f} GiB per rank"
                if dev.kind == "cpu" else ""))
     cols = ("option", "params", "grads", "optim", "buffers", "activ", "bwd+", "step+", "peak", "host/node", "comm",
@@ -174,7 +175,8 @@ def resolve_model(spec: str) -> tuple[ModelShape, dict]:
         from train.config import load_config
         cfg = load_config(spec)
         batch = {"micro_batch": cfg.train.micro_batch_size, "grad_accum": cfg.train.grad_accum_steps or 1,
-                 "activation_checkpointing": cfg.model.activation_checkpointing}
+                 "activation_checkpointing": cfg.model.activation_checkpointing,
+                 "document_mask": cfg.data.packing or cfg.data.document_mask}
         if cfg.model.lora is not None or cfg.model.name.startswith("hf:"):
             # Sized from the model itself, built on the meta device: a LoRA run's optimizer state and
             # gradients are its adapters' (models/lora.py), an hf: model's shapes its config.json's.
@@ -217,7 +219,7 @@ def main(argv: list[str]) -> int:
             "activation_checkpointing", False)
         seq = a.get("seq_len") or run.get("seq_len") or (shape.gpt.seq_len if shape.gpt else None)
         batch = Batch(a.get("micro_batch") or run.get("micro_batch", 8), seq, a.get("grad_accum") or run.get(
-            "grad_accum", 1), ckpt)
+            "grad_accum", 1), ckpt, run.get("document_mask", False))
         for name, v in (("--nodes", cluster.nodes), ("--gpus-per-node", cluster.devices_per_node),
                         ("--micro-batch", batch.micro), ("--grad-accum", batch.accum)):
             if v <= 0:

@@ -103,7 +103,8 @@ def model_shape(spec, data):
 
 def _plan_batch(cfg, batch, seq_len):
     from train.plan.estimate import Batch
-    return Batch(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing)
+    return Batch(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing,
+                 cfg.data.packing or cfg.data.document_mask)
 
 
 def _device(budget: Budget):
