@@ -224,17 +224,30 @@ def apply_rope(x, cos, sin):  # x (B, h, T, Hd); cos/sin (T, Hd/2) or (B, 1, T, 
     return out.type_as(x)  # back to the matmul dtype so SDPA sees uniform dtypes
 
 
-def document_mask(doc_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def document_mask(doc_ids: Optional[torch.Tensor], dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
     """Block-diagonal causal mask of packed rows: query i sees key j iff j <= i and both tokens
-    belong to the same document. doc_ids (B, T) int -> (B, 1, T, T) bool (True = attend), or None
-    (plain causal attention). Built once per batch and shared by every layer: B*T*T bytes, never
-    a (T, T) fp32 tensor per layer. Every token sees itself, so no row is all-masked."""
+    belong to the same document. doc_ids (B, T) int -> (B, 1, T, T) additive mask in `dtype`
+    (0 = attend, -inf = not), or None (plain causal attention). Every token sees itself, so no
+    row is all-masked.
+
+    Built once per batch in the dtype attention computes in and shared by every layer: SDPA takes
+    it as it is and saves that one tensor for backward. A bool mask would be converted to a float
+    copy inside each layer's SDPA call and saved by each (one (B, 1, T, T) tensor per layer;
+    bench/document_mask.py counts the saved tensors)."""
     if doc_ids is None:
         return None
     T = doc_ids.size(1)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril_()  # (T, T)
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]                           # (B, T, T)
-    return (same & causal).unsqueeze(1)                                         # (B, 1, T, T)
+    keep = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal                # (B, T, T) bool
+    bias = torch.zeros(keep.shape, dtype=dtype, device=doc_ids.device)
+    return bias.masked_fill_(~keep, float("-inf")).unsqueeze(1)                 # (B, 1, T, T)
+
+
+def attention_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype q, k and v have in the attention: the autocast dtype where autocast is on, else
+    the parameters' (DeepSpeed 16-bit: bf16/fp16 weights)."""
+    kind = weight.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -252,7 +265,7 @@ class Attention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.seq_parallel = None  # models/sequence_parallel.py SeqParallel: x is this rank's slice
 
-    def forward(self, x, cos, sin, mask=None):  # x (B, T, D), mask None or (B, 1, T, T) bool -> (B, T, D)
+    def forward(self, x, cos, sin, mask=None):  # x (B, T, D), mask None or (B, 1, T, T) additive -> (B, T, D)
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
                                      self.n_kv_head * self.head_dim], dim=-1)
@@ -338,7 +351,7 @@ class GPT(nn.Module):
         if T > self.config.seq_len:
             raise ValueError(f"sequence length {T} exceeds config.seq_len {self.config.seq_len}")
         cos, sin = self.rotary(T, idx.device, position_ids)  # 2 x (T, Hd/2) or 2 x (B, 1, T, Hd/2), fp32
-        mask = document_mask(doc_ids)  # None or (B, 1, T, T) bool, shared by every layer
+        mask = document_mask(doc_ids, attention_dtype(self.tok_emb.weight))  # None or (B, 1, T, T), every layer
         x = self.drop(self.tok_emb(idx))  # (B, T, D)
         for block in self.blocks:
             if self.config.activation_checkpointing and self.training:

@@ -160,8 +160,8 @@ def build_hf(spec: ModelSpec, data, init_context):
         print(f"zerotrain: {d} has no weights ({', '.join(WEIGHT_FILES[:2])}): training {config.model_type} from "
               f"random initialisation", flush=True)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if data.extra.get("packed"):
-        check_packing(model, spec.name)
+    if data.extra.get("packed"):  # the flag that packs documents into rows (data.packing, data.document_mask)
+        check_packing(model, spec.name, data.extra["packed"])
     if init_context is not contextlib.nullcontext:
         _restore_buffers(model, config, d, files)
     if spec.config.activation_checkpointing:
@@ -202,20 +202,21 @@ def _moe(model, config, spec: ModelSpec):
 PACKING_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
-def check_packing(model, name: str):
-    """data.packing: refuse a model that would attend across the packed documents. The model's
+def check_packing(model, name: str, flag: str = "data.packing"):
+    """data.packing / data.document_mask (`flag`): refuse a model that would attend across the
+    packed documents. The model's
     attention must be one of PACKING_ATTENTION and its modeling code must build its mask with
     masking_utils (create_causal_mask: where the packed rows are detected)."""
     import inspect
     impl = getattr(model.config, "_attn_implementation", None)
     source = inspect.getsource(inspect.getmodule(type(model)))
     if impl not in PACKING_ATTENTION:
-        raise ConfigError(f"data.packing: model.name {name} uses attention implementation {impl!r}, which cannot "
+        raise ConfigError(f"{flag}: model.name {name} uses attention implementation {impl!r}, which cannot "
                           f"keep packed records apart; use one of {', '.join(PACKING_ATTENTION)} "
-                          f"(attn_implementation in config.json) or set data.packing false")
+                          f"(attn_implementation in config.json) or set {flag} false")
     if "create_causal_mask" not in source:
-        raise ConfigError(f"data.packing: {type(model).__name__} ({name}) does not build its attention mask with "
-                          f"transformers' masking_utils, so it cannot isolate packed records; set data.packing false")
+        raise ConfigError(f"{flag}: {type(model).__name__} ({name}) does not build its attention mask with "
+                          f"transformers' masking_utils, so it cannot isolate packed records; set {flag} false")
 
 
 def flops_per_token(model, width: Optional[int], layers: Optional[int], seq_len: Optional[int]) -> float:

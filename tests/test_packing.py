@@ -275,3 +275,36 @@ def test_packed_ddp_run_and_unpacked_zero3_run_give_the_same_step_losses(tmp_pat
     assert max(abs(a - b) for a, b in zip(losses["packed"], losses["unpacked"])) < 1e-5, losses
     assert losses["packed"][-1] < losses["packed"][0]   # it trains
     assert pads["packed"] == [0.0] * 4 and all(p > 0.4 for p in pads["unpacked"])  # 128 of 256 tokens real: half padding
+
+
+def test_a_prepared_sft_set_packs_without_retokenising_and_trains(tmp_path, monkeypatch, clean_env):
+    """`zerotrain prepare --sft` output packs into exactly the rows the JSONL packs into, without
+    tokenising a record again, and a run with data.packing trains on it (in this process)."""
+    from train.commands.prepare import main as prepare
+    import train.data.sft as sft
+    src = tmp_path / "r.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"q{i}:", "response": "r" * (3 + i % 11)}) + "\n" for i in range(64)))
+    out = tmp_path / "r.bin"
+    assert prepare(["--sft", str(src), "--out", str(out)]) == 0
+    cfg = dict(kind="sft", seq_len=32, val_fraction=0.0, packing=True)
+    ref = build_data(DataConfig(path=str(src), **cfg), 32, 5)
+
+    def no_tokenising(*a, **k):
+        raise AssertionError("a prepared set was tokenised again")
+    monkeypatch.setattr(sft, "tokenize", no_tokenising)
+    prepared = build_data(DataConfig(path=str(out), **cfg), 32, 5)
+    assert "prepared instruction data" in prepared.describe and len(prepared.train) == len(ref.train) < 64 // 2
+    for i in range(len(ref.train)):
+        a, b = prepared.train[i], ref.train[i]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    from helpers import fp32, metrics
+    from train.main import main
+    run = tmp_path / "run"
+    assert main(["--model.name", "gpt-tiny", "--data.kind", "sft", "--data.path", str(out), "--data.seq_len", "32",
+                 "--data.packing", "true", "--data.val_fraction", "0", "--train.max_steps", "3",
+                 "--train.micro_batch_size", "2", "--train.eval_every", "0", "--train.progress", "false",
+                 "--train.sample_tokens", "0", "--logging.every_steps", "1", "--checkpoint.save_at_end", "false",
+                 "--checkpoint.export", "false", "--train.run_dir", str(run), "--ds-config", fp32(tmp_path, "ddp")]) == 0
+    rows = [r for r in metrics(run) if "loss" in r]
+    assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
+    assert all(r["data/pad_fraction"] < 0.5 for r in rows)      # packed: unpacked rows here are mostly padding

@@ -129,6 +129,40 @@ def test_activation_estimate_matches_saved_tensors(dtype):
     assert abs(predicted - transients - sum(saved.values())) / sum(saved.values()) < 0.03
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_document_mask_is_saved_once_and_planned_once(dtype):
+    """Packed rows / document-masked windows: every layer saves the same (B, 1, T, T) mask (no
+    per-layer copy), and the estimate counts it once. T >> d_model so that a per-layer copy
+    would be far outside the tolerance."""
+    import torch.nn.functional as F
+    from models.gpt import GPT, preset
+    B, T = 2, 256
+    cfg = preset("gpt-tiny", d_model=32, n_layer=3, seq_len=T)
+    model = GPT(cfg).to(dtype).train()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, squares = {}, set()
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            if t.shape[-2:] == (T, T):
+                squares.add(t.untyped_storage().data_ptr())
+        return t
+
+    idx = torch.randint(0, 256, (B, T))
+    doc = (torch.arange(T) >= 100).long().expand(B, T)              # two documents per row
+    pos = torch.arange(T) - 100 * doc
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(idx, position_ids=pos, doc_ids=doc).float()
+        F.cross_entropy(out.view(-1, out.size(-1)), idx.view(-1))
+    elem = 4 if dtype == torch.float32 else 2
+    assert len(squares) == 1                                          # one mask for the 3 layers
+    predicted = plan.activation_bytes(cfg, Batch(B, T, document_mask=True), elem)
+    assert predicted - plan.activation_bytes(cfg, Batch(B, T), elem) == B * T * T * elem
+    transients = B * T * (4 + elem) * cfg.vocab_size
+    assert abs(predicted - transients - sum(saved.values())) / sum(saved.values()) < 0.03
+
+
 def test_recommendation_moves_from_ddp_to_zero_to_offload_as_memory_shrinks():
     from models.gpt import PRESETS
     shape = gpt_shape("gpt-1.3b", PRESETS["gpt-1.3b"])

@@ -107,6 +107,14 @@ class DataConfig:
     windows of 1024 records of a seeded order; train/data/packing.py) instead of one padded record
     per row. Attention stays inside each record and positions restart at 0 per record, so every
     record's loss and gradient are those of the unpacked run; a step's batch is then in rows."""
+    document_mask: bool = False
+    """tokens (a token file, a shard directory or data.sources), stream: a window that spans several
+    documents (each ended by the tokenizer's EOS) attends only inside each one, with positions
+    restarting after each EOS (Llama 3's intra-document masking; train/data/document_mask.py).
+    Needs the EOS id: recorded by `zerotrain prepare --tokenizer`, or data.eos_id."""
+    eos_id: Optional[int] = None
+    """data.document_mask: the token id that ends each document (None = the one `zerotrain prepare`
+    recorded in the sidecar / manifest, or the stream tokenizer's EOS)."""
     chat_template: bool = True
     """sft: render records with the tokenizer's chat template when it has one; false (or no
     template): the plain format (prompt + response + EOS; chat turns as "role: content")."""
@@ -154,6 +162,7 @@ class DataConfig:
             raise ConfigError(f'data.packing packs instruction records (data.kind sft; this run: "{self.kind}")'
                               + ("; token windows are already full, remove it"
                                  if self.kind in ("tokens", "stream", "text") else "; remove it"))
+        self._check_document_mask()
         if self.kind != "stream":
             for k in ("text_field", "shuffle_windows"):
                 if getattr(self, k) is not None:
@@ -184,6 +193,17 @@ class DataConfig:
                                       f"give one of them a distinct name: key")
                 seen[src.name] = src.path
 
+
+    def _check_document_mask(self):
+        if self.document_mask and self.kind not in ("tokens", "stream"):
+            fix = {"sft": "for instruction records set data.packing true instead",
+                   "text": "`zerotrain prepare` the text with --tokenizer DIR and use data.kind tokens"}
+            raise ConfigError(f'data.document_mask masks token windows (data.kind tokens or stream; this run: '
+                              f'"{self.kind}"); {fix.get(self.kind, "remove it")}')
+        if self.eos_id is not None and not self.document_mask:
+            raise ConfigError("data.eos_id is read only with data.document_mask true; set that or remove data.eos_id")
+        if self.eos_id is not None and self.eos_id < 0:
+            raise ConfigError(f"data.eos_id must be a token id >= 0 (got {self.eos_id})")
 
     def _check_keys_belong_to_kind(self):
         """A key only another kind reads, set away from its default, would be silently ignored: refuse it."""

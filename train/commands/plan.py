@@ -53,7 +53,8 @@ def render(plan: Plan) -> str:
             f"{c.device_mem / GiB:.2f} GiB/{'rank' if dev.kind == 'cpu' else 'device'}"
             + (f", {c.cpu_mem / GiB:.0f} GiB CPU/node" if c.cpu_mem else "")
             + f"\n  batch: micro {b.micro} x seq {b.seq_len} x accum {b.accum}, activation checkpointing "
-            + ("on" if b.checkpointing else "off") + f", {plan.rows[0].strategy.precision}"
+            + ("on" if b.checkpointing else "off") + (", document mask" if b.document_mask else "")
+            + f", {plan.rows[0].strategy.precision}"
             + (f", sequence parallel {b.sequence_parallel} ({b.seq_len // b.sequence_parallel} tokens of a row per "
                f"rank; ZeRO only: DDP is refused with it)" if b.sequence_parallel > 1 else "")
             + (f"\n  device: CPU (host RAM); runtime (libraries) {dev.runtime / GiB:.2f} GiB per rank"
@@ -184,7 +185,8 @@ def resolve_model(spec: str) -> tuple[ModelShape, dict]:
         cfg = load_config(spec)
         batch = {"micro_batch": cfg.train.micro_batch_size, "grad_accum": cfg.train.grad_accum_steps or 1,
                  "activation_checkpointing": cfg.model.activation_checkpointing,
-                 "sequence_parallel": cfg.distributed.sequence_parallel}
+                 "sequence_parallel": cfg.distributed.sequence_parallel,
+                 "document_mask": cfg.data.packing or cfg.data.document_mask}
         if cfg.model.lora is not None or cfg.model.name.startswith("hf:"):
             # Sized from the model itself, built on the meta device: a LoRA run's optimizer state and
             # gradients are its adapters' (models/lora.py), an hf: model's shapes its config.json's.
@@ -228,7 +230,7 @@ def main(argv: list[str]) -> int:
         seq = a.get("seq_len") or run.get("seq_len") or (shape.gpt.seq_len if shape.gpt else None)
         sp = a.get("sequence_parallel") or run.get("sequence_parallel", 1)
         batch = Batch(a.get("micro_batch") or run.get("micro_batch", 8), seq, a.get("grad_accum") or run.get(
-            "grad_accum", 1), ckpt, sp)
+            "grad_accum", 1), ckpt, sequence_parallel=sp, document_mask=run.get("document_mask", False))
         for name, v in (("--nodes", cluster.nodes), ("--gpus-per-node", cluster.devices_per_node),
                         ("--micro-batch", batch.micro), ("--grad-accum", batch.accum), ("--sequence-parallel", sp)):
             if v <= 0:

@@ -129,7 +129,8 @@ def write_tokens(files: Iterable[Path], tokenizer, out: Path, progress: Callable
         tmp.unlink()
         raise DataError("prepare: the input files are empty")
     meta = {"format": FORMAT, "version": 1, "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size,
-            "num_tokens": n, "max_token": top, "tokenizer": tokenizer.name, "files": n_files}
+            "num_tokens": n, "max_token": top, "tokenizer": tokenizer.name, "files": n_files,
+            "separator": [int(t) for t in tokenizer.separator]}  # what ends each document (data.document_mask)
     side_tmp = sidecar_path(out).with_name(sidecar_path(out).name + ".tmp")
     side_tmp.write_text(json.dumps(meta, indent=1) + "\n")
     os.replace(tmp, out)

@@ -190,10 +190,25 @@ def build_mixture(cfg: DataConfig, seq_len: Optional[int], seed: int) -> DataBun
                       items_per_sample=seq_len, vocab_size=max(b.vocab_size for b in bundles), seq_len=seq_len,
                       decode=first.decode, mixture=plan,
                       describe=f"mixture of {len(bundles)} token files, {plan.epoch_samples} sequences of {seq_len} "
-                               f"per epoch: {parts}",
+                               f"per epoch: {parts}" + _masked(cfg, bundles),
                       extra={"max_token": max(b.extra["max_token"] for b in bundles),
                              "token_file": ", ".join(s.path for s in cfg.sources),
-                             "tokenizer": first.extra.get("tokenizer"), "mixture": plan.record()})
+                             "tokenizer": first.extra.get("tokenizer"), "mixture": plan.record(),
+                             **{k: first.extra[k] for k in ("packed", "eos_id") if k in first.extra}})
+
+
+def _masked(cfg: DataConfig, bundles: list[DataBundle]) -> str:
+    """data.document_mask: every source masks at the same EOS id (each source's windows are
+    masked by build_tokens); the describe note."""
+    if not cfg.document_mask:
+        return ""
+    ids = [b.extra["eos_id"] for b in bundles]
+    for src, eos in zip(cfg.sources[1:], ids[1:]):
+        if eos != ids[0]:
+            raise DataError(f"data.document_mask: data.sources {cfg.sources[0].path} ends documents with EOS id "
+                            f"{ids[0]} but {src.path} with {eos}; prepare them with the same --tokenizer, or set "
+                            f"data.eos_id")
+    return f"; document-masked at EOS id {ids[0]}"
 
 
 def _check_agree(cfg: DataConfig, bundles: list[DataBundle]):

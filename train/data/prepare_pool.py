@@ -244,14 +244,15 @@ def prepare_shards(files: list[Path], val: list[Path], tokenizer, out: Path, sha
                        progress, stop_after, written)
         totals[phase] = rec
     meta = manifest_meta(dtype, tokenizer.vocab_size, tokenizer.name, shard_tokens,
-                         {phase: rec["entries"] for phase, rec in totals.items()}, totals["shards"]["files"], fp)
+                         {phase: rec["entries"] for phase, rec in totals.items()}, totals["shards"]["files"], fp,
+                         separator=tokenizer.separator)
     _write_json(manifest, meta)
     progress.unlink(missing_ok=True)
     return meta
 
 
 def manifest_meta(dtype, vocab_size: int, tokenizer_name: str, shard_tokens: int, phases: dict[str, list[dict]],
-                  files: int, source) -> dict:
+                  files: int, source, separator=None) -> dict:
     """manifest.json's content for the ShardWriter entries of each phase ("shards", "val")
     (also what bench/data_scale.py writes for its generated corpora)."""
     meta = {"format": FORMAT, "version": VERSION, "dtype": np.dtype(dtype).name, "vocab_size": vocab_size,
@@ -262,6 +263,8 @@ def manifest_meta(dtype, vocab_size: int, tokenizer_name: str, shard_tokens: int
     for phase, entries in phases.items():
         meta[phase] = [{k: v for k, v in e.items() if k != "resume"} for e in entries]
     meta["source"] = source
+    if separator is not None:  # the ids that end each document (data.document_mask reads the EOS from it)
+        meta["separator"] = [int(t) for t in separator]
     return meta
 
 

@@ -375,4 +375,4 @@ def build_sft(cfg: DataConfig, seq_len: Optional[int], tokenizer: Optional[str],
                       describe=f"{what} {path} ({n_records} records{counted}, "
                                f"{'bytes' if enc.name == 'bytes' else 'tokenizer ' + enc.name} {fmt}, {layout}; "
                                f"{split})",
-                      extra={"max_token": top, "token_file": str(path), "tokenizer": enc.name, "packed": cfg.packing})
+                      extra={"max_token": top, "token_file": str(path), "tokenizer": enc.name, "packed": "data.packing" if cfg.packing else None})

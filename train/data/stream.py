@@ -568,6 +568,11 @@ def build_stream(cfg, seq_len: Optional[int], seed: int, tokenizer: Optional[str
     workers = default_workers() if cfg.num_workers is None else cfg.num_workers
     corpus = StreamCorpus(cfg.path, field, seed)
     tok = make_tokenizer(tokenizer)
+    eos = None
+    if cfg.document_mask:  # every document is followed by the separator: no occurrence to check
+        import train.data.document_mask as document_mask
+        eos = document_mask.resolve_eos(cfg, f"data.path {corpus.root} (tokenized by {tokenizer or 'bytes'})",
+                                        tok.name, list(tok.separator), None)
     train = StreamWindows(corpus, seq_len, tokenizer, workers, group, cfg.val_fraction, tokenizer=tok)
     held = val_tokens(corpus, tok, cfg.val_fraction, VAL_WINDOWS * seq_len + 1)
     val = TokenSequences(held, seq_len) if len(held) > seq_len + 1 else None
@@ -575,11 +580,12 @@ def build_stream(cfg, seq_len: Optional[int], seed: int, tokenizer: Optional[str
     if tok.name == "bytes":
         from train.data.text import decode
     names = ", ".join(f.name for f in corpus.files[:3]) + (", ..." if len(corpus.files) > 3 else "")
-    return DataBundle(train=train, val=val, task="lm", items_per_sample=seq_len, vocab_size=tok.vocab_size,
-                      seq_len=seq_len, decode=decode, stream=train,
-                      describe=f"streamed {len(corpus.files)} file(s) under {corpus.root} ({names}; field "
-                               f"{field!r}, {corpus.per_pass} chunks per pass), tokenized by "
-                               f"{'bytes' if tok.name == 'bytes' else tokenizer} in {workers} worker(s) per rank, "
-                               f"windows of {seq_len} shuffled in groups of {group}; val: "
-                               f"{len(val) if val else 0} windows of held-out documents",
-                      extra={"tokenizer": tok.name, "stream_workers": workers})
+    bundle = DataBundle(train=train, val=val, task="lm", items_per_sample=seq_len, vocab_size=tok.vocab_size,
+                        seq_len=seq_len, decode=decode, stream=train,
+                        describe=f"streamed {len(corpus.files)} file(s) under {corpus.root} ({names}; field "
+                                 f"{field!r}, {corpus.per_pass} chunks per pass), tokenized by "
+                                 f"{'bytes' if tok.name == 'bytes' else tokenizer} in {workers} worker(s) per rank, "
+                                 f"windows of {seq_len} shuffled in groups of {group}; val: "
+                                 f"{len(val) if val else 0} windows of held-out documents",
+                        extra={"tokenizer": tok.name, "stream_workers": workers})
+    return bundle if eos is None else document_mask.apply(bundle, eos)

@@ -28,6 +28,7 @@ from typing import Optional
 
 import numpy as np
 
+import train.data.document_mask as document_mask
 from train.config import DataConfig
 from train.data.bundle import DataBundle
 from train.data.shards import build_shards, is_sharded
@@ -118,7 +119,10 @@ def build_tokens(cfg: DataConfig, seq_len: Optional[int]):
                         f"data.text_field) to tokenize it while training, or `zerotrain prepare {cfg.path} "
                         f"--text-field FIELD --out DIR` it first")
     if is_sharded(Path(cfg.path).expanduser()):  # a directory of shards (train/data/shards.py)
-        return build_shards(Path(cfg.path).expanduser(), cfg.token_dtype, cfg.val_fraction, seq_len)
+        bundle = build_shards(Path(cfg.path).expanduser(), cfg.token_dtype, cfg.val_fraction, seq_len)
+        corpus = bundle.train.corpus
+        return _document_masked(cfg, bundle, str(corpus.dir), corpus.meta, corpus.max_token,
+                                lambda: corpus.read(0, 0, int(min(corpus.sizes[0], document_mask.HEAD_TOKENS))))
     train = TokenFile(Path(cfg.path).expanduser(), cfg.token_dtype)
     val_file = val_path(train.path)
     val = TokenFile(val_file, cfg.token_dtype or train.dtype) if val_file.is_file() else None
@@ -139,12 +143,23 @@ def build_tokens(cfg: DataConfig, seq_len: Optional[int]):
     vocab = train.vocab_size or (max(train.max_token, val.max_token if val else 0) + 1)
     max_id = max(train.max_token, val.max_token if val else 0)
     decode = _decoder(train.meta)
-    return DataBundle(train=sequences, val=TokenSequences(val_tokens, seq_len) if val_tokens is not None else None,
-                      task="lm", items_per_sample=seq_len, vocab_size=vocab, seq_len=seq_len, decode=decode,
-                      describe=f"token file {train.path} ({train.num_tokens / 1e6:.2f}M {train.dtype} tokens, "
-                               f"{len(sequences)} sequences of {seq_len}; {split})",
-                      extra={"max_token": max_id, "token_file": str(train.path),
-                             "tokenizer": train.meta.get("tokenizer")})
+    bundle = DataBundle(train=sequences, val=TokenSequences(val_tokens, seq_len) if val_tokens is not None else None,
+                        task="lm", items_per_sample=seq_len, vocab_size=vocab, seq_len=seq_len, decode=decode,
+                        describe=f"token file {train.path} ({train.num_tokens / 1e6:.2f}M {train.dtype} tokens, "
+                                 f"{len(sequences)} sequences of {seq_len}; {split})",
+                        extra={"max_token": max_id, "token_file": str(train.path),
+                               "tokenizer": train.meta.get("tokenizer")})
+    return _document_masked(cfg, bundle, str(train.path), train.meta, max_id,
+                            lambda: np.asarray(train_tokens[:document_mask.HEAD_TOKENS]))
+
+
+def _document_masked(cfg: DataConfig, bundle: DataBundle, where: str, meta: dict, max_id: int, head):
+    """data.document_mask: the bundle's windows masked at the EOS its sidecar / manifest records
+    (train/data/document_mask.py); otherwise the bundle as it is."""
+    if not cfg.document_mask:
+        return bundle
+    eos = document_mask.resolve_eos(cfg, where, meta.get("tokenizer"), meta.get("separator"), max_id, head)
+    return document_mask.apply(bundle, eos)
 
 
 def _decoder(meta: dict):

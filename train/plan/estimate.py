@@ -141,6 +141,7 @@ class Batch:
     accum: int = 1
     checkpointing: bool = False
     sequence_parallel: int = 1  # distributed.sequence_parallel: each rank holds seq_len / N of a row
+    document_mask: bool = False  # data.packing / data.document_mask: the GPT's (B, 1, T, T) mask, once
 
 
 @dataclass(frozen=True)
@@ -318,18 +319,23 @@ def activation_bytes(cfg, batch: Batch, elem: int) -> int:
     kernels: no T x T matrix) and the proj input (6D + 3kv elements with the MLP input D),
     plus fp32 log-sum-exp per head; SwiGLU keeps gate/up, silu(gate) and their product (4F).
     The head keeps the final norm, lm_head input and fp32 log-probs (+ their gradient and
-    the logits while backward starts). Checked against saved-tensor hooks in tests/test_plan.py.
+    the logits while backward starts). Packed rows and document-masked windows add the document
+    mask: one (micro, 1, T, T) tensor in the compute dtype that every layer saves (models/gpt.py
+    document_mask), not one per layer. Checked against saved-tensor hooks in tests/test_plan.py.
     Sequence parallelism (N): a rank holds 1/N of each row's tokens and every saved tensor is per
     token (attention's q, k, v, output: the whole row for 1/N of the heads, the same count), so
-    everything divides by N; the all-to-all buffers are sp_exchange_bytes."""
+    everything divides by N but the document mask (attention sees whole rows); the all-to-all
+    buffers are sp_exchange_bytes."""
     d, kv, f, v, h = cfg.d_model, cfg.n_kv_head * cfg.head_dim, cfg.ffn_dim, cfg.vocab_size, cfg.n_head
     layer = 16 * d + elem * (6 * d + 3 * kv + 4 * f) + 4 * h
     head = 8 * d + elem * d + 4 * v + (4 + elem) * v + 16
-    tokens = batch.micro * (batch.seq_len or cfg.seq_len) // batch.sequence_parallel
+    T = batch.seq_len or cfg.seq_len
+    tokens = batch.micro * T // batch.sequence_parallel
+    mask = batch.micro * T * T * elem if batch.document_mask else 0
     if batch.checkpointing:
         # Only block inputs are saved; one block is recomputed (fully) during backward.
-        return tokens * (cfg.n_layer * elem * d + layer + head)
-    return tokens * (cfg.n_layer * layer + head)
+        return tokens * (cfg.n_layer * elem * d + layer + head) + mask
+    return tokens * (cfg.n_layer * layer + head) + mask
 
 
 def sp_exchange_bytes(cfg, batch: Batch, elem: int) -> int:
@@ -543,7 +549,8 @@ def banner_estimate(model, cfg, ds, batch, world: int, gpt=None, seq_len: Option
     shape = module_shape(model, cfg.model.name, gpt, width)
     e = estimate(shape, strategy_from_setup(ds), world,
                  Batch(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing,
-                       cfg.distributed.sequence_parallel), rank, device)
+                       sequence_parallel=cfg.distributed.sequence_parallel,
+                       document_mask=cfg.data.packing or cfg.data.document_mask), rank, device)
     # report.banner prints "model states <text> per rank (estimated)".
     text = (f"{human_bytes(e.model_states)} (params {human_bytes(e.params)}, grads {human_bytes(e.grads)}, "
             f"optimizer {human_bytes(e.optimizer)})"

@@ -104,7 +104,8 @@ def model_shape(spec, data):
 def _plan_batch(cfg, batch, seq_len):
     from train.plan.estimate import Batch
     return Batch(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing,
-                 cfg.distributed.sequence_parallel)
+                 sequence_parallel=cfg.distributed.sequence_parallel,
+                 document_mask=cfg.data.packing or cfg.data.document_mask)
 
 
 def _device(budget: Budget):
