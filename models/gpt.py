@@ -233,7 +233,7 @@ def document_mask(doc_ids: Optional[torch.Tensor], dtype: torch.dtype = torch.fl
     Built once per batch in the dtype attention computes in and shared by every layer: SDPA takes
     it as it is and saves that one tensor for backward. A bool mask would be converted to a float
     copy inside each layer's SDPA call and saved by each (one (B, 1, T, T) tensor per layer;
-    bench/document_mask.py counts the saved tensors)."""
+    tests/test_plan.py counts the saved tensors)."""
     if doc_ids is None:
         return None
     T = doc_ids.size(1)
