@@ -202,7 +202,8 @@ def test_cli_reads_a_run_file(tmp_path, capsys):
                    "data: {seq_len: 512}\n")
     assert plan_cli.main([str(run), "--device-mem", "24GB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["batch"] == {"micro": 4, "seq_len": 512, "accum": 2, "checkpointing": False}
+    assert out["batch"] == {"micro": 4, "seq_len": 512, "accum": 2, "checkpointing": False, "sequence_parallel": 1,
+                            "document_mask": False}
     assert out["model"] == "gpt2-124m"
 
 
