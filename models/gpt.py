@@ -243,11 +243,13 @@ def document_mask(doc_ids: Optional[torch.Tensor], dtype: torch.dtype = torch.fl
     return bias.masked_fill_(~keep, float("-inf")).unsqueeze(1)                 # (B, 1, T, T)
 
 
-def attention_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype q, k and v have in the attention: the autocast dtype where autocast is on, else
-    the parameters' (DeepSpeed 16-bit: bf16/fp16 weights)."""
-    kind = weight.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
+def attention_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype q, k and v have in the attention, from the embedding output x: the autocast dtype
+    where autocast is on, else x's = the parameters' (DeepSpeed 16-bit: bf16/fp16 weights). Read
+    from an activation, not a parameter: under ZeRO-3 touching a module's weight outside its own
+    forward gathers it."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -351,8 +353,8 @@ class GPT(nn.Module):
         if T > self.config.seq_len:
             raise ValueError(f"sequence length {T} exceeds config.seq_len {self.config.seq_len}")
         cos, sin = self.rotary(T, idx.device, position_ids)  # 2 x (T, Hd/2) or 2 x (B, 1, T, Hd/2), fp32
-        mask = document_mask(doc_ids, attention_dtype(self.tok_emb.weight))  # None or (B, 1, T, T), every layer
         x = self.drop(self.tok_emb(idx))  # (B, T, D)
+        mask = document_mask(doc_ids, attention_dtype(x))  # None or (B, 1, T, T), every layer
         for block in self.blocks:
             if self.config.activation_checkpointing and self.training:
                 # Recompute block activations in backward: memory O(L) -> O(1) blocks.
