@@ -47,20 +47,6 @@ class OptimConfig:
         if self.eps <= 0:
             raise ConfigError(f"optim.eps must be > 0 (got {self.eps})")
 
-    def lr_at(self, step: int, max_steps: int) -> float:
-        """LR for optimizer step `step` (0-based). A pure function of the global step, so it is
-        the same for any number of processes or accumulation steps and needs no state on resume."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / (self.warmup_steps + 1)
-        if self.schedule == "constant":
-            return self.lr
-        decay = max(1, max_steps - self.warmup_steps)
-        frac = min(1.0, (step - self.warmup_steps) / decay)
-        if self.schedule == "linear":
-            return self.lr - (self.lr - self.min_lr) * frac
-        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * frac))
-
-
 
 @dataclass
 class TrainConfig:
