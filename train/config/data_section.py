@@ -90,7 +90,7 @@ class DataConfig:
     """stream: the record field holding the text (None = "text"); as `zerotrain prepare --text-field`."""
     shuffle_windows: Optional[int] = None
     """stream: windows are shuffled (seeded) inside consecutive groups of this many (None = 1024;
-    1 = stream order). A resume re-tokenizes at most one group (train/data/stream.py)."""
+    1 = stream order). A resume re-tokenizes at most one group (train/data/stream/dataset.py)."""
     packing: bool = False
     """sft: pack several records into each row of data.seq_len tokens (best-fit-decreasing in
     windows of 1024 records of a seeded order; train/data/packing.py) instead of one padded record
