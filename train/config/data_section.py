@@ -122,12 +122,12 @@ class DataConfig:
     num_workers: Optional[int] = None
     """DataLoader worker processes per rank. None = auto: imagefolder decodes and augments images
     in min(8, CPU cores per local rank - 1) workers, off the training loop; a shard directory (or
-    a data.sources mixture with one) is read by 1 worker per rank: a corpus on disk costs a
-    cold read of ~0.1-0.2 ms per sample (measured here), which a worker takes off the step (it
-    prefetches a whole optimizer step); one keeps up with the default GPT with room to spare
-    (bench/data_scale.py, BENCHMARKS.md), more would only add processes. Text, regression and
-    single token files are in memory or one small mapped file and need none (0). stream: tokenizer
-    processes per rank (0 = in the training process), None = one per spare core per rank, 1 to 4."""
+    a data.sources mixture with one) is read by 1 worker per rank, which takes the cold reads
+    from disk off the step (it prefetches a whole optimizer step); one keeps up with the default
+    GPT (BENCHMARKS.md "Data at pre-training scale"), more would only add processes. Text,
+    regression and single token files are in memory or one small mapped file and need none (0).
+    stream: tokenizer processes per rank (0 = in the training process), None = one per spare
+    core per rank, 1 to 4."""
 
     def __post_init__(self):
         kinds = ("text", "tokens", "sft", "imagefolder", "regression", "stream")

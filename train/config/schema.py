@@ -90,13 +90,14 @@ class TrainConfig:
     parameter gathering hooks break compiled graphs."""
     tf32: bool = True
     """CUDA: fp32 matmuls and convolutions use TensorFloat-32 tensor cores (inputs rounded to a
-    10-bit mantissa, fp32 accumulation; up to 8x the fp32 rate on A100/H100), as PyTorch's
-    "high" float32 matmul precision. Affects fp32 runs only (bf16/fp16 use their own units);
+    10-bit mantissa, fp32 accumulation; several times the fp32 rate on Ampere and newer), as
+    PyTorch's "high" float32 matmul precision. Affects fp32 runs only (bf16/fp16 use their own units);
     false = full fp32. Without a GPU there is nothing to set."""
     host_malloc: str = "auto"
     """Host memory allocator on a CPU-only machine: "compact" returns every freed block of 1 MiB
-    or more to the OS at once (resident memory follows live tensors, at a cost in step time),
-    "glibc" keeps glibc's default (freed blocks stay resident for reuse, fastest). "auto" =
+    or more to the OS at once (resident memory follows live tensors, at a cost in step time:
+    BENCHMARKS.md "Host allocator on CPU"), "glibc" keeps glibc's default (freed blocks stay
+    resident for reuse, fastest). "auto" =
     glibc, unless the memory check finds the run would not fit without compact
     (train/launch/host_settings.py; the banner then says so). MALLOC_MMAP_THRESHOLD_ in the
     environment wins."""
