@@ -152,36 +152,42 @@ class DataConfig:
                               + ("; token windows are already full, remove it"
                                  if self.kind in ("tokens", "stream", "text") else "; remove it"))
         self._check_document_mask()
+        self._check_stream()
+        if self.sources:
+            self._check_sources()
+
+    def _check_stream(self):
+        """The stream-only keys: refused for other kinds, defaulted (text, 1024) and checked for stream."""
         if self.kind != "stream":
             for k in ("text_field", "shuffle_windows"):
                 if getattr(self, k) is not None:
                     raise ConfigError(f'data.{k} is for data.kind stream (got "{self.kind}"); remove it'
                                       + (" (`zerotrain prepare --text-field` picks the field of files to prepare)"
                                          if k == "text_field" else ""))
-        else:
-            self.text_field = "text" if self.text_field is None else self.text_field
-            self.shuffle_windows = 1024 if self.shuffle_windows is None else self.shuffle_windows
-            if not self.text_field:
-                raise ConfigError("data.text_field is empty; give the record field holding the text")
-            if self.shuffle_windows < 1:
-                raise ConfigError(f"data.shuffle_windows must be >= 1 (got {self.shuffle_windows}; 1 = stream order)")
-            if self.sources:
-                raise ConfigError("data.sources cannot mix streamed files (data.kind stream): `zerotrain prepare "
-                                  "<files> --text-field F --out DIR` each one first and list the DIRs in "
-                                  "data.sources with data.kind tokens")
+            return
+        self.text_field = "text" if self.text_field is None else self.text_field
+        self.shuffle_windows = 1024 if self.shuffle_windows is None else self.shuffle_windows
+        if not self.text_field:
+            raise ConfigError("data.text_field is empty; give the record field holding the text")
+        if self.shuffle_windows < 1:
+            raise ConfigError(f"data.shuffle_windows must be >= 1 (got {self.shuffle_windows}; 1 = stream order)")
         if self.sources:
-            if self.kind != "tokens":
-                raise ConfigError(f'data.sources mixes token files: set data.kind to tokens (got "{self.kind}")')
-            if self.path is not None:
-                raise ConfigError("data.sources and data.path are both set; a mixture lists every file in "
-                                  "data.sources, so drop data.path")
-            seen = {}
-            for src in self.sources:
-                if src.name in seen:
-                    raise ConfigError(f'data.sources {seen[src.name]} and {src.path} are both named "{src.name}"; '
-                                      f"give one of them a distinct name: key")
-                seen[src.name] = src.path
+            raise ConfigError("data.sources cannot mix streamed files (data.kind stream): `zerotrain prepare "
+                              "<files> --text-field F --out DIR` each one first and list the DIRs in "
+                              "data.sources with data.kind tokens")
 
+    def _check_sources(self):
+        if self.kind != "tokens":
+            raise ConfigError(f'data.sources mixes token files: set data.kind to tokens (got "{self.kind}")')
+        if self.path is not None:
+            raise ConfigError("data.sources and data.path are both set; a mixture lists every file in "
+                              "data.sources, so drop data.path")
+        seen = {}
+        for src in self.sources:
+            if src.name in seen:
+                raise ConfigError(f'data.sources {seen[src.name]} and {src.path} are both named "{src.name}"; '
+                                  f"give one of them a distinct name: key")
+            seen[src.name] = src.path
 
     def _check_document_mask(self):
         if self.document_mask and self.kind not in ("tokens", "stream"):
