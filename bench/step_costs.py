@@ -70,6 +70,7 @@ def rank_main(a) -> dict:
     from models.losses import cross_entropy
     from train.checkpoint.cadence import SaveCadence
     from train.optim.optimizer import set_lr
+    from train.optim.schedule import lr_at
     from train.training.trainer import StopVote, Trainer
 
     torch.distributed.init_process_group("gloo")
@@ -127,7 +128,7 @@ def rank_main(a) -> dict:
     at = 5
 
     def bookkeeping():
-        set_lr(opt, optim_cfg.lr_at(100, 1000))
+        set_lr(opt, lr_at(optim_cfg, 100, 1000))
         health.append((100, None, None))
         if len(health) > 100:
             health.clear()

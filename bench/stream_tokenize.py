@@ -8,7 +8,7 @@ parquet (row groups of 1,000 rows). A byte-level BPE tokenizer (--vocab ids) is 
 first 4 MB with `tokenizers` and saved as a local Hugging Face tokenizer directory.
 
 1. Throughput: for each format x tokenizer (bytes, BPE) x data.num_workers in --workers, one
-   StreamWindows (train/data/stream.py) in this process reads windows of --seq-len in stream
+   StreamWindows (train/data/stream/dataset.py) in this process reads windows of --seq-len in stream
    order for --seconds (after the first window: pool start-up and the first chunk excluded) and
    reports tokens/s: what one rank gets.
 2. Data wait: trains the default GPT (examples/default.yaml, byte-level, zero2_fp32 on a CPU)

@@ -21,7 +21,7 @@ from models.config import ModelConfig
 from models.errors import ConfigError, did_you_mean
 from models.spec import ModelSpec
 
-# torch and the builders are imported in the functions that use them: train/config.py and
+# torch and the builders are imported in the functions that use them: train/config/ and
 # train/errors.py import models.config and models.errors, which runs this file first, and the
 # commands that never build a model (check, plan, plot, `train --help`) must not load torch.
 if TYPE_CHECKING:

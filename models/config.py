@@ -61,7 +61,7 @@ class ModelConfig:
     dropout: float = 0.0
     tie_embeddings: Optional[bool] = None
     activation_checkpointing: bool = False
-    """Recompute each block's activations in backward: less memory, ~30% more compute. GPT
+    """Recompute each block's activations in backward: less memory, one more forward per step. GPT
     presets and hf: models (transformers' own, non-reentrant) and torchvision ResNet/ResNeXt/
     ViT/ConvNeXt/EfficientNet/MobileNet/RegNet/Swin/MaxViT/ShuffleNet; other models refuse it."""
     num_classes: Optional[int] = None

@@ -189,9 +189,8 @@ class Rotary(nn.Module):
 
     Not buffers, and nothing is computed in __init__: tables built at construction take the
     dtype construction happens under. deepspeed.zero.Init with bf16 turns every floating
-    tensor a constructor creates (torch.arange included) into bf16, where angles above 256
-    radians are not representable: the tables were off by up to 1.7 at position 1023 and
-    a ZeRO-3 bf16 model computed different logits than the same weights under ZeRO-1/2.
+    tensor a constructor creates (torch.arange included) into bf16, which rounds angles above
+    256 radians to even numbers or coarser, so late positions would rotate by the wrong angle.
     Derived purely from the config, they are never partitioned, cast, moved or checkpointed."""
 
     def __init__(self, head_dim: int, seq_len: int, theta: float):

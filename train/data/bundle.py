@@ -28,6 +28,6 @@ class DataBundle:
     # data.sources: the MixturePlan (train/data/mixture.py) behind `train`; the trainer counts
     # each step's samples per source with it, build.py makes its MixtureSampler.
     mixture: Optional[object] = None
-    # data.kind stream: the StreamWindows behind `train` (train/data/stream.py); build.py makes its
+    # data.kind stream: the StreamWindows behind `train` (train/data/stream/dataset.py); build.py makes its
     # StreamSampler and hands it the resumed cursor, the trainer saves its cursor with each step.
     stream: Optional[object] = None

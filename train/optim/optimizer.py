@@ -1,4 +1,4 @@
-"""Optimizer construction and the per-step learning rate.
+"""Optimizer construction and setting its per-step learning rate (the schedule: schedule.py).
 
 The optimizer is always built here (never from the DeepSpeed JSON) so that DDP and every
 ZeRO stage run the same AdamW: torch's, or DeepSpeedCPUAdam when ZeRO offloads the

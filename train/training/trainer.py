@@ -29,6 +29,7 @@ from train.checkpoint.cadence import SaveCadence
 from train.checkpoint.state import TrainState
 from train.optim import loss_scale
 from train.optim.optimizer import set_lr
+from train.optim.schedule import lr_at
 from train.training import faults
 
 if TYPE_CHECKING:
@@ -219,7 +220,7 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
         acc, model = self.acc, self.model
-        lr = self.cfg.optim.lr_at(self.state.step, self.max_steps)
+        lr = lr_at(self.cfg.optim, self.state.step, self.max_steps)
         set_lr(self.raw_optimizer, lr)
         t_data = 0.0
         # Summed where it is computed: reading a loss is a host-device sync, so the trainer reads

@@ -1,0 +1,278 @@
+"""The run configuration's sections: typed dataclasses whose attribute docstrings are the
+`--help` text (train/args.py) and whose __post_init__ refuses impossible values with a
+ConfigError naming the key. data: is in data_section.py, model: in models/config.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from models.config import ModelConfig  # the model: section lives with the models (models/ needs nothing from train/)
+from train.config.batch import Batch, split_batch
+from train.config.data_section import DataConfig
+from train.errors import ConfigError
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    """Peak learning rate (after warmup)."""
+    min_lr: float = 3e-5
+    """Floor of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warmup, in optimizer steps (global, independent of world size and accumulation)."""
+    schedule: str = "cosine"
+    """cosine | linear | constant (after warmup)."""
+    weight_decay: float = 0.1
+    """Decoupled (AdamW); not applied to norms, biases or embeddings."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr must be > 0 (got {self.lr})")
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"optim.min_lr must be in [0, optim.lr={self.lr}] (got {self.min_lr})")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps must be >= 0 (got {self.warmup_steps})")
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ConfigError(f'optim.schedule must be cosine, linear or constant (got "{self.schedule}")')
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay must be >= 0 (got {self.weight_decay})")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas must both be in [0, 1) (got {list(self.betas)})")
+        if self.eps <= 0:
+            raise ConfigError(f"optim.eps must be > 0 (got {self.eps})")
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1234
+    micro_batch_size: int = 8
+    """Samples per process per forward/backward."""
+    grad_accum_steps: Optional[int] = None
+    """Micro-batches accumulated per optimizer step. None = derived from global_batch_size, else 1."""
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step over all processes = micro_batch_size x grad_accum_steps x world size."""
+    max_steps: int = 300
+    """Optimizer steps to train (ignored when epochs is set)."""
+    epochs: Optional[int] = None
+    """Train for this many passes over the training set instead of max_steps."""
+    eval_every: int = 100
+    """Evaluate every N optimizer steps (0 = only at the end)."""
+    eval_batches: Optional[int] = 20
+    """Validation micro-batches per process per evaluation (None = the whole validation set)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping). The logged norm is pre-clip."""
+    run_dir: str = "runs/default"
+    """Where config, metrics.jsonl, checkpoints and exported weights go."""
+    sample_tokens: int = 200
+    """LM: bytes/tokens generated as a sample at the end (0 = none)."""
+    progress: bool = True
+    """Show the tqdm progress bar (main process only)."""
+    nan_policy: str = "skip"
+    """On a NaN/Inf loss: "skip" the step (counted) or "stop" (checkpoint the last good state)."""
+    max_bad_steps: int = 5
+    """Stop after this many consecutive non-finite steps, whatever nan_policy says. Both are
+    decided at each log line (logging.every_steps) and before each checkpoint, where the trainer
+    reads the gradient norms it kept on the device: skipped steps never touch the weights, so a
+    stop can come up to logging.every_steps steps after its cause and still saves the last good state."""
+    trace_data: bool = False
+    """Debug: every rank appends a fingerprint (crc32) of each sample it trains on to
+    <run_dir>/ranks/rank<R>.data.jsonl, to verify sharding and resume order."""
+    compile: bool = False
+    """torch.compile the model (TorchInductor) before wrapping it: fused kernels, usually faster
+    steps on GPU after a compile of tens of seconds to minutes at the first step. Off by default
+    (compile time; on CPU it needs a C++ compiler). DDP, ZeRO-0/1/2; refused with ZeRO-3, whose
+    parameter gathering hooks break compiled graphs."""
+    tf32: bool = True
+    """CUDA: fp32 matmuls and convolutions use TensorFloat-32 tensor cores (inputs rounded to a
+    10-bit mantissa, fp32 accumulation; several times the fp32 rate on Ampere and newer), as
+    PyTorch's "high" float32 matmul precision. Affects fp32 runs only (bf16/fp16 use their own units);
+    false = full fp32. Without a GPU there is nothing to set."""
+    host_malloc: str = "auto"
+    """Host memory allocator on a CPU-only machine: "compact" returns every freed block of 1 MiB
+    or more to the OS at once (resident memory follows live tensors, at a cost in step time:
+    BENCHMARKS.md "Host allocator on CPU"), "glibc" keeps glibc's default (freed blocks stay
+    resident for reuse, fastest). "auto" =
+    glibc, unless the memory check finds the run would not fit without compact
+    (train/launch/host_settings.py; the banner then says so). MALLOC_MMAP_THRESHOLD_ in the
+    environment wins."""
+
+    def __post_init__(self):
+        for k in ("micro_batch_size", "max_steps"):
+            if getattr(self, k) <= 0:
+                raise ConfigError(f"train.{k} must be a positive integer (got {getattr(self, k)})")
+        for k in ("grad_accum_steps", "global_batch_size", "epochs", "eval_batches"):
+            v = getattr(self, k)
+            if v is not None and v <= 0:
+                raise ConfigError(f"train.{k} must be a positive integer or null (got {v})")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every must be >= 0 (got {self.eval_every})")
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip must be >= 0 (got {self.grad_clip})")
+        if self.sample_tokens < 0:
+            raise ConfigError(f"train.sample_tokens must be >= 0 (got {self.sample_tokens})")
+        if self.nan_policy not in ("skip", "stop"):
+            raise ConfigError(f'train.nan_policy must be "skip" or "stop" (got "{self.nan_policy}")')
+        if self.max_bad_steps <= 0:
+            raise ConfigError(f"train.max_bad_steps must be positive (got {self.max_bad_steps})")
+        if self.host_malloc not in ("auto", "compact", "glibc"):
+            raise ConfigError(f'train.host_malloc must be "auto", "compact" or "glibc" (got "{self.host_malloc}")')
+
+    def batch(self, world_size: int) -> Batch:
+        """Resolve micro x accumulation x world = global for `world_size` processes (batch.py)."""
+        return split_batch(self.micro_batch_size, self.grad_accum_steps, self.global_batch_size, world_size)
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save resumable state every N optimizer steps (0 = only at the end / on SIGTERM)."""
+    every_minutes: float = 0.0
+    """Also save when this much wall time (minutes) has passed since the end of the last save, or
+    since the first step (0 = off). Combined with every_steps, whichever comes first: any save
+    restarts this clock, a time-based save does not shift the every_steps multiples. The time is
+    rank 0's clock, sent with the stop vote every step (no extra collective, no device sync), so
+    every rank saves at the same step: the end of the step after the one in which the time ran
+    out (at most ~2 step times late). Choosing a value: docs/checkpoints.md "Choosing a cadence"."""
+    keep_last: int = 2
+    """Keep this many newest complete checkpoints; older ones are pruned after a save completes."""
+    save_at_end: bool = True
+    """Save resumable state when training ends (SIGTERM/SIGINT always saves)."""
+    export: bool = True
+    """Export consolidated weights (sharded safetensors, HF layout) to <run_dir>/export at the end of training."""
+    export_dtype: str = "bf16"
+    """bf16 | fp32 for exported weights."""
+    max_shard_size: str = "2GB"
+    """Largest safetensors file (e.g. "500MB", "5GB"): export shards, and each rank's checkpoint
+    files (one such file is the extra host memory a save needs)."""
+    resume: str = "none"
+    """none | auto (newest complete checkpoint in run_dir, if any) | <checkpoint path>."""
+    load_optimizer: bool = True
+    """On resume, restore the AdamW moments too. false: weights, step and data position only,
+    fresh moments (e.g. after changing optim.betas)."""
+
+    def __post_init__(self):
+        if self.every_steps < 0:
+            raise ConfigError(f"checkpoint.every_steps must be >= 0 (got {self.every_steps})")
+        if not (math.isfinite(self.every_minutes) and self.every_minutes >= 0):
+            raise ConfigError(f"checkpoint.every_minutes must be a number of minutes >= 0, 0 = off "
+                              f"(got {self.every_minutes})")
+        if self.keep_last <= 0:
+            raise ConfigError(f"checkpoint.keep_last must be >= 1 (got {self.keep_last})")
+        if self.export_dtype not in ("bf16", "fp32"):
+            raise ConfigError(f'checkpoint.export_dtype must be "bf16" or "fp32" (got "{self.export_dtype}")')
+        if not self.resume:
+            raise ConfigError('checkpoint.resume must be "none", "auto" or a checkpoint path')
+        # The units huggingface_hub's shard splitter accepts.
+        if not re.fullmatch(r"\s*0*[1-9]\d*(\.\d+)?\s*[KMGT]B\s*", self.max_shard_size, re.IGNORECASE):
+            raise ConfigError(f'checkpoint.max_shard_size must be a size like "500MB" or "5GB" '
+                              f'(got "{self.max_shard_size}")')
+
+
+@dataclass
+class WandbConfig:
+    mode: Optional[str] = "auto"
+    """auto | online | offline | disabled. auto: $WANDB_MODE if set (WANDB_DISABLED=true: disabled),
+    else online when W&B credentials exist (WANDB_API_KEY, ~/.netrc from `wandb login`), else an
+    offline run; off with a note when the wandb package is missing. online / offline / disabled set
+    here win over $WANDB_MODE. offline writes <run_dir>/wandb/ (or $WANDB_DIR) for a later `wandb sync`."""
+    project: str = "zerotrain"
+    """W&B project the run is logged to."""
+    entity: Optional[str] = None
+    """W&B team or user; None = the API key's default entity."""
+    name: Optional[str] = None
+    """Run display name; None = the run directory's name."""
+    tags: list[str] = field(default_factory=list)
+    """Run tags, e.g. --logging.wandb.tags zero3,ablation."""
+    group: Optional[str] = None
+    """Groups related runs in the W&B UI (e.g. one sweep or one comparison)."""
+
+    def __post_init__(self):
+        if self.mode not in (None, "auto", "online", "offline", "disabled"):
+            raise ConfigError(f'logging.wandb.mode must be auto, online, offline or disabled (got "{self.mode}")')
+        bad = [c for c in "/\\#?%:" if c in self.project]
+        if not self.project or bad:
+            raise ConfigError(f'logging.wandb.project "{self.project}" must be non-empty and free of '
+                              f'/ \\ # ? % : characters')
+        for tag in self.tags:
+            if not 1 <= len(tag) <= 64:
+                raise ConfigError(f'logging.wandb.tags: "{tag}" must be 1 to 64 characters long (W&B\'s limit)')
+
+
+@dataclass
+class LoggingConfig:
+    every_steps: int = 10
+    """Log metrics (console, metrics.jsonl, W&B) every N optimizer steps."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    peak_flops: Optional[float] = None
+    """Per-device peak FLOP/s for MFU (--peak-flops 989e12); None = the detected GPU's dense
+    bf16 peak from train/observe/perf.py (no MFU on CPU or an unknown device)."""
+
+    def __post_init__(self):
+        if self.every_steps <= 0:
+            raise ConfigError(f"logging.every_steps must be positive (got {self.every_steps})")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise ConfigError(f"logging.peak_flops must be positive (got {self.peak_flops})")
+
+
+@dataclass
+class DistributedConfig:
+    ds_config: Optional[str] = None
+    """DeepSpeed JSON: ZeRO stage, offload and precision (ds_configs/ddp.json = plain DDP).
+    None = the accelerate YAML's deepspeed_config_file under `accelerate launch`, else
+    ds_configs/zero2.json. "auto": the fastest of ds_configs/{ddp,zero1,zero2,zero3,...}.json
+    that fits this device's memory ("auto:DIR": the same file names in DIR). --ds-config on the
+    command line sets it too."""
+    timeout_s: int = 1800
+    """Collective timeout: a rank waiting longer on a dead peer exits with an error."""
+    memory_check: bool = True
+    """Before building the model, compare the planner's peak per rank (train/plan/estimate.py) with what
+    the device allows (GPU free memory; on CPU the memory cgroup limit or the RAM) and stop with
+    the option that fits if it does not. false: skip (e.g. a model the planner cannot size)."""
+    memory_margin: float = 0.1
+    """Fraction of the per-rank memory kept free (estimate error, allocator cache): --ds-config
+    auto chooses only options that leave it, and so does the memory check's advice; a chosen JSON
+    that leaves less but fits runs with a warning. Messages state the arithmetic and the margin
+    that would run an option."""
+    sequence_parallel: int = 1
+    """Ulysses sequence parallelism (docs/long_context.md): groups of this many consecutive ranks
+    share each sample, every rank holding a contiguous 1/N of its tokens; attention trades
+    sequence for heads with two all-to-alls. Activation memory per rank divides by N, the loss
+    is exactly the 1-rank loss. ZeRO still partitions over the whole world; the global batch
+    counts samples per data-parallel rank (world / N of them), so the data order is that of a
+    run without SP. Needs a ZeRO JSON, the built-in GPT or an hf: model (sdpa attention),
+    and N dividing the world size, data.seq_len and the (KV) heads. 1 = off."""
+
+    def __post_init__(self):
+        if isinstance(self.sequence_parallel, bool) or not isinstance(self.sequence_parallel, int) \
+                or self.sequence_parallel < 1:
+            raise ConfigError(f"distributed.sequence_parallel must be a whole number >= 1, 1 = off "
+                              f"(got {self.sequence_parallel!r})")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"distributed.timeout_s must be positive (got {self.timeout_s})")
+        if not 0 <= self.memory_margin < 1:
+            raise ConfigError(f"distributed.memory_margin is a fraction in [0, 1) (got {self.memory_margin})")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def __post_init__(self):
+        if self.data.kind == "stream" and self.train.epochs:
+            raise ConfigError("train.epochs: a stream (data.kind stream) has no known length before it is "
+                              "tokenized; set train.max_steps instead (or `zerotrain prepare` the files first)")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
