@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from train import paths
+from train import paths, testhooks
 from train.checkpoint.state import TrainState
 from train.config import RunConfig
 from train.errors import ConfigError
@@ -194,7 +194,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
         print(f"zerotrain: {partition_summary(workload.model, topo.world_size)}", flush=True)
     if workload.moe is not None:  # sparse-MoE blocks: ZeRO-3 leaves before the engine hooks the modules
         from models.moe import make_leaf
-        if ds.is_deepspeed and ds.stage == 3:
+        if ds.is_deepspeed and ds.stage == 3 and not testhooks.fire("no_moe_leaf"):
             make_leaf(workload.model, workload.moe.info)
         if acc.is_main_process:
             print(f"zerotrain: {workload.moe.info.banner()}", flush=True)

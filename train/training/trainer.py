@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from models.losses import IGNORE_INDEX
+from train import testhooks
 from train.checkpoint.cadence import SaveCadence
 from train.checkpoint.state import TrainState
 from train.optim import loss_scale
 from train.optim.optimizer import set_lr
-from train.training import faults
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -240,7 +240,7 @@ class Trainer:
             t_data += time.perf_counter() - t0
             with acc.accumulate(model):
                 loss = self.workload.loss(model, batch, denominator)
-                if faults.nan_loss_at(self.state.step + 1, self.topo.rank):
+                if testhooks.fire("nan_loss", step=self.state.step + 1, rank=self.topo.rank):
                     loss = loss * float("nan")
                 acc.backward(loss)
                 if acc.sync_gradients:
@@ -478,11 +478,9 @@ class Trainer:
                     saved_at = st.step
                 if bar:
                     bar.update(1)
-                faults.kill_after(st.step, self.topo.rank)
                 if self.elastic:
                     self.elastic.progress(st.step)  # rank 0: what a restart counts as lost
-                    faults.kill_node_after(st.step)
-                    faults.hold_for_signal(st.step, stop)
+                testhooks.fire("after_step", step=st.step, rank=self.topo.rank, stop=stop, elastic=self.elastic is not None)
                 if stopping or diverged:
                     self.stop_reason = "diverged" if diverged else "signal"
                     break
