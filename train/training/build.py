@@ -273,7 +273,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     return Trainer(cfg=cfg, resolved_config=resolved, topo=topo, ds=ds, batch=batch, max_steps=max_steps,
                    run_dir=run_dir, acc=acc, model=model, optimizer=optimizer, raw_optimizer=raw_optimizer,
                    workload=workload, data=data, train_loader=train_loader, sampler=sampler, val_loader=val_loader,
-                   loggers=loggers, checkpointer=checkpointer, memory=memory, state=state, elastic=elastic,
+                   loggers=loggers, checkpointer=checkpointer, memory_plan=memory, state=state, elastic=elastic,
                    seq_parallel=sp)
 
 
