@@ -215,7 +215,8 @@ class Trainer:
             loop.bar.close()
         if self.stop_reason is None:
             self._evaluate_and_log()
-        if self.checkpointer and (self.cfg.checkpoint.save_at_end or self.stop_reason) and loop.saved_at != self.state.step:
+        final_save = self.cfg.checkpoint.save_at_end or self.stop_reason is not None
+        if self.checkpointer and final_save and loop.saved_at != self.state.step:
             # Signals are caught again while it saves: a SIGTERM now (another node's elastic
             # restart) waits for the save instead of killing it half-written.
             with StopRequested():
