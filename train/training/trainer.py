@@ -366,7 +366,7 @@ class Trainer:
         self._t_start = time.perf_counter()
         self.start_counts = (self.state.step, self.state.samples_seen, self.state.tokens_seen)
         if self.acc.is_main_process:
-            # The full resolved config is <run_dir>/config.json (build.py); the banner names it.
+            # The full resolved config is <run_dir>/config.json (record.py); the banner names it.
             print(report.banner(self), flush=True)
             if self.elastic and self.elastic.event:  # a membership change: one line, one metrics/W&B row
                 print(self.elastic.line, flush=True)
