@@ -153,7 +153,7 @@ def run_one(a, size: str, stage: str, work: Path) -> dict:
 # ---------------------------------------------------------------------------- the vote's cost
 
 def _vote_worker(rank: int, world: int, port: int, iters: int, out: str):
-    """Times the trainer's StopVote call with the every_minutes ticket (train/training/trainer.py)
+    """Times the trainer's StopVote call with the every_minutes ticket (train/training/stop.py)
     against the vote as it was before (1 float: fill_, async all-reduce, .item() of the previous
     one), on a real 2-process gloo group; only the call is timed, with a 2 ms pause in between (a
     "step": the reduction completes in the background, as in training)."""
@@ -163,7 +163,7 @@ def _vote_worker(rank: int, world: int, port: int, iters: int, out: str):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from train.checkpoint.cadence import SaveCadence
-    from train.training.trainer import StopVote
+    from train.training.stop import StopVote
 
     class Acc:
         num_processes = world

@@ -10,8 +10,8 @@ per expert). Qwen3-MoE, Mixtral, OLMoE and DeepSeek-style blocks are written so 
 Under ZeRO-3 each block is made a DeepSpeed leaf module (deepspeed.utils.set_z3_leaf_modules,
 what Accelerate's transformer_moe_cls_names does): its parameters are gathered as one unit when
 the block starts, so ranks whose tokens reach different experts still issue the same
-collectives. `ZEROTRAIN_MOE_LEAF=0` switches that off (a test hook: it lets a test show what
-happens without it).
+collectives. The build decides whether to (`ZEROTRAIN_MOE_LEAF=0`, a test hook, switches it
+off: it lets a test show what happens without it).
 
 The loss (MoEStats.loss): the LM loss as models/workload.py computes it, plus
 coef x the model's own aux loss (transformers' load_balancing_loss_func over the micro-batch's
@@ -21,7 +21,6 @@ ranks, so the step's aux term is the mean over (micro-batch, rank) of each micro
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -117,20 +116,11 @@ def detect(model: nn.Module, config, aux_coef: Optional[float] = None) -> Option
                    aux_coef=coef, expert_params=expert_params, largest_block_params=largest)
 
 
-def leaf_enabled() -> bool:
-    """ZEROTRAIN_MOE_LEAF=0: the test hook that leaves the blocks to DeepSpeed's per-module gathering."""
-    return os.environ.get("ZEROTRAIN_MOE_LEAF", "1") != "0"
-
-
-def make_leaf(model: nn.Module, info: MoEInfo) -> bool:
-    """Mark every sparse block a ZeRO-3 leaf (before the engine registers its hooks). Returns
-    whether it did."""
-    if not leaf_enabled():
-        return False
+def make_leaf(model: nn.Module, info: MoEInfo) -> None:
+    """Mark every sparse block a ZeRO-3 leaf (before the engine registers its hooks)."""
     from deepspeed.utils import set_z3_leaf_modules
     set_z3_leaf_modules(model, list(info.block_classes))
     info.leaf = True
-    return True
 
 
 @dataclass

@@ -27,6 +27,7 @@ device_env.apply()
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
+import train.training.stop as stop_mod  # noqa: E402
 import train.training.trainer as trainer_mod  # noqa: E402
 
 READS = {"item", "tolist", "__float__", "__bool__", "__int__", "__index__", "numpy", "cpu", "__format__"}
@@ -75,7 +76,7 @@ def _during_step(fn):
 
 def _vote(fn):
     """The stop vote reads its flag every step by design, from a CPU tensor on a gloo group
-    (train/training/trainer.py StopVote): not a device read, so it is checked by where its buffers live."""
+    (train/training/stop.py StopVote): not a device read, so it is checked by where its buffers live."""
     def wrapped(self, flag, *a, **k):
         VOTES.extend(str(b.device) for b in self.buffers)
         VOTES.append("group:" + ("default" if self.group is None else "side"))
@@ -91,7 +92,7 @@ def _log(fn):
 
 
 trainer_mod.Trainer.train_step = _during_step(trainer_mod.Trainer.train_step)
-trainer_mod.StopVote.__call__ = _vote(trainer_mod.StopVote.__call__)
+stop_mod.StopVote.__call__ = _vote(stop_mod.StopVote.__call__)
 trainer_mod.Trainer._log_window = _log(trainer_mod.Trainer._log_window)
 
 

@@ -94,7 +94,7 @@ def test_the_stop_vote_carries_the_ticket_one_step_late():
     stop flag and the ticket come back together, one call later."""
     import torch
     import torch.distributed as dist
-    from train.training.trainer import StopVote
+    from train.training.stop import StopVote
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
     store = dist.HashStore()
@@ -106,7 +106,7 @@ def test_the_stop_vote_carries_the_ticket_one_step_late():
         assert vote.dist
         got = []
         for flag, ticket in [(False, 0.0), (False, 3.0), (False, 0.0), (True, 0.0)]:
-            got.append((vote(flag, ticket), vote.ticket))
+            got.append(vote(flag, ticket))  # Agreed(stop, ticket)
         assert got == [(False, 0.0), (False, 0.0), (False, 3.0), (False, 0.0)]
         assert vote.finish() is True
         assert all(b.device == torch.device("cpu") for b in vote.buffers)

@@ -183,7 +183,7 @@ def test_three_resumes_in_a_row_continue_exactly_from_the_saved_cursor(tmp_path,
         for step in range(start_step, stop):
             out.append([ds[i]["input_ids"].tolist() for _ in range(accum) for i in next(it)])
             first_read = ds.chunks_tokenized if first_read is None else first_read
-            cursor = ds.cursor_at((step + 1) * g)  # the trainer's _advance_position
+            cursor = ds.cursor_at((step + 1) * g)  # the trainer's DataPosition.advance (train/data/position.py)
         return out, cursor, first_read
 
     full, _, _ = run(0, None, steps)

@@ -25,7 +25,7 @@ LAYERS = [
     ("components", ("train.checkpoint", "train.observe", "train.launch", "train.plan", "train.data", "train.optim",
                     "models")),
     ("config", ("train.config", "train.dsconfig", "train.errors", "train.paths", "train.cli_args", "models.config",
-                "models.errors")),
+                "models.errors", "train.testhooks", "train.process_group")),
 ]
 
 

@@ -78,6 +78,11 @@ class DSSetup:
     def is_deepspeed(self) -> bool:
         return self.backend == "deepspeed"
 
+    @property
+    def is_zero3(self) -> bool:
+        """DeepSpeed ZeRO-3: parameters partitioned across the ranks."""
+        return self.is_deepspeed and self.stage == 3
+
     def describe(self) -> str:
         if not self.is_deepspeed:
             return f"DDP ({self.precision})"

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer.close()
         if trainer.stop_reason == "diverged":
             from train.errors import TrainingDiverged
-            raise TrainingDiverged(trainer.diverged_reason)
+            raise TrainingDiverged(trainer.health.diverged_reason)
     return 0
 
 

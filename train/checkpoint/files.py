@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from train.errors import CheckpointError
+from train.process_group import exists as process_group_exists
 
 FORMAT = "zerotrain-checkpoint"
 VERSION = 1
@@ -300,8 +301,7 @@ def set_rng_state(s: dict):
 # ---------------------------------------------------------------------------- verification (collective when world > 1)
 
 def process_group():
-    d = torch.distributed
-    return d if d.is_available() and d.is_initialized() else None
+    return torch.distributed if process_group_exists() else None
 
 
 def reduce_max(t: torch.Tensor, device) -> torch.Tensor:

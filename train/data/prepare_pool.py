@@ -11,7 +11,8 @@ inputs (paths, sizes, mtimes, tokenizer, --shard-tokens) keeps the intact prefix
 shards (one stat each), rewrites the rest and ends byte-identical to an uninterrupted run.
 manifest.json is written last; its presence means the set is complete.
 
-ZEROTRAIN_PREPARE_STOP_AFTER=K (for tests) stops after K shards as an interruption would.
+ZEROTRAIN_PREPARE_STOP_AFTER=K (for tests, train/testhooks.py) stops after K shards as an
+interruption would.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
+from train import testhooks
 from train.data import prep_sources
 from train.data.shards import CHECKSUM, FORMAT, MANIFEST, VERSION, hasher
 from train.errors import ConfigError, DataError
@@ -229,7 +231,7 @@ def prepare_shards(files: list[Path], val: list[Path], tokenizer, out: Path, sha
         meta = json.loads(manifest.read_text())
         return {**meta, "up_to_date": True}
     state = json.loads(progress.read_text()) if progress.is_file() else {"source": fp, "phases": {}}
-    stop_after = int(os.environ.get("ZEROTRAIN_PREPARE_STOP_AFTER", "0") or 0)
+    testhooks.load()  # ZEROTRAIN_PREPARE_STOP_AFTER as set now: tests run several prepares in one process
     written = [0]
     totals = {}
     for phase, inputs in (("shards", files), ("val", val)):
@@ -241,7 +243,7 @@ def prepare_shards(files: list[Path], val: list[Path], tokenizer, out: Path, sha
             rec.update(entries=intact, done=False)
         if not rec["done"]:
             _run_phase(phase, inputs, rec, state, tokenizer, out, dtype, shard_tokens, workers, text_field,
-                       progress, stop_after, written)
+                       progress, written)
         totals[phase] = rec
     meta = manifest_meta(dtype, tokenizer.vocab_size, tokenizer.name, shard_tokens,
                          {phase: rec["entries"] for phase, rec in totals.items()}, totals["shards"]["files"], fp,
@@ -274,7 +276,7 @@ def write_manifest(out: Path, meta: dict) -> None:
 
 
 def _run_phase(phase, inputs, rec, state, tokenizer, out, dtype, shard_tokens, workers, text_field, progress,
-               stop_after, written):
+               written):
     prefix = "shard" if phase == "shards" else "val"
     last = rec["entries"][-1]["resume"] if rec["entries"] else None
     start, skip = (last.get("pos"), last.get("skip", 0)) if last else (None, 0)
@@ -293,7 +295,7 @@ def _run_phase(phase, inputs, rec, state, tokenizer, out, dtype, shard_tokens, w
         rec["entries"] = writer.entries
         _write_json(progress, state)
         written[0] += 1
-        if stop_after and written[0] >= stop_after:
+        if testhooks.fire("shard_written", shards=written[0]):
             raise Stopped(f"stopped after {written[0]} shards (ZEROTRAIN_PREPARE_STOP_AFTER); re-run to resume")
 
     writer = ShardWriter(out, prefix, dtype, shard_tokens, rec["entries"], on_shard)

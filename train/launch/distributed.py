@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from train import paths
+from train import paths, process_group
 from train.config import Batch
 from train.dsconfig import DSSetup, read_ds_json
 from train.errors import ConfigError
@@ -207,7 +207,7 @@ def init_process_group(timeout_s: int):
     """The process group Accelerate would create, made earlier (ranks must agree on something
     before the Accelerator exists, e.g. --ds-config auto). Accelerate and DeepSpeed adopt an
     existing group."""
-    if torch.distributed.is_initialized():  # made earlier (an elastic start, train/training/build.py)
+    if process_group.exists():  # made earlier (an elastic start, train/training/build.py)
         return
     cuda = torch.cuda.is_available()
     if cuda:
@@ -223,9 +223,9 @@ def check_world(acc, topo: Topology):
     if acc.num_processes != topo.world_size or acc.process_index != topo.rank:
         raise RuntimeError(f"Accelerate sees rank {acc.process_index}/{acc.num_processes} but the launcher set "
                            f"rank {topo.rank}/{topo.world_size}; this would train on duplicated data")
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() != topo.world_size:
+    if process_group.exists() and process_group.size() != topo.world_size:
         raise RuntimeError("process group size disagrees with WORLD_SIZE")
-    if torch.distributed.is_initialized():
+    if process_group.exists():
         gather_roster(topo)
 
 

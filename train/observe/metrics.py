@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from train import process_group
+
 
 def _clean(v):
     if hasattr(v, "item"):
@@ -116,8 +118,8 @@ def reduce_window(acc, loss_sum: torch.Tensor, micro: int, data_s: float) -> dic
     summed = torch.stack([loss_sum.detach().to(torch.float64).reshape(()),
                           torch.tensor(float(micro), dtype=torch.float64, device=loss_sum.device)]).to(acc.device)
     worst = torch.tensor([data_s, float(peak), float(reserved or 0)], dtype=torch.float64, device=acc.device)
-    dist = torch.distributed
-    if acc.num_processes > 1 and dist.is_available() and dist.is_initialized():
+    if acc.num_processes > 1 and process_group.exists():
+        dist = torch.distributed
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     (loss, n), (wait, mem, res) = summed.tolist(), worst.tolist()

@@ -49,10 +49,10 @@ def banner(t) -> str:
         + f", lr {t.cfg.optim.lr:g} "
         f"{t.cfg.optim.schedule}, warmup {t.cfg.optim.warmup_steps}",
     ]
-    if t.memory is not None:  # the planner's view of this rank (train/plan/estimate.py RankPlan)
-        if t.memory.text:
-            lines.append(f"  model states {t.memory.text} per rank (estimated)")
-        lines.append(f"  memory       {_memory_text(t.memory)}")
+    if t.memory_plan is not None:  # the planner's view of this rank (train/plan/estimate.py RankPlan)
+        if t.memory_plan.text:
+            lines.append(f"  model states {t.memory_plan.text} per rank (estimated)")
+        lines.append(f"  memory       {_memory_text(t.memory_plan)}")
     host = t.resolved_config.get("resolved", {}).get("host_settings") or {}
     if host.get("banner"):  # a host setting that costs step time is on (train/launch/host_settings.py)
         lines.append(f"  {host['banner']}")
@@ -72,13 +72,13 @@ def _lora_text(t) -> str:
     return f", LoRA r={lora['r']} alpha={lora['alpha']:g} on {','.join(lora['target_modules'])}, base frozen"
 
 
-def _memory_text(memory) -> str:
-    """The planner's peak per rank (`memory`: a RankPlan) against the memory check's budget
+def _memory_text(memory_plan) -> str:
+    """The planner's peak per rank (`memory_plan`: a RankPlan) against the memory check's budget
     (train/plan/fit.py)."""
-    budget = memory.budget
+    budget = memory_plan.budget
     if budget is None:
         return "budget not checked (distributed.memory_check false)"
-    peak = memory.estimate.device_total if memory.estimate is not None else None
+    peak = memory_plan.estimate.device_total if memory_plan.estimate is not None else None
     used = (f"estimated peak {human_bytes(peak)} of " if peak is not None else "budget ") + human_bytes(budget.bytes)
     share = f" ({100 * peak / budget.bytes:.0f}%)" if peak is not None and budget.bytes > 0 else ""
     return f"{used} per rank{share}: {budget.source}"

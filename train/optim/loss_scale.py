@@ -13,7 +13,9 @@ Every one of them has the `loss_scale` property; only the ZeRO ones have `cur_sc
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Union
+
+import torch
 
 SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
@@ -28,11 +30,13 @@ def _holder(optimizer):
                     f"(expected .loss_scaler or .loss_scale_config, DeepSpeed 0.19)")
 
 
-def current(optimizer=None, scaler=None) -> Optional[float]:
-    """The scale now, as a Python float. Reading a GradScaler's scale is a host-device sync:
-    call this at logging intervals, not every step."""
+def current(optimizer=None, scaler=None) -> Union[float, torch.Tensor, None]:
+    """The scale now, without a host read: a DeepSpeed fp16 optimizer's as a Python float, a
+    GradScaler's as a device tensor (a copy: the scaler changes it in place), None without
+    either. train/training/health.py reads it per step and converts at logging intervals."""
     if scaler is not None:
-        return float(scaler.get_scale())
+        scale = scaler._get_scale_async()
+        return None if scale is None else scale.detach().clone()
     if optimizer is None:
         return None
     value = getattr(optimizer, "loss_scale")

@@ -68,7 +68,7 @@ def use_channels_last(cfg: RunConfig, ds, family: str, cuda: bool) -> bool:
 
 
 def check_compile(cfg: RunConfig, ds) -> None:
-    if cfg.train.compile and ds.is_deepspeed and ds.stage == 3:
+    if cfg.train.compile and ds.is_zero3:
         raise ConfigError(f"train.compile with ZeRO-3 ({ds.path}): DeepSpeed's parameter gathering hooks break "
                           f"compiled graphs; use ZeRO-0/1/2 or DDP, or set train.compile false")
 

@@ -1,12 +1,21 @@
 """The training loop: accumulation, clipping, LR, evaluation, logging, stopping cleanly.
 
+fit() reads as the loop it is: step, agree, log?, eval?, save?, stop? Its collaborators decide
+the rest: StopVote (train/training/stop.py) what every rank agreed on, Health
+(train/training/health.py) whether the run is still sound, Evaluator (train/training/evaluate.py)
+and SaveCadence (train/checkpoint/cadence.py) when to evaluate and save, DataPosition
+(train/data/position.py) where the data stands, Window (train/training/window.py) the
+statistics of one logging interval.
+
 An optimizer step's loss is the mean over its global batch: of samples, or for language-model
 data with masked labels (sft) of labelled tokens, counted over every micro-batch and rank before
 the first backward (_token_denominator).
 
 Everything here is the same for DDP and every ZeRO stage; the differences live in the
-Accelerator (distributed.py) and the two small `if self.ds.is_deepspeed` branches below
-(DeepSpeed steps and clips inside `backward`, DDP here).
+Accelerator (train/launch/distributed.py), in Health (where the fp16 loss scale lives, who counts
+skipped steps) and in two places below: DeepSpeed steps and clips inside `backward` where DDP
+steps in _clip_and_step, and DeepSpeed bf16/fp16 keeps the parameters themselves in 16 bits, so
+float inputs are cast to their dtype (input_dtype).
 
 The Trainer's fields are every component it works with, declared in one place; build.py
 assembles them and nothing is attached to a Trainer afterwards.
@@ -14,10 +23,9 @@ assembles them and nothing is attached to a Trainer afterwards.
 
 from __future__ import annotations
 
-import contextlib
-import math
-import signal
+import json
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -25,12 +33,20 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from models.losses import IGNORE_INDEX
+from train import process_group, testhooks
 from train.checkpoint.cadence import SaveCadence
 from train.checkpoint.state import TrainState
-from train.optim import loss_scale
+from train.data.position import DataPosition
+from train.observe import report, wandb_logger
+from train.observe.memory import MemoryReport
+from train.observe.metrics import reduce_window
+from train.observe.perf import device_peak_flops, throughput
 from train.optim.optimizer import set_lr
 from train.optim.schedule import lr_at
-from train.training import faults
+from train.training.evaluate import Evaluator
+from train.training.health import Health
+from train.training.stop import StopRequested, StopVote
+from train.training.window import StepResult, Window
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -50,73 +66,17 @@ if TYPE_CHECKING:
     from train.plan.estimate import RankPlan
 
 
-class StopRequested:
-    """SIGTERM/SIGINT: finish the current step, checkpoint, exit 0. A second SIGINT aborts."""
+@dataclass(eq=False)
+class _Loop:
+    """What one fit() carries from step to step."""
 
-    def __init__(self):
-        self.flag = False
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.flag and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.flag = True
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-class StopVote:
-    """Every rank agrees on stopping without a blocking collective per step (measured: ~5% of
-    a small model's step on CPU). Each step starts an async all-reduce of this rank's flag and
-    reads the one started a step earlier, long finished in the background; so all ranks stop
-    together, one step after the signal. The flag is a CPU tensor on a gloo group (the default
-    group under gloo, a side group under NCCL): reading it never waits for the accelerator, and
-    gloo's wait() returns at once for a reduction finished a step ago, where NCCL's would only
-    order the streams. A second number rides along: rank 0's checkpoint.every_minutes ticket
-    (train/checkpoint/cadence.py), summed, read back as `.ticket` in the same step on every rank."""
-
-    def __init__(self, acc):
-        dist = torch.distributed
-        self.dist = acc.num_processes > 1 and dist.is_available() and dist.is_initialized()
-        self.group = None
-        if self.dist and dist.get_backend() != "gloo":
-            self.group = dist.new_group(backend="gloo")  # collective: every rank builds its StopVote
-        self.buffers = [torch.zeros(2), torch.zeros(2)]  # one in flight, one being filled: [stop, ticket]
-        self.views = [b.numpy() for b in self.buffers]    # filled through numpy: ~0.3 us, torch indexing ~10
-        self.turn = 0
-        self.pending = None  # (work, flag tensor) of the previous step
-        self.ticket = 0.0    # the sum of the tickets of the vote read last
-
-    def __call__(self, flag: bool, ticket: float = 0.0) -> bool:
-        if not self.dist:
-            self.ticket = ticket
-            return flag
-        t, view = self.buffers[self.turn], self.views[self.turn]
-        self.turn ^= 1
-        view[0], view[1] = float(flag), ticket
-        work = torch.distributed.all_reduce(t, async_op=True, group=self.group)
-        previous, self.pending = self.pending, (work, t)
-        return self._read(previous)
-
-    def finish(self) -> bool:
-        """Collect the vote still in flight (every rank has one); True if it asks to stop."""
-        previous, self.pending = self.pending, None
-        return self._read(previous)
-
-    def _read(self, vote) -> bool:
-        if vote is None:
-            self.ticket = 0.0
-            return False
-        vote[0].wait()
-        stop, self.ticket = vote[1].tolist()  # a CPU tensor: no device sync
-        return stop > 0
+    vote: StopVote
+    cadence: SaveCadence
+    memory_probe: MemoryReport     # measures one early step's model-state bytes (mem/* metrics)
+    window: Window
+    bar: object = None             # rank 0's tqdm bar with train.progress, else None
+    last: dict = field(default_factory=dict)  # the last log line's metrics
+    saved_at: Optional[int] = None  # the step the loop last saved (a stop at that step needs no second save)
 
 
 @dataclass(eq=False, repr=False, kw_only=True)
@@ -146,7 +106,7 @@ class Trainer:
     # -- services
     loggers: Loggers                      # metrics sinks: metrics.jsonl on rank 0, W&B added by start()
     checkpointer: Optional[Checkpointer]  # save / export; None: the run writes no checkpoint
-    memory: Optional[RankPlan]            # the planner's view of this rank: banner lines, plan/* metrics
+    memory_plan: Optional[RankPlan]       # the planner's view of this rank: banner lines, plan/* metrics
     # -- where training stands: saved in checkpoints; a resumed run passes the restored one
     state: TrainState
     # -- torchrun's elastic agent: this attempt of the job (restarts, membership); None otherwise
@@ -155,70 +115,147 @@ class Trainer:
     seq_parallel: Optional[SPRun] = None
 
     # -- the loop's own bookkeeping (not passed in)
-    param_dtype: torch.dtype = field(init=False)  # batches are cast to it under DeepSpeed bf16/fp16
+    input_dtype: Optional[torch.dtype] = field(init=False)  # DeepSpeed bf16/fp16: float inputs cast to it
+    position: DataPosition = field(init=False)   # moves `state` through the data, yields the batches
+    health: Health = field(init=False)           # non-finite steps, fp16 scale collapse: whether to stop
+    evaluator: Evaluator = field(init=False)     # val/* metrics (train.eval_every), the closing sample text
     last_eval: dict = field(init=False, default_factory=dict)
     stop_reason: Optional[str] = field(init=False, default=None)       # None | "signal" | "diverged"
-    diverged_reason: str = field(init=False, default="")
-    last_grad_norm: Optional[float] = field(init=False, default=None)  # read at the last health check
     wandb: Optional[WandbSink] = field(init=False, default=None)        # rank 0's W&B sink, once start() ran
     wandb_status: Optional[str] = field(init=False, default=None)      # rank 0's banner line about W&B
     start_counts: tuple = field(init=False, default=(0, 0, 0))         # (step, samples, tokens) at start()
-    _it: object = field(init=False, default=None)       # the batch iterator; None: re-made at `state`'s position
-    _order: tuple = field(init=False, default=(None, None))  # (epoch, sampler.slicer) for counting real tokens
-    _bad_run: int = field(init=False, default=0)        # consecutive non-finite steps
-    _health: list = field(init=False, default_factory=list)  # (step, grad norm, fp16 scale) not yet read
     _t_start: float = field(init=False, default=0.0)
     _finished: bool = field(init=False, default=False)  # finish() completed: close() reports success to W&B
 
     def __post_init__(self):
-        self.param_dtype = next(p for p in self.model.parameters()).dtype if self.ds.is_deepspeed else torch.float32
+        dtype = next(p for p in self.model.parameters()).dtype if self.ds.is_deepspeed else torch.float32
+        self.input_dtype = None if dtype == torch.float32 else dtype
+        self.position = DataPosition(self.data, self.sampler, self.train_loader, self.batch.global_size)
+        self.health = Health(train=self.cfg.train, ds=self.ds, acc=self.acc, model=self.model)
+        self.evaluator = Evaluator(cfg=self.cfg, acc=self.acc, model=self.model, workload=self.workload, data=self.data,
+                                   val_loader=self.val_loader, seq_parallel=self.seq_parallel, cast=self._cast_inputs)
 
-    # ------------------------------------------------------------------ data
-    def _next_batch(self):
-        if self._it is None:
-            self.sampler.set_position(self.state.epoch, self.state.offset)
-            self._it = iter(self.train_loader)
-        b = next(self._it, None)
-        if b is None:  # cannot happen mid-step: an epoch is a whole number of steps
-            raise RuntimeError("data loader ran out inside an optimizer step")
-        if self.cfg.train.trace_data:
-            self._trace(b)
-        if self.seq_parallel is not None:
-            b = self.seq_parallel.slice_batch(b)  # this rank's contiguous slice of each row
-        if self.ds.is_deepspeed and self.param_dtype != torch.float32:
-            # DeepSpeed bf16/fp16 keeps the parameters themselves in half precision.
-            b = {k: v.to(self.param_dtype) if v.is_floating_point() else v for k, v in b.items()}
-        return b
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        """Trains to max_steps or a stop. Returns the last log line's metrics and evaluation."""
+        st, loop = self.state, self._start_fit()
+        with StopRequested() as signals:
+            while st.step < self.max_steps:
+                t_step = time.perf_counter()
+                loop.memory_probe.before_step(st.step)
+                out = self.train_step()
+                # Every rank agrees on stopping (a signal may reach the ranks at different steps;
+                # stopping alone would hang the others) and on rank 0's checkpoint.every_minutes
+                # clock: an async vote, read one step later.
+                agreed = loop.vote(signals.flag, loop.cadence.ticket())
+                loop.window.add(out, self.batch.accum, time.perf_counter() - t_step)
+                loop.memory_probe.after_step(st.step)
+                done = st.step >= self.max_steps
+                save = self.checkpointer is not None and loop.cadence.due(st.step, agreed.ticket, done) is not None
+                log = st.step % self.cfg.logging.every_steps == 0 or done or agreed.stop
+                # The interval's one read of device values (also before a checkpoint, whose state
+                # counts the skipped steps).
+                diverged = (log or save) and self.health.check(st)
+                if log or diverged:
+                    loop.last = self._log_window(loop.window, out, loop.bar)
+                if self.evaluator.due(st.step, done):
+                    self._evaluate_and_log()
+                if save and not diverged:
+                    self._save(loop)
+                self._step_done(loop, signals)
+                if agreed.stop or diverged:
+                    self.stop_reason = "diverged" if diverged else "signal"
+                    break
+            if loop.vote.finish() and self.stop_reason is None:  # a signal during the last step
+                self.stop_reason = "signal"
+        return self._end_fit(loop)
 
-    def _trace(self, b):
-        import json
-        import zlib
-        key = next(iter(b))
-        rows = [zlib.crc32(t.cpu().numpy().tobytes()) for t in b[key]]
-        path = self.run_dir / "ranks" / f"rank{self.topo.rank}.data.jsonl"
-        with open(path, "a") as f:
-            f.write(json.dumps({"step": self.state.step, "epoch": self.state.epoch, "crc": rows}) + "\n")
+    def _start_fit(self) -> _Loop:
+        bar = None
+        if self.acc.is_main_process and self.cfg.train.progress:
+            from tqdm.auto import tqdm  # deferred: a run without a bar (log files, other ranks) skips its import
+            bar = tqdm(total=self.max_steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True)
+        window = Window(self.acc.device)
+        self.model.train()
+        if self.checkpointer:
+            self.checkpointer.on_fit_start()  # a resumed run's RNG streams, right before the first step
+        # Measured model-state bytes of one early step (mem/* metrics), next to the plan's.
+        memory_probe = MemoryReport(acc=self.acc, model=self.model, raw_optimizer=self.raw_optimizer,
+                                    is_deepspeed=self.ds.is_deepspeed, start_step=self.state.step,
+                                    max_steps=self.max_steps, log=self.loggers.log,
+                                    plan=self.memory_plan.estimate if self.memory_plan else None)
+        vote = StopVote(self.acc)
+        cadence = SaveCadence(self.cfg.checkpoint.every_steps, self.cfg.checkpoint.every_minutes,
+                              self.acc.is_main_process)
+        return _Loop(vote=vote, cadence=cadence, memory_probe=memory_probe, window=window, bar=bar)
 
-    def _advance_position(self):
-        g = self.batch.global_size
-        if self.data.mixture is not None:
-            # The step's samples per source, from the plan (host arithmetic, the same on every rank).
-            counts = self.sampler.step_counts(self.state.epoch, self.state.offset)
-            per = self.state.source_tokens
-            for name, n in zip(self.data.mixture.names, counts.tolist()):
-                per[name] = per.get(name, 0) + n * self.data.items_per_sample
-        self.state.offset += g
-        if self.data.stream is not None:  # where a resume restarts reading (a dict lookup, once per step)
-            self.state.data_cursor = self.data.stream.cursor_at(self.state.offset)
-        self.state.samples_seen += g
-        self.state.tokens_seen += g * self.data.items_per_sample
-        if self.state.offset >= self.sampler.steps_per_epoch * g:
-            self.state.epoch += 1
-            self.state.offset = 0
-            self._it = None
+    def _evaluate_and_log(self):
+        self.last_eval = self.evaluator.run()
+        if self.last_eval:
+            self.loggers.log(self.last_eval, self.state.step)
+
+    def _save(self, loop: _Loop):
+        self.checkpointer.save(self.state)
+        loop.cadence.saved()
+        loop.saved_at = self.state.step
+
+    def _step_done(self, loop: _Loop, signals: StopRequested):
+        """After a step's log, eval and save: the progress bar, rank 0's elastic progress (what a
+        restart counts as lost) and the test hooks (train/testhooks.py; nothing when unset)."""
+        if loop.bar:
+            loop.bar.update(1)
+        if self.elastic:
+            self.elastic.progress(self.state.step)
+        testhooks.fire("after_step", step=self.state.step, rank=self.topo.rank, stop=signals,
+                       elastic=self.elastic is not None)
+
+    def _end_fit(self, loop: _Loop) -> dict:
+        """After the loop: a run that reached max_steps evaluates; then the last checkpoint
+        (checkpoint.save_at_end, or any stop) unless the loop has just written it."""
+        if loop.bar:
+            loop.bar.close()
+        if self.stop_reason is None:
+            self._evaluate_and_log()
+        final_save = self.cfg.checkpoint.save_at_end or self.stop_reason is not None
+        if self.checkpointer and final_save and loop.saved_at != self.state.step:
+            # Signals are caught again while it saves: a SIGTERM now (another node's elastic
+            # restart) waits for the save instead of killing it half-written.
+            with StopRequested():
+                self.checkpointer.save(self.state)
+        return {**loop.last, **self.last_eval}
+
+    def _log_window(self, w: Window, out: StepResult, bar) -> dict:
+        red = reduce_window(self.acc, w.loss, w.micro, w.data_s)
+        steps, elapsed = w.steps, w.train_s
+        m = {"loss": red["loss"], "lr": out.lr, "epoch": self.state.epoch,
+             **throughput(samples=self.batch.global_size * steps, seconds=elapsed,
+                          items_per_sample=self.data.items_per_sample, flops_per_item=self.workload.flops_per_item,
+                          world_size=self.topo.world_size,
+                          peak_per_device=self.cfg.logging.peak_flops or device_peak_flops(), real_items=w.real),
+             "step_time_s": elapsed / steps, "data_wait_s": red["data_wait_s"] / steps,
+             "compute_s": (elapsed - red["data_wait_s"]) / steps,
+             "samples_seen": self.state.samples_seen, "tokens_seen": self.state.tokens_seen,
+             **{f"data/tokens/{name}": n for name, n in self.state.source_tokens.items()},
+             "peak_mem_bytes": red["peak_mem_bytes"]}
+        m.update(self.health.log_fields(self.state))  # grad_norm, loss_scale, skipped_steps
+        if self.workload.moe is not None:  # loss/lm, loss/aux, tokens per expert (models/moe.py)
+            moe_metrics, warnings = self.workload.moe.window(self.acc)
+            m.update(moe_metrics)
+            for line in warnings if self.acc.is_main_process else ():
+                print(f"zerotrain: WARNING: {line}", flush=True)
+        self.loggers.log(m, self.state.step)
+        if bar:
+            post = {"loss": f"{m['loss']:.4f}"}
+            if "tokens_per_s" in m:
+                post["tok/s"] = report.human(m["tokens_per_s"])
+            bar.set_postfix(post, refresh=False)
+        elif self.acc.is_main_process:  # no bar (train.progress false, e.g. log files): one line per interval
+            print(report.progress_line(m, self.state.step, self.max_steps), flush=True)
+        w.reset()
+        return m
 
     # ------------------------------------------------------------------ one step
-    def train_step(self) -> dict:
+    def train_step(self) -> StepResult:
         acc, model = self.acc, self.model
         lr = lr_at(self.cfg.optim, self.state.step, self.max_steps)
         set_lr(self.raw_optimizer, lr)
@@ -241,29 +278,44 @@ class Trainer:
             t_data += time.perf_counter() - t0
             with acc.accumulate(model):
                 loss = self.workload.loss(model, batch, denominator)
-                if faults.nan_loss_at(self.state.step + 1, self.topo.rank):
+                if testhooks.fire("nan_loss", step=self.state.step + 1, rank=self.topo.rank):
                     loss = loss * float("nan")
                 acc.backward(loss)
                 if acc.sync_gradients:
                     grad_norm = self._clip_and_step()
-            # reduce_window logs the mean over micro-batches and ranks: with a token denominator
+            # _log_window logs the mean over micro-batches and ranks: with a token denominator
             # that mean is the step's normalised loss, sum / global count.
             loss_sum += loss.detach().to(torch.float64)
-        real = self._real_tokens()
-        self._advance_position()
+        real = self.position.advance(self.state)
         self.state.step += 1
-        self._health.append((self.state.step, grad_norm, self._scale_now()))
-        return {"loss_sum": loss_sum, "lr": lr, "data_s": t_data, "real_tokens": real}
+        self.health.record(self.state.step, grad_norm)
+        return StepResult(loss_sum, lr, t_data, real)
 
-    def _real_tokens(self) -> Optional[int]:
-        """Non-pad tokens of this step's global batch (sft records or packed rows: their
-        real_tokens), from the step's sample indices: host arithmetic, no device read."""
-        count = getattr(self.data.train, "real_tokens", None)
-        if count is None:
-            return None
-        if self._order[0] != self.state.epoch:
-            self._order = (self.state.epoch, self.sampler.slicer(self.state.epoch))
-        return count(self._order[1](self.state.offset, self.state.offset + self.batch.global_size))
+    def _zero(self) -> torch.Tensor:
+        """A loss accumulator on the device (read at log lines only)."""
+        return torch.zeros((), dtype=torch.float64, device=self.acc.device)
+
+    def _next_batch(self) -> dict:
+        b = self.position.next_batch(self.state)
+        if self.cfg.train.trace_data:
+            self._trace(b)
+        if self.seq_parallel is not None:
+            b = self.seq_parallel.slice_batch(b)  # this rank's contiguous slice of each row
+        return self._cast_inputs(b)
+
+    def _cast_inputs(self, b: dict) -> dict:
+        """Float inputs in the parameters' dtype: DeepSpeed bf16/fp16 keeps the parameters
+        themselves in half precision."""
+        if self.input_dtype is None:
+            return b
+        return {k: v.to(self.input_dtype) if v.is_floating_point() else v for k, v in b.items()}
+
+    def _trace(self, b):
+        key = next(iter(b))
+        rows = [zlib.crc32(t.cpu().numpy().tobytes()) for t in b[key]]
+        path = self.run_dir / "ranks" / f"rank{self.topo.rank}.data.jsonl"
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": self.state.step, "epoch": self.state.epoch, "crc": rows}) + "\n")
 
     def _token_denominator(self, batches: list[dict]) -> torch.Tensor:
         """What each micro-batch's summed token loss is divided by, so that the step's gradient
@@ -279,9 +331,8 @@ class Trainer:
         since there N / (accum x world) is exactly the micro-batch's own count, without the
         collective. A step whose global batch has no labelled token divides by 1 (loss 0)."""
         count = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()  # int64 scalar
-        dist = torch.distributed
-        if self.acc.num_processes > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(count)
+        if self.acc.num_processes > 1 and process_group.exists():
+            torch.distributed.all_reduce(count)
         return (count.clamp(min=1).to(torch.float64) / (self.batch.accum * self.acc.num_processes)).to(torch.float32)
 
     def _clip_and_step(self):
@@ -304,249 +355,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def _check_health(self) -> bool:
-        """Count skipped non-finite steps since the last check; True when the run must stop
-        (nan_policy / max_bad_steps / fp16 loss-scale collapse). Runs at logging intervals and
-        before checkpoints (the norms are read from the device in one transfer there), so a stop
-        comes at most logging.every_steps steps after its cause; a skipped step never touched the
-        weights, so the checkpoint written on stop is the last good state. The decision uses the
-        global gradient norm, identical on every rank, so all ranks stop together."""
-        entries, self._health = self._health, []
-        if not entries:
-            return False
-        norms, scales = _read_numbers([e[1] for e in entries]), _read_numbers([e[2] for e in entries])
-        if norms[-1] is not None:
-            self.last_grad_norm = norms[-1]
-        for (step, _, _), norm, scale in zip(entries, norms, scales):
-            if self._health_step(step, norm, scale):
-                return True
-        return False
-
-    def _health_step(self, step: int, norm, scale) -> bool:
-        bad = norm is not None and not math.isfinite(norm)
-        t = self.cfg.train
-        if self.ds.precision == "fp16":
-            if bad and not self.ds.is_deepspeed:
-                self.state.skipped_steps += 1  # the GradScaler skipped it (DeepSpeed counts its own)
-            floor = float(self.ds.resolved.get("fp16", {}).get("min_loss_scale", 1)) if self.ds.is_deepspeed else 1.0
-            self._bad_run = self._bad_run + 1 if (bad and scale is not None and scale <= floor) else 0
-            if self._bad_run >= t.max_bad_steps:
-                self.diverged_reason = (f"fp16 loss scale collapsed to {scale:g} with {self._bad_run} consecutive "
-                                        f"overflowing steps at step {step}; the model's values exceed "
-                                        f"fp16's range: use bf16 (set \"bf16\": {{\"enabled\": true}} in "
-                                        f"{self.ds.path}) or lower optim.lr")
-                return True
-            return False
-        if not bad:
-            self._bad_run = 0
-            return False
-        self._bad_run += 1
-        self.state.skipped_steps += 1
-        if self.acc.is_main_process:
-            print(f"zerotrain: warning: step {step}: non-finite gradient norm ({norm}); step skipped, "
-                  f"weights unchanged ({self._bad_run} in a row, {self.state.skipped_steps} in total)", flush=True)
-        if t.nan_policy == "stop" or self._bad_run >= t.max_bad_steps:
-            why = "train.nan_policy is \"stop\"" if t.nan_policy == "stop" else \
-                f"{self._bad_run} consecutive non-finite steps (train.max_bad_steps = {t.max_bad_steps})"
-            self.diverged_reason = (f"training diverged at step {step}: {why}; the checkpoint holds "
-                                    f"the last good weights; lower optim.lr, check the data, or raise train.grad_clip")
-            return True
-        return False
-
-    def _scale_now(self):
-        """This step's fp16 loss scale without a sync: DeepSpeed keeps it as a Python float, the
-        GradScaler as a device tensor (copied, since it changes in place)."""
-        if self.ds.precision != "fp16":
-            return None
-        if self.ds.is_deepspeed:
-            return loss_scale.current(self.model.optimizer)
-        scaler = getattr(self.acc, "scaler", None)
-        return None if scaler is None else scaler._get_scale_async().detach().clone()
-
-    def _loss_scale(self):
-        """(scale, DeepSpeed's skipped-step count) for the log line; a sync: log intervals only."""
-        if self.ds.precision != "fp16":
-            return None, None
-        if self.ds.is_deepspeed:
-            return loss_scale.current(self.model.optimizer), int(self.model.skipped_steps)
-        return loss_scale.current(scaler=self.acc.scaler), None
-
-    # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> dict:
-        """Under sequence parallelism every rank evaluates whole rows of its own samples."""
-        if self.seq_parallel is None:
-            return self._evaluate()
-        with self.seq_parallel.detached(self.workload.model):
-            return self._evaluate()
-
-    @torch.no_grad()
-    def _evaluate(self) -> dict:
-        self.workload.sync_norm_stats(self.model)  # also what the end-of-run export then writes
-        if self.val_loader is None:
-            return {}
-        self.model.eval()
-        sums, count = {}, 0
-        for batch in self.val_loader:
-            if self.ds.is_deepspeed and self.param_dtype != torch.float32:
-                batch = {k: v.to(self.param_dtype) if v.is_floating_point() else v for k, v in batch.items()}
-            stats = self.acc.gather_for_metrics(self.workload.eval_stats(self.model, batch))
-            # LMs report each sample's labelled tokens: their statistics are token-weighted
-            # (a sample of 3 response tokens counts 3, not as much as one of 300).
-            weight = stats["tokens"].double() if "tokens" in stats else None
-            for k, v in stats.items():
-                v = v.double() if weight is None or k == "tokens" else v.double() * weight
-                sums[k] = sums.get(k, 0.0) + float(v.sum())
-            count += len(next(iter(stats.values())))
-        self.model.train()
-        per = max(1.0, sums.pop("tokens", 0.0)) if "tokens" in sums else max(1, count)
-        out = {f"val/{k}": v / per for k, v in sums.items()}
-        out["val/samples"] = count
-        if "val/loss" in out and self.workload.task == "lm":
-            out["val/ppl"] = math.exp(min(50.0, out["val/loss"]))
-        return out
-
-    # ------------------------------------------------------------------ sample text
-    @torch.no_grad()
-    def sample_text(self, prompt: bytes = b"def ") -> Optional[str]:
-        n = self.cfg.train.sample_tokens
-        if n == 0 or self.workload.family != "gpt" or self.data.decode is None or self.data.vocab_size != 256:
-            return None
-        model = self.workload.model  # the wrapped module (accelerate's unwrap_model imports DeepSpeed)
-        model.eval()
-        # Every rank runs the same generation (ZeRO-3 gathers parameters collectively).
-        g = torch.Generator(device=self.acc.device).manual_seed(self.cfg.train.seed)
-        idx = torch.tensor([list(prompt)], dtype=torch.long, device=self.acc.device)
-        with self.seq_parallel.detached(model) if self.seq_parallel is not None else contextlib.nullcontext():
-            out = model.generate(idx, max_new_tokens=n, temperature=0.8, top_k=50, generator=g)
-        model.train()
-        return self.data.decode(out[0].tolist())
-
-    # ------------------------------------------------------------------ the loop
-    def fit(self) -> dict:
-        acc, st = self.acc, self.state
-        log_every = self.cfg.logging.every_steps
-        eval_every = self.cfg.train.eval_every
-        bar = None
-        if acc.is_main_process and self.cfg.train.progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=self.max_steps, initial=st.step, desc="train", unit="step", dynamic_ncols=True)
-        # Per logging interval; train_s counts only step time (not eval / checkpoint pauses).
-        window = {"loss": self._zero(), "micro": 0, "data_s": 0.0, "train_s": 0.0, "steps": 0, "real": None}
-        last = {}
-        self.model.train()
-        if self.checkpointer:
-            self.checkpointer.on_fit_start()  # a resumed run's RNG streams, right before the first step
-        from train.observe.memory import MemoryReport
-        # Measured model-state bytes of one early step (mem/* metrics), next to the plan's.
-        mem = MemoryReport(acc=acc, model=self.model, raw_optimizer=self.raw_optimizer,
-                           is_deepspeed=self.ds.is_deepspeed, start_step=st.step, max_steps=self.max_steps,
-                           plan=self.memory.estimate if self.memory else None, log=self.loggers.log)
-        vote = StopVote(acc)
-        cadence = SaveCadence(self.cfg.checkpoint.every_steps, self.cfg.checkpoint.every_minutes, acc.is_main_process)
-        saved_at = None  # the step the loop last saved (a signal at that step needs no second save)
-        with StopRequested() as stop:
-            while st.step < self.max_steps:
-                t_step = time.perf_counter()
-                mem.before_step(st.step)
-                out = self.train_step()
-                window["loss"] += out["loss_sum"]
-                window["micro"] += self.batch.accum
-                window["data_s"] += out["data_s"]
-                window["steps"] += 1
-                if out["real_tokens"] is not None:
-                    window["real"] = (window["real"] or 0) + out["real_tokens"]
-                # Every rank agrees on stopping (a signal may reach the ranks at different steps;
-                # stopping alone would hang the others): an async vote, read one step later.
-                # The vote also carries rank 0's checkpoint.every_minutes clock (cadence.py).
-                stopping = vote(stop.flag, cadence.ticket())
-                window["train_s"] += time.perf_counter() - t_step
-                mem.after_step(st.step)
-                done = st.step >= self.max_steps
-                saving = bool(self.checkpointer and cadence.due(st.step, vote.ticket, done))
-                logging_now = st.step % log_every == 0 or done or stopping
-                # The interval's one read of device values (also before a checkpoint, whose state
-                # counts the skipped steps).
-                diverged = self._check_health() if (logging_now or saving) else False
-                if logging_now or diverged:
-                    last = self._log_window(window, out, bar)
-                if eval_every and st.step % eval_every == 0 and not done:
-                    self.last_eval = self.evaluate()
-                    if self.last_eval:
-                        self.loggers.log(self.last_eval, st.step)
-                if saving and not diverged:
-                    self.checkpointer.save(st)
-                    cadence.saved()
-                    saved_at = st.step
-                if bar:
-                    bar.update(1)
-                faults.kill_after(st.step, self.topo.rank)
-                if self.elastic:
-                    self.elastic.progress(st.step)  # rank 0: what a restart counts as lost
-                    faults.kill_node_after(st.step)
-                    faults.hold_for_signal(st.step, stop)
-                if stopping or diverged:
-                    self.stop_reason = "diverged" if diverged else "signal"
-                    break
-            if vote.finish() and self.stop_reason is None:  # a signal during the last step
-                self.stop_reason = "signal"
-        if bar:
-            bar.close()
-        if self.stop_reason is None:
-            self.last_eval = self.evaluate()
-            if self.last_eval:
-                self.loggers.log(self.last_eval, st.step)
-        if self.checkpointer and (self.cfg.checkpoint.save_at_end or self.stop_reason) and saved_at != st.step:
-            with StopRequested():  # a SIGTERM arriving now (another node's elastic restart) waits for the save
-                self.checkpointer.save(st)
-        return {**last, **self.last_eval}
-
-    def _zero(self) -> torch.Tensor:
-        """A loss accumulator on the device (read at log lines only)."""
-        return torch.zeros((), dtype=torch.float64, device=self.acc.device)
-
-    def _log_window(self, w, out, bar) -> dict:
-        from train.observe import report
-        from train.observe.metrics import reduce_window
-        from train.observe.perf import device_peak_flops, throughput
-        steps, elapsed = w["steps"], w["train_s"]
-        red = reduce_window(self.acc, w["loss"], w["micro"], w["data_s"])
-        m = {"loss": red["loss"], "lr": out["lr"], "epoch": self.state.epoch,
-             **throughput(samples=self.batch.global_size * steps, seconds=elapsed,
-                          items_per_sample=self.data.items_per_sample, flops_per_item=self.workload.flops_per_item,
-                          world_size=self.topo.world_size,
-                          peak_per_device=self.cfg.logging.peak_flops or device_peak_flops(), real_items=w["real"]),
-             "step_time_s": elapsed / steps, "data_wait_s": red["data_wait_s"] / steps,
-             "compute_s": (elapsed - red["data_wait_s"]) / steps,
-             "samples_seen": self.state.samples_seen, "tokens_seen": self.state.tokens_seen,
-             **{f"data/tokens/{name}": n for name, n in self.state.source_tokens.items()},
-             "peak_mem_bytes": red["peak_mem_bytes"]}
-        if self.last_grad_norm is not None:
-            m["grad_norm"] = self.last_grad_norm  # pre-clip, at the last step of the interval
-        scale, skipped = self._loss_scale()
-        if scale is not None:
-            m["loss_scale"] = scale
-        if skipped is not None:
-            self.state.skipped_steps = skipped
-        m["skipped_steps"] = self.state.skipped_steps
-        if self.workload.moe is not None:  # loss/lm, loss/aux, tokens per expert (models/moe.py)
-            moe_metrics, warnings = self.workload.moe.window(self.acc)
-            m.update(moe_metrics)
-            for line in warnings if self.acc.is_main_process else ():
-                print(f"zerotrain: WARNING: {line}", flush=True)
-        self.loggers.log(m, self.state.step)
-        if bar:
-            post = {"loss": f"{m['loss']:.4f}"}
-            if "tokens_per_s" in m:
-                post["tok/s"] = report.human(m["tokens_per_s"])
-            bar.set_postfix(post, refresh=False)
-        elif self.acc.is_main_process:  # no bar (train.progress false, e.g. log files): one line per interval
-            print(report.progress_line(m, self.state.step, self.max_steps), flush=True)
-        w.update(loss=self._zero(), micro=0, data_s=0.0, train_s=0.0, steps=0, real=None)
-        return m
-
     # ------------------------------------------------------------------ start / finish / close
     def start(self):
-        from train.observe import report, wandb_logger
         # After build() restored the checkpoint state: a resumed run continues its W&B run.
         self.wandb, self.wandb_status = wandb_logger.start(self.acc, self.cfg, self.state, self.run_dir,
                                                            self.resolved_config)
@@ -557,16 +367,15 @@ class Trainer:
         self._t_start = time.perf_counter()
         self.start_counts = (self.state.step, self.state.samples_seen, self.state.tokens_seen)
         if self.acc.is_main_process:
-            # The full resolved config is <run_dir>/config.json (build.py); the banner names it.
+            # The full resolved config is <run_dir>/config.json (record.py); the banner names it.
             print(report.banner(self), flush=True)
             if self.elastic and self.elastic.event:  # a membership change: one line, one metrics/W&B row
                 print(self.elastic.line, flush=True)
                 self.loggers.event(self.elastic.event, self.state.step)
 
     def finish(self, result: dict):
-        from train.observe import report
         elapsed = time.perf_counter() - self._t_start
-        sample = self.sample_text() if self.stop_reason is None else None
+        sample = self.evaluator.sample_text() if self.stop_reason is None else None
         ckpt = self.checkpointer.latest_path() if self.checkpointer else None
         exported = None
         if self.checkpointer and self.cfg.checkpoint.export and self.stop_reason is None:
@@ -593,14 +402,5 @@ class Trainer:
             self.acc.end_training()
         finally:
             # Local for gloo (no collective), so safe after a failure on only some ranks too.
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if process_group.exists():
                 torch.distributed.destroy_process_group()
-
-
-def _read_numbers(values: list) -> list:
-    """Python floats (None kept) for a list of device tensors / numbers, in one device-to-host copy."""
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    if tensors:
-        device = tensors[0].device
-        host = iter(torch.stack([t.detach().to(device, torch.float64).reshape(()) for t in tensors]).tolist())
-    return [None if v is None else next(host) if isinstance(v, torch.Tensor) else float(v) for v in values]

@@ -1,0 +1,98 @@
+"""Test hooks: deterministic faults and switches for the tests, off unless their variable is set.
+
+Production code calls `fire(point, **where)` at a few named points. The environment is read
+once, at import (`load()` reads it again: `zerotrain prepare` does at its start, since tests run
+it several times in one process); with no variable set, `fire` finds no hook and returns False,
+so a real run reads nothing in its loop.
+
+ZEROTRAIN_INJECT_NAN="3,4"   "nan_loss": rank 0's loss becomes NaN at those optimizer steps (1-based).
+ZEROTRAIN_INJECT_KILL="1:70" "after_step": rank 1 SIGKILLs itself once optimizer step 70 is done
+                             (logged, evaluated, saved): a crashed rank at a known step, no racing
+                             a test's kill against a fast loop.
+Under torchrun's elastic agent (set in one node's environment only), also "after_step":
+ZEROTRAIN_INJECT_KILL_NODE=8 the node dies once step 8 is done: each of its ranks SIGKILLs its
+                             launcher (the agent, so nothing restarts there) and its own process
+                             group (torchrun starts every rank in a session of its own).
+ZEROTRAIN_INJECT_HOLD=9      once step 9 is done, wait (at most 600 s) for SIGTERM/SIGINT before
+                             the next step: a membership change (the agent's SIGTERM) lands at a
+                             known step however fast the loop is.
+ZEROTRAIN_INJECT_KILL_IN_SAVE=5  "saved_file": each rank SIGKILLs itself after its first file of
+                             step 5's checkpoint (a crash in the middle of a save).
+ZEROTRAIN_PREPARE_STOP_AFTER=K   "shard_written": `zerotrain prepare` stops after K shards, as an
+                             interruption would.
+ZEROTRAIN_MOE_LEAF=0         "no_moe_leaf": ZeRO-3 leaves sparse-MoE blocks to DeepSpeed's
+                             per-module gathering (models/moe.py), to show what the leaf avoids.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Callable
+
+_armed: dict[str, Callable[..., bool]] = {}  # point -> hook; empty in every real run
+
+
+def fire(point: str, **where) -> bool:
+    """Run the hook armed at `point`, if any. True asks the caller for the fault it names
+    (a NaN loss, a stop, no leaf); a hook that kills or waits does so itself."""
+    hook = _armed.get(point)
+    return hook is not None and hook(**where)
+
+
+def load(env=None) -> None:
+    """(Re)arm the hooks from the environment."""
+    env = os.environ if env is None else env
+    _armed.clear()
+    nan = {int(s) for s in env.get("ZEROTRAIN_INJECT_NAN", "").split(",") if s.strip()}
+    if nan:
+        _armed["nan_loss"] = lambda step, rank: rank == 0 and step in nan
+    after = _after_step_hooks(env)
+    if after:
+        _armed["after_step"] = lambda **where: any(hook(**where) for hook in after)
+    kill_in_save = env.get("ZEROTRAIN_INJECT_KILL_IN_SAVE")
+    if kill_in_save:
+        _armed["saved_file"] = lambda step: step == int(kill_in_save) and _die()
+    stop_after = int(env.get("ZEROTRAIN_PREPARE_STOP_AFTER", "0") or 0)
+    if stop_after:
+        _armed["shard_written"] = lambda shards: shards >= stop_after
+    if env.get("ZEROTRAIN_MOE_LEAF", "1") == "0":
+        _armed["no_moe_leaf"] = lambda: True
+
+
+def _after_step_hooks(env) -> list[Callable[..., bool]]:
+    """Once a step is done: kill this rank; under the elastic agent, kill the node or hold."""
+    hooks = []
+    kill = env.get("ZEROTRAIN_INJECT_KILL", "")
+    if kill:
+        at = tuple(int(x) for x in kill.split(":"))  # (rank, step)
+        hooks.append(lambda step, rank, stop, elastic: (rank, step) == at and _die())
+    kill_node = env.get("ZEROTRAIN_INJECT_KILL_NODE", "")
+    if kill_node:
+        hooks.append(lambda step, rank, stop, elastic: elastic and step == int(kill_node) and _kill_node())
+    hold = env.get("ZEROTRAIN_INJECT_HOLD", "")
+    if hold:
+        hooks.append(lambda step, rank, stop, elastic: elastic and step == int(hold) and _hold(stop))
+    return hooks
+
+
+def _die() -> bool:
+    os.kill(os.getpid(), signal.SIGKILL)
+    return False
+
+
+def _kill_node() -> bool:
+    os.kill(os.getppid(), signal.SIGKILL)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+    return False
+
+
+def _hold(stop) -> bool:
+    deadline = time.monotonic() + 600
+    while not stop.flag and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return False
+
+
+load()

@@ -1,0 +1,123 @@
+"""Whether training is still sound: non-finite gradient norms (skipped steps, train.nan_policy,
+train.max_bad_steps) and, under fp16, a loss scale that collapsed to its floor.
+
+Per step, record() keeps the step's gradient norm and fp16 loss scale as the engine has them
+(device values are not read). check() reads them all in one transfer; the trainer calls it at
+logging intervals and before checkpoints, so a stop comes at most logging.every_steps steps
+after its cause. A skipped step never touched the weights, so the checkpoint written on stop is
+the last good state. The decision uses the global gradient norm, identical on every rank, so
+all ranks stop together.
+
+DDP and DeepSpeed differ only in fp16 bookkeeping, kept here: DeepSpeed holds the loss scale as
+a Python float and counts its own skipped steps; DDP's GradScaler holds it on the device and
+the skips are counted here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from train.optim import loss_scale
+
+if TYPE_CHECKING:
+    from train.checkpoint.state import TrainState
+    from train.config import TrainConfig
+    from train.dsconfig import DSSetup
+
+
+class Health:
+    def __init__(self, *, train: TrainConfig, ds: DSSetup, acc, model):
+        """`train`: the run config's train section; `acc`, `model`: the Accelerator and what it
+        prepared (a DeepSpeed engine holds the fp16 optimizer, the Accelerator DDP's GradScaler)."""
+        self.train, self.ds, self.acc, self.model = train, ds, acc, model
+        self.fp16 = ds.precision == "fp16"
+        # The scale at which an overflowing fp16 step can no longer lower it (DeepSpeed's
+        # fp16.min_loss_scale; the GradScaler's floor is 1).
+        self.scale_floor = float(ds.resolved.get("fp16", {}).get("min_loss_scale", 1)) if ds.is_deepspeed else 1.0
+        self.pending: list = []        # (step, grad norm, fp16 scale) recorded, not yet read
+        self.bad_run = 0               # consecutive non-finite steps
+        self.last_grad_norm: Optional[float] = None  # read at the last check
+        self.diverged_reason = ""      # why check() stopped the run
+
+    def record(self, step: int, grad_norm) -> None:
+        """Once per optimizer step, without a host read."""
+        self.pending.append((step, grad_norm, self.loss_scale()))
+
+    def loss_scale(self):
+        """The fp16 loss scale now, without a host read (a float, or a device tensor under DDP);
+        None without fp16."""
+        if not self.fp16:
+            return None
+        if self.ds.is_deepspeed:
+            return loss_scale.current(optimizer=self.model.optimizer)
+        return loss_scale.current(scaler=getattr(self.acc, "scaler", None))
+
+    def check(self, state: TrainState) -> bool:
+        """Counts the recorded steps that were skipped into `state`; True when the run must stop
+        (nan_policy / max_bad_steps / fp16 loss-scale collapse; diverged_reason says why)."""
+        entries, self.pending = self.pending, []
+        if not entries:
+            return False
+        norms, scales = read_numbers([e[1] for e in entries]), read_numbers([e[2] for e in entries])
+        if norms[-1] is not None:
+            self.last_grad_norm = norms[-1]
+        for (step, _, _), norm, scale in zip(entries, norms, scales):
+            if self._step(step, norm, scale, state):
+                return True
+        return False
+
+    def _step(self, step: int, norm, scale, state: TrainState) -> bool:
+        bad = norm is not None and not math.isfinite(norm)
+        t = self.train
+        if self.fp16:
+            if bad and not self.ds.is_deepspeed:
+                state.skipped_steps += 1  # the GradScaler skipped it (DeepSpeed counts its own)
+            self.bad_run = self.bad_run + 1 if (bad and scale is not None and scale <= self.scale_floor) else 0
+            if self.bad_run >= t.max_bad_steps:
+                self.diverged_reason = (f"fp16 loss scale collapsed to {scale:g} with {self.bad_run} consecutive "
+                                        f"overflowing steps at step {step}; the model's values exceed "
+                                        f"fp16's range: use bf16 (set \"bf16\": {{\"enabled\": true}} in "
+                                        f"{self.ds.path}) or lower optim.lr")
+                return True
+            return False
+        if not bad:
+            self.bad_run = 0
+            return False
+        self.bad_run += 1
+        state.skipped_steps += 1
+        if self.acc.is_main_process:
+            print(f"zerotrain: warning: step {step}: non-finite gradient norm ({norm}); step skipped, "
+                  f"weights unchanged ({self.bad_run} in a row, {state.skipped_steps} in total)", flush=True)
+        if t.nan_policy == "stop" or self.bad_run >= t.max_bad_steps:
+            why = "train.nan_policy is \"stop\"" if t.nan_policy == "stop" else \
+                f"{self.bad_run} consecutive non-finite steps (train.max_bad_steps = {t.max_bad_steps})"
+            self.diverged_reason = (f"training diverged at step {step}: {why}; the checkpoint holds "
+                                    f"the last good weights; lower optim.lr, check the data, or raise train.grad_clip")
+            return True
+        return False
+
+    def log_fields(self, state: TrainState) -> dict:
+        """The log line's grad_norm, loss_scale and skipped_steps (a host read: log intervals only)."""
+        m = {}
+        if self.last_grad_norm is not None:
+            m["grad_norm"] = self.last_grad_norm  # pre-clip, at the last step of the interval
+        if self.fp16:
+            scale = read_numbers([self.loss_scale()])[0]
+            if scale is not None:
+                m["loss_scale"] = scale
+            if self.ds.is_deepspeed:
+                state.skipped_steps = int(self.model.skipped_steps)
+        m["skipped_steps"] = state.skipped_steps
+        return m
+
+
+def read_numbers(values: list) -> list:
+    """Python floats (None kept) for a list of device tensors / numbers, in one device-to-host copy."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if tensors:
+        device = tensors[0].device
+        host = iter(torch.stack([t.detach().to(device, torch.float64).reshape(()) for t in tensors]).tolist())
+    return [None if v is None else next(host) if isinstance(v, torch.Tensor) else float(v) for v in values]

@@ -1,0 +1,385 @@
+"""The stages of build() (train/training/build.py), in order. Each takes the run config and the
+results of the stages before it, and returns a small typed result; the run record is
+train/training/record.py."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader, Subset
+
+from models import build_workload, hidden_size_of, partition_counts, partition_summary
+from models import resolve as resolve_model
+from models.moe import make_leaf
+from train import process_group, testhooks
+from train.checkpoint.manager import Checkpointer
+from train.checkpoint.state import TrainState
+from train.config import RunConfig
+from train.data import build_data
+from train.data.sampler import EvalBatchSampler, GlobalBatchSampler
+from train.dsconfig import DSSetup, resolve
+from train.errors import ConfigError
+from train.launch import distributed as dist_
+from train.launch import elastic as elastic_
+from train.launch import host_settings, shm_buffers
+from train.launch import sequence_parallel as sp_
+from train.observe import wandb_logger
+from train.observe.metrics import JsonlLogger, Loggers
+from train.optim.optimizer import build_optimizer
+from train.plan import fit
+from train.plan.estimate import rank_plan
+from train.training import hardware
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from models.spec import ModelSpec
+    from models.workload import Workload
+    from train.config import Batch
+    from train.data.bundle import DataBundle
+    from train.launch.device_memory import Budget
+    from train.launch.distributed import Topology
+    from train.launch.elastic import ElasticRun
+    from train.launch.host_settings import HostSettings
+    from train.launch.sequence_parallel import SPRun
+    from train.plan.estimate import Estimate, RankPlan
+
+
+# ---------------------------------------------------------------------------- runtime
+
+@dataclass
+class Runtime:
+    launcher: str
+    world: int
+    cuda: bool
+    local_world: int                 # this node's ranks
+    matmul_precision: Optional[str]  # set on CUDA (train.tf32)
+    threads: int                     # torch's intra-op threads in this rank
+    run_dir: Path
+    elastic: Optional[ElasticRun]    # torchrun's agent: this attempt of the job
+    sp_size: int                     # distributed.sequence_parallel (1: off)
+    batch: Batch                     # per data-parallel rank: an SP group shares its samples
+
+
+def set_up_runtime(cfg: RunConfig) -> Runtime:
+    """The launcher's world, this process's threads and TF32, the run directory, and under
+    torchrun's agent whether this start is a restart of the same job."""
+    launcher = dist_.normalize_env()
+    world = int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
+    matmul_precision = hardware.apply_tf32(cfg, cuda)
+    local_world = dist_.node_layout(os.environ, int(os.environ["RANK"]), world)[2]
+    threads = hardware.apply_cpu_threads(cuda, local_world)
+    run_dir = Path(cfg.train.run_dir)
+    _check_run_dir(run_dir)
+    elastic = _elastic_join(cfg, run_dir, world, launcher)  # a restart of the same job resumes
+    sp_size = sp_.size(cfg, world)
+    batch = cfg.train.batch(world // sp_size)
+    return Runtime(launcher=launcher, world=world, cuda=cuda, local_world=local_world,
+                   matmul_precision=matmul_precision, threads=threads, run_dir=run_dir, elastic=elastic,
+                   sp_size=sp_size, batch=batch)
+
+
+def _check_run_dir(run_dir: Path):
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"train.run_dir {run_dir} is not writable ({e.strerror}); choose another directory "
+                          f"with --train.run_dir") from None
+
+
+def _elastic_join(cfg: RunConfig, run_dir: Path, world: int, launcher: str) -> Optional[ElasticRun]:
+    """Under torchrun's elastic agent: whether this start is a restart of the same job
+    (train/launch/elastic.py), agreed by every rank over a process group made now (Accelerate and
+    DeepSpeed adopt it); a restart then resumes and keeps the job's global batch. None otherwise."""
+    if launcher != "torchrun" or not elastic_.active():  # (accelerate's multi-node agent: not covered yet)
+        return None
+    dist_.init_process_group(cfg.distributed.timeout_s)
+    env = os.environ
+    node_rank, _, _ = dist_.node_layout(env, int(env["RANK"]), world)
+    run = elastic_.ElasticRun.join(run_dir, int(env["RANK"]), world, node_rank, dist_.node_addr())
+    run.apply(cfg)
+    return run
+
+
+# ---------------------------------------------------------------------------- data
+
+@dataclass
+class RunData:
+    spec: ModelSpec            # the model resolved once: family, context, vocabulary, the HF config
+    seq_len: Optional[int]     # tokens per sample of language-model data
+    bundle: DataBundle
+    sampler: object            # the resumable global order: GlobalBatchSampler, MixtureSampler, StreamSampler
+    max_steps: int
+
+
+def load_data(cfg: RunConfig, rt: Runtime) -> RunData:
+    """The data first: the model's vocabulary / classes / features come from it."""
+    spec = resolve_model(cfg.model)  # the model checked and its config.json read, once for the whole build
+    seq_len = _seq_len(cfg, spec)
+    # sft: data.tokenizer, else an hf:<dir> model's own tokenizer, else bytes (the GPT presets)
+    tokenizer = cfg.data.tokenizer or (spec.name[3:] if spec.family == "hf" else None)
+    bundle = build_data(cfg.data, seq_len, cfg.train.seed, tokenizer)
+    sampler = _sampler(cfg, bundle, rt.batch)
+    max_steps = cfg.train.epochs * sampler.steps_per_epoch if cfg.train.epochs else cfg.train.max_steps
+    return RunData(spec=spec, seq_len=seq_len, bundle=bundle, sampler=sampler, max_steps=max_steps)
+
+
+def _seq_len(cfg: RunConfig, spec: ModelSpec) -> Optional[int]:
+    ctx = spec.context
+    seq_len = cfg.data.seq_len or ctx
+    if cfg.data.kind in ("text", "tokens", "sft", "stream") and seq_len is None:
+        raise ConfigError(f'data.kind "{cfg.data.kind}" is language-model data but model.name "{cfg.model.name}" '
+                          f"is not a language model; use a GPT preset or hf:<dir>, or another data.kind")
+    if ctx is not None and seq_len > ctx:
+        raise ConfigError(f"data.seq_len {seq_len} exceeds the model's context length {ctx} (model.seq_len)")
+    return seq_len
+
+
+def _sampler(cfg: RunConfig, bundle: DataBundle, b: Batch):
+    """The resumable global order of the training samples. The mixture and stream samplers are
+    imported by their data kinds only, as train/data/__init__.py imports their builders (start-up time)."""
+    if bundle.mixture is not None:  # data.sources: the same order, positions tagged with their epoch
+        from train.data.mixture import MixtureSampler
+        return MixtureSampler(bundle.mixture, b.micro, b.world, b.accum, cfg.train.seed)
+    if bundle.stream is not None:  # data.kind stream: one endless epoch, windows shuffled in groups (no train.epochs)
+        from train.data.stream import StreamSampler
+        return StreamSampler(cfg.data.shuffle_windows, b.micro, b.world, b.accum, cfg.train.seed)
+    return GlobalBatchSampler(len(bundle.train), b.micro, b.world, b.accum, cfg.train.seed)
+
+
+# ---------------------------------------------------------------------------- strategy
+
+@dataclass
+class Strategy:
+    ds: DSSetup
+    choice: Optional[fit.Choice]    # --ds-config auto: what it chose and why
+    acc: Accelerator
+    topo: Topology
+    sp: Optional[SPRun]             # this rank's sequence-parallel group; None: off
+    planned: Optional[Estimate]     # the memory check's plan (None: check off)
+    budget: Optional[Budget]        # the memory every rank agreed on
+    host: HostSettings              # malloc settings the check asked for
+
+
+def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, data: RunData) -> Strategy:
+    """The DeepSpeed JSON (or DDP), the Accelerator, this rank's place, and the memory check
+    before the model exists: a plan that does not fit the device memory stops here."""
+    ds, choice, view = _ds_setup(cfg, ds_config_cli, rt, data)
+    _sweep_shm_buffers()  # before DeepSpeed creates this job's own
+    acc = dist_.build_accelerator(ds, rt.batch, cfg.distributed.timeout_s, log_with=wandb_logger.log_with(cfg))
+    topo = dist_.topology(rt.launcher, "nccl" if rt.cuda else "gloo")
+    dist_.check_world(acc, topo)
+    sp = sp_.SPRun.join(rt.sp_size, topo.rank, topo.world_size, data.spec.family) if rt.sp_size > 1 else None
+    wandb_logger.preflight(acc, cfg)  # W&B online without credentials: every rank stops here
+    _write_rank_info(rt.run_dir, acc, topo, ds)
+    planned, budget = fit.preflight(cfg, data.spec, ds, data.bundle, rt.batch, data.seq_len, rt.world,
+                                    acc.is_main_process, view, choice)
+    # Compact malloc only where the plan would not fit without it (train/launch/host_settings.py).
+    host = host_settings.apply(host_settings.decide(cfg, ds, rt.cuda, planned, budget))
+    return Strategy(ds=ds, choice=choice, acc=acc, topo=topo, sp=sp, planned=planned, budget=budget, host=host)
+
+
+def _ds_setup(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, data: RunData):
+    """(DSSetup, --ds-config auto's Choice or None, this rank's memory view) once checked."""
+    given = ds_config_cli or cfg.distributed.ds_config
+    ds_path = dist_.resolve_ds_config_path(given, rt.launcher)
+    if not given and rt.launcher != "accelerate" and os.environ.get("RANK", "0") == "0":
+        name, why = dist_.default_ds_config()
+        print(f"zerotrain: no --ds-config given: ds_configs/{name} ({why}); pass --ds-config to choose", flush=True)
+    view = fit.measure(cfg, ds_path)  # the memory budget: one view for the check and --ds-config auto
+    ds_path, choice = fit.resolve_auto(ds_path, cfg, data.spec, data.bundle, rt.batch, data.seq_len, rt.world, view)
+    ds = resolve(ds_path, cfg, sp_.engine_batch(rt.batch, rt.sp_size), data.max_steps, cuda=rt.cuda,
+                 hidden_size=hidden_size_of(data.spec, data.bundle))
+    sp_.check(cfg, data.spec, data.seq_len, ds)
+    dist_.check_accelerate_precision(ds)
+    hardware.check_compile(cfg, ds)
+    return ds, choice, view
+
+
+def _sweep_shm_buffers():
+    """DeepSpeed's /dev/shm buffers that ended jobs left (66 MB each): removed by each node's
+    local rank 0 when no running job can own them; a rank's own buffer is released at exit too."""
+    atexit.register(shm_buffers.release_at_exit)
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    removed = shm_buffers.sweep_stale()
+    if removed:
+        print(f"zerotrain: removed {len(removed)} stale DeepSpeed shared-memory buffer(s) of ended jobs from "
+              f"{removed[0].parent}", flush=True)
+
+
+# ---------------------------------------------------------------------------- model and optimizer
+
+@dataclass
+class Model:
+    workload: Workload               # the model (unwrapped), its loss and evaluation statistics
+    raw_optimizer: torch.optim.Optimizer
+    channels_last: bool
+
+
+def build_model(cfg: RunConfig, rt: Runtime, data: RunData, strategy: Strategy) -> Model:
+    """The model, built partitioned under ZeRO-3, and its optimizer: identical initial weights
+    on every rank, then a per-rank seed (dropout etc. differ per rank, deterministically)."""
+    ds, acc = strategy.ds, strategy.acc
+    set_seed(cfg.train.seed)
+    workload = build_workload(data.spec, data.bundle, _init_context(ds))
+    if strategy.sp is not None:
+        strategy.sp.attach(workload.model)
+    if ds.is_zero3 and acc.is_main_process:
+        print(f"zerotrain: {partition_summary(workload.model, strategy.topo.world_size)}", flush=True)
+    if workload.moe is not None:  # sparse-MoE blocks: ZeRO-3 leaves before the engine hooks the modules
+        if ds.is_zero3 and not testhooks.fire("no_moe_leaf"):
+            make_leaf(workload.model, workload.moe.info)
+        if acc.is_main_process:
+            print(f"zerotrain: {workload.moe.info.banner()}", flush=True)
+    channels_last = hardware.use_channels_last(cfg, ds, workload.family, rt.cuda)
+    if channels_last:
+        workload.model.to(memory_format=torch.channels_last)
+    if cfg.train.compile:
+        workload.model.compile()  # in place: parameter names (checkpoints, exports) stay the same
+    raw_optimizer = build_optimizer(workload.model, cfg.optim, ds)
+    set_seed(cfg.train.seed + strategy.topo.rank)
+    return Model(workload=workload, raw_optimizer=raw_optimizer, channels_last=channels_last)
+
+
+def _init_context(ds: DSSetup):
+    """Build the model already partitioned under ZeRO-3 (a model larger than one device's
+    memory never exists whole); an ordinary construction otherwise."""
+    if ds.is_zero3:
+        import deepspeed  # deferred: a DDP run never imports DeepSpeed (start-up time)
+        return lambda: deepspeed.zero.Init(config_dict_or_path=ds.resolved)
+    return contextlib.nullcontext
+
+
+# ---------------------------------------------------------------------------- loaders
+
+@dataclass
+class Loaders:
+    train: DataLoader
+    val: Optional[DataLoader]   # None: no validation split
+    workers: int                # loader worker processes per rank
+
+
+def make_loaders(cfg: RunConfig, rt: Runtime, data: RunData) -> Loaders:
+    b, bundle = rt.batch, data.bundle
+    workers = hardware.data_workers(cfg.data, rt.local_world)
+    batches = sp_.ReplicatedBatches(data.sampler, rt.sp_size, b.micro) if rt.sp_size > 1 else data.sampler
+    train = DataLoader(bundle.train, batch_sampler=batches, generator=torch.Generator().manual_seed(cfg.train.seed),
+                       **hardware.loader_options(workers, b.accum, rt.cuda, train=True))
+    val = None
+    if bundle.val is not None and len(bundle.val) > 0:
+        subset = bundle.val
+        if cfg.train.eval_batches is not None:
+            # A real subset (not just fewer batches) so that Accelerate's end-of-set padding
+            # arithmetic in gather_for_metrics sees the true number of samples.
+            subset = Subset(subset, range(min(len(subset), cfg.train.eval_batches * b.micro * rt.world)))
+        val = DataLoader(subset, batch_sampler=EvalBatchSampler(len(subset), b.micro, rt.world),
+                         **hardware.loader_options(workers, 1, rt.cuda, train=False))
+    return Loaders(train=train, val=val, workers=workers)
+
+
+# ---------------------------------------------------------------------------- prepare
+
+@dataclass
+class Prepared:
+    """accelerate.prepare's objects."""
+    model: torch.nn.Module            # a DeepSpeed engine, a DDP wrapper or the module
+    optimizer: torch.optim.Optimizer
+    train_loader: DataLoader
+    val_loader: Optional[DataLoader]
+
+
+def prepare(rt: Runtime, strategy: Strategy, model: Model, loaders: Loaders) -> Prepared:
+    """accelerate.prepare (the DeepSpeed engine or the DDP wrapper), then what each rank
+    records once its engine exists."""
+    ds, topo, workload = strategy.ds, strategy.topo, model.workload
+    objects = [workload.model, model.raw_optimizer, loaders.train] + ([loaders.val] if loaders.val is not None else [])
+    prepared, optimizer, train_loader, *val = strategy.acc.prepare(*objects)
+    # The engine exists, so DeepSpeed's CPU shm all-reduce (if used) is set up on every rank:
+    # each rank unlinks its /dev/shm buffer's name now (train/launch/shm_buffers.py).
+    released = shm_buffers.release_own_buffer(topo.rank, topo.world_size, barrier=torch.distributed.barrier)
+    if released is not None:
+        _add_rank_info(rt.run_dir, topo, shm_buffer_released=str(released))
+    if ds.is_deepspeed and ds.precision != "fp32":
+        workload.keep_norm_stats_fp32(prepared)  # 16-bit parameters, fp32 BatchNorm statistics
+    if ds.is_zero3:
+        _add_rank_info(rt.run_dir, topo, zero3=partition_counts(workload.model))
+    if strategy.sp is not None:
+        _add_rank_info(rt.run_dir, topo, sequence_parallel=strategy.sp.record())
+    return Prepared(model=prepared, optimizer=optimizer, train_loader=train_loader, val_loader=val[0] if val else None)
+
+
+# ---------------------------------------------------------------------------- ranks/rank<R>.json
+
+def _write_rank_info(run_dir: Path, acc, topo: Topology, ds) -> None:
+    """Each rank records who it is: what launchers and tests check sharding/topology against."""
+    d = run_dir / "ranks"
+    d.mkdir(parents=True, exist_ok=True)
+    info = {**topo.__dict__, "hostname": socket.gethostname(), "pid": os.getpid(),
+            "accelerate_process_index": acc.process_index, "accelerate_num_processes": acc.num_processes,
+            "distributed_type": str(acc.distributed_type), "strategy": ds.describe(),
+            "process_group_size": process_group.size()}
+    (d / f"rank{topo.rank}.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+def _add_rank_info(run_dir: Path, topo: Topology, **more) -> None:
+    path = run_dir / "ranks" / f"rank{topo.rank}.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **more}, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------------------- services
+
+@dataclass
+class Services:
+    loggers: Loggers                      # metrics.jsonl on rank 0 (W&B joins at Trainer.start)
+    memory_plan: Optional[RankPlan]       # the planner's view of this rank
+    checkpointer: Checkpointer
+    state: TrainState                     # where training starts: restored or fresh
+
+
+def start_services(cfg: RunConfig, rt: Runtime, data: RunData, strategy: Strategy, model: Model, prepared: Prepared,
+             record: dict) -> Services:
+    """Loggers, the memory plan, the checkpointer, and the state the run starts from: a resumed
+    checkpoint (checkpoint.resume) or initial weights (model.init_from) are restored here."""
+    acc, ds, topo, workload = strategy.acc, strategy.ds, strategy.topo, model.workload
+    loggers = Loggers([JsonlLogger(rt.run_dir / "metrics.jsonl")] if acc.is_main_process else [])
+    # The banner's "model states" and "memory" lines; the plan is compared with mem/* at step 2.
+    memory_plan = rank_plan(workload.model, cfg, ds, rt.batch, topo, workload, data.bundle.seq_len, strategy.budget)
+    checkpointer = Checkpointer(cfg=cfg.checkpoint, run_dir=rt.run_dir, rank=topo.rank, world=topo.world_size, acc=acc,
+                                model=prepared.model, raw_optimizer=model.raw_optimizer, ds=ds, workload=workload,
+                                sampler=data.sampler, batch=rt.batch, model_name=cfg.model.name, log=loggers.log,
+                                resolved_config=record)
+    state = _restore(checkpointer, cfg)
+    if rt.elastic is not None:
+        rt.elastic.started(state, rt.batch, checkpointer.resumed_from)
+    if data.bundle.stream is not None:
+        data.bundle.stream.resume_from(state.data_cursor)  # restart reading there, not at the stream's start
+    return Services(loggers=loggers, memory_plan=memory_plan, checkpointer=checkpointer, state=state)
+
+
+def _restore(ckpt: Checkpointer, cfg: RunConfig) -> TrainState:
+    """Checkpoint resume (checkpoint.resume) or initial weights (model.init_from), before
+    start(): W&B and the banner see the restored step and run id. Returns the TrainState the
+    run starts from (a fresh one unless a checkpoint was resumed)."""
+    if cfg.model.lora is not None and cfg.model.init_from:
+        # A LoRA checkpoint holds no base: the frozen base weights come from init_from every time.
+        ckpt.init_from(cfg.model.init_from)
+        resumed = ckpt.resume(cfg.checkpoint.resume, load_optimizer=cfg.checkpoint.load_optimizer)
+        return resumed if resumed is not None else TrainState()
+    resumed = ckpt.resume(cfg.checkpoint.resume, load_optimizer=cfg.checkpoint.load_optimizer)
+    if cfg.model.init_from and resumed is None:
+        ckpt.init_from(cfg.model.init_from)
+    return resumed if resumed is not None else TrainState()
