@@ -8,6 +8,7 @@ tests/test_sync_free.py; bench/gpu_check.sh is what runs on a real GPU.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -118,6 +119,27 @@ def test_cpu_ranks_of_a_node_share_its_cores_unless_omp_num_threads_says_otherwi
     assert hardware.cpu_threads(cuda=False, local_world=1, env={}) is None          # already all of them
     assert hardware.cpu_threads(cuda=False, local_world=2, env={"OMP_NUM_THREADS": "4"}) is None
     assert hardware.cpu_threads(cuda=True, local_world=2, env={}) is None
+
+
+def test_the_deepspeed_launchers_node_ranks_reach_accelerate(monkeypatch):
+    """The deepspeed launcher sets LOCAL_SIZE, not LOCAL_WORLD_SIZE. Accelerate's multi-CPU DDP then
+    counted 1 rank on the node, gave each rank every core (over the trainer's share) and wrote
+    LOCAL_WORLD_SIZE=1 back: 2 DDP ranks x 2 threads on 2 cores ran at about 0.6 of the 1-thread
+    speed (BENCHMARKS.md). normalize_env says how many ranks share the node, for every reader."""
+    from accelerate.utils.environment import get_cpu_distributed_information
+    from train.launch import distributed
+    for k in ("LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    node1_of_2 = {"CROSS_RANK": "1", "CROSS_SIZE": "2", "LOCAL_SIZE": "4", "RANK": "5", "WORLD_SIZE": "8",
+                  "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    for k, v in node1_of_2.items():
+        monkeypatch.setenv(k, v)
+    assert distributed.normalize_env() == "deepspeed"
+    assert os.environ["LOCAL_WORLD_SIZE"] == "4"
+    assert get_cpu_distributed_information().local_world_size == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # a launcher's own value is kept
+    distributed.normalize_env()
+    assert os.environ["LOCAL_WORLD_SIZE"] == "2"
 
 
 def _ds(tmp_path, name):

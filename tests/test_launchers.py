@@ -91,3 +91,19 @@ def test_the_deepspeed_launcher_leaves_no_shared_memory_buffer(runs):
     released = [Path(i["shm_buffer_released"]) for i in rank_infos(runs["deepspeed"][1])]
     assert [shm_buffers.parse_name(p.name)["rank"] for p in released] == [0, 1]
     assert not [p for p in released if p.exists()]
+
+
+def test_ddp_ranks_under_the_deepspeed_launcher_keep_their_share_of_the_cores(tmp_path_factory, fp32_configs):
+    """No OMP_NUM_THREADS (as `make train` and a user's shell): each rank trains with its share of
+    the node's cores, also once Accelerate's multi-CPU DDP has started (it sets its own count), and
+    the banner says so. 2 ranks x every core oversubscribed 2 cores: DDP ran at about 0.6 of the
+    1-thread speed (BENCHMARKS.md, trainer overhead)."""
+    from train.training import hardware
+    run_dir = cached_run(tmp_path_factory, "deepspeed", 2, args_for(fp32_configs["ddp"]),
+                         env={"OMP_NUM_THREADS": None})
+    share = hardware.cores_per_rank(2)
+    infos = rank_infos(run_dir)
+    assert [i["strategy"] for i in infos] == ["DDP (fp32)"] * 2 and all("MULTI_CPU" in i["distributed_type"] for i in infos)
+    assert [(i["torch_threads"], i["local_world_size"]) for i in infos] == [(share, 2)] * 2
+    assert f"{share} torch thread(s) per rank" in (run_dir / "launcher.out").read_text()
+    assert sorted(train_losses(run_dir)) == list(range(1, STEPS + 1))

@@ -75,6 +75,10 @@ def normalize_env() -> str:
     if missing:
         raise ConfigError(f"launcher {launcher} did not set {', '.join(missing)}; "
                           f"pass --master_addr/--master_port to the launcher")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        # This node's ranks for every reader, as torchrun says it: the deepspeed launcher sets only
+        # LOCAL_SIZE, and Accelerate's multi-CPU DDP would otherwise take 1 (and write it back).
+        env.setdefault("LOCAL_WORLD_SIZE", str(node_layout(env, int(env["RANK"]), int(env["WORLD_SIZE"]))[2]))
     # DeepSpeed JIT-builds a comm op on CPU; every rank (and node) must look in one place.
     env.setdefault("TORCH_EXTENSIONS_DIR", str(paths.EXTENSIONS_CACHE))
     venv_tools_first(env)

@@ -36,7 +36,7 @@ def banner(t) -> str:
     lines = [
         "zerotrain " + "-" * 60,
         f"  world        {topo.world_size} process(es) on {topo.num_nodes} node(s), launcher {topo.launcher}, "
-        f"{topo.device} / {topo.backend}",
+        f"{topo.device} / {topo.backend}" + _threads_text(t),
         f"  strategy     {ds.describe()}   [{ds.path}]",
         f"  model        {t.cfg.model.name}: {human(total)} params ({human(trainable)} trainable)" + _lora_text(t),
         f"  data         {data.describe}: "
@@ -63,6 +63,12 @@ def banner(t) -> str:
     if t.wandb_status:  # rank 0: where W&B data goes, or why W&B is off (wandb_logger.start)
         lines.append(f"  {t.wandb_status}")
     return "\n".join(lines)
+
+
+def _threads_text(t) -> str:
+    """On a CPU: torch's threads per rank (train/training/hardware.py cpu_threads)."""
+    threads = t.resolved_config.get("resolved", {}).get("hardware", {}).get("cpu_threads")
+    return f", {threads} torch thread(s) per rank" if t.topo.device == "cpu" and threads else ""
 
 
 def _lora_text(t) -> str:

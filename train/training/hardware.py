@@ -34,9 +34,9 @@ def apply_tf32(cfg: RunConfig, cuda: bool) -> str | None:
 def cpu_threads(cuda: bool, local_world: int, env=None) -> int | None:
     """torch's intra-op threads per rank on a CPU-only machine: this rank's share of the node's
     cores, so that the ranks of a node do not oversubscribe them (torch's default gives every
-    process all the cores; Accelerate makes the same split for multi-CPU DDP, DeepSpeed's
-    launcher only with --bind_cores_to_rank). None keeps torch's choice: on a GPU, where
-    OMP_NUM_THREADS sets it, or where the share would not be fewer threads."""
+    process all the cores; DeepSpeed's launcher splits them only with --bind_cores_to_rank).
+    None keeps torch's choice: on a GPU, where OMP_NUM_THREADS sets it, or where the share
+    would not be fewer threads."""
     env = os.environ if env is None else env
     if cuda or env.get("OMP_NUM_THREADS", "").strip():
         return None
@@ -50,6 +50,13 @@ def apply_cpu_threads(cuda: bool, local_world: int) -> int:
     if n is not None:
         torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+def keep_cpu_threads(threads: int) -> None:
+    """After the Accelerator starts: Accelerate sets its own count for multi-CPU DDP when
+    OMP_NUM_THREADS is unset (physical cores // LOCAL_WORLD_SIZE); the run's choice stands."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def use_channels_last(cfg: RunConfig, ds, family: str, cuda: bool) -> bool:

@@ -180,6 +180,7 @@ def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, d
     ds, choice, view = _ds_setup(cfg, ds_config_cli, rt, data)
     _sweep_shm_buffers()  # before DeepSpeed creates this job's own
     acc = dist_.build_accelerator(ds, rt.batch, cfg.distributed.timeout_s, log_with=wandb_logger.log_with(cfg))
+    hardware.keep_cpu_threads(rt.threads)
     topo = dist_.topology(rt.launcher, "nccl" if rt.cuda else "gloo")
     dist_.check_world(acc, topo)
     sp = sp_.SPRun.join(rt.sp_size, topo.rank, topo.world_size, data.spec.family) if rt.sp_size > 1 else None
@@ -319,6 +320,9 @@ def prepare(rt: Runtime, strategy: Strategy, model: Model, loaders: Loaders) -> 
         _add_rank_info(rt.run_dir, topo, zero3=partition_counts(workload.model))
     if strategy.sp is not None:
         _add_rank_info(rt.run_dir, topo, sequence_parallel=strategy.sp.record())
+    # What the steps will run with, once every library has started (Accelerate sets threads too).
+    _add_rank_info(rt.run_dir, topo, torch_threads=torch.get_num_threads(),
+                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     return Prepared(model=prepared, optimizer=optimizer, train_loader=train_loader, val_loader=val[0] if val else None)
 
 
