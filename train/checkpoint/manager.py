@@ -24,7 +24,7 @@ import torch
 
 from models.lora import base_name, is_adapter
 from train.checkpoint import adapter
-from train.checkpoint import files as io
+from train.checkpoint import files as ckpt_files
 from train.checkpoint.holders import MOMENTS, make_holder, persistent_buffers
 from train.checkpoint.state import TrainState
 from train.errors import CheckpointError, ConfigError
@@ -44,7 +44,7 @@ KILL_ENV = "ZEROTRAIN_INJECT_KILL_IN_SAVE"  # "<step>": SIGKILL each rank after 
 # ---------------------------------------------------------------------------- collectives (no-ops alone)
 
 def _barrier():
-    d = io.process_group()
+    d = ckpt_files.process_group()
     if d is not None:
         d.barrier()
 
@@ -125,14 +125,14 @@ class Checkpointer:
     # ------------------------------------------------------------------ save
     def save(self, state) -> Path:
         t0 = time.perf_counter()
-        name = io.step_dir_name(state.step)
-        final, tmp = self.root / name, self.root / (io.TMP_PREFIX + name)
+        name = ckpt_files.step_dir_name(state.step)
+        final, tmp = self.root / name, self.root / (ckpt_files.TMP_PREFIX + name)
 
         def prepare():
             if self.is_main:
                 self.root.mkdir(parents=True, exist_ok=True)
-                for stale in self.root.glob(io.TMP_PREFIX + "*"):  # left by a save that was killed
-                    io.remove_tree(stale)
+                for stale in self.root.glob(ckpt_files.TMP_PREFIX + "*"):  # left by a save that was killed
+                    ckpt_files.remove_tree(stale)
                 tmp.mkdir()
 
         # Each _agree ends in a collective: the directory exists before anyone writes, every
@@ -140,13 +140,13 @@ class Checkpointer:
         # returns before it is.
         try:
             self._agree(prepare, f"creating {tmp}")
-            self._agree(lambda: io.write_json(tmp / f".part-rank{self.rank:05d}.json",
-                                              self._write_rank_files(tmp, state)), f"writing checkpoint {final}")
+            self._agree(lambda: ckpt_files.write_json(tmp / f".part-rank{self.rank:05d}.json",
+                                                      self._write_rank_files(tmp, state)), f"writing checkpoint {final}")
             nbytes = self._agree(lambda: self._commit(tmp, final, state.step) if self.is_main else 0,
                                  f"completing checkpoint {final}")
         except CheckpointError:
             if self.is_main and tmp.exists():  # give the space back; `latest` still names the previous save
-                io.remove_tree(tmp)
+                ckpt_files.remove_tree(tmp)
             raise
         self._last_saved = final
         dt = time.perf_counter() - t0
@@ -162,7 +162,7 @@ class Checkpointer:
             out = fn()
         except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
             err = e
-        failed = io.reduce_max(torch.tensor([int(err is not None)]), self.acc.device)
+        failed = ckpt_files.reduce_max(torch.tensor([int(err is not None)]), self.acc.device)
         if err is not None:
             # safetensors reports ENOSPC as SafetensorError("... No space left on device (os error 28)").
             if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "(os error 28)" in str(err):
@@ -186,12 +186,12 @@ class Checkpointer:
             if b <= a or not self._saved(s):
                 continue
             for kind in ("param",) + (MOMENTS if s.trainable else ()):
-                key = io.piece_key(kind, s.name, a)
+                key = ckpt_files.piece_key(kind, s.name, a)
                 sources[key] = (s, kind)
                 skeleton[key] = torch.empty(b - a, dtype=torch.float32, device="meta")
         if self.is_main:
             for name, buf in persistent_buffers(self.raw_model):
-                key = io.piece_key("buffer", name, 0)
+                key = ckpt_files.piece_key("buffer", name, 0)
                 sources[key] = buf
                 skeleton[key] = torch.empty(buf.numel(), dtype=buf.dtype, device="meta")
         # Files of at most max_shard_size: the host copy of one file is the save's extra memory.
@@ -201,14 +201,14 @@ class Checkpointer:
         records = {}
         for fname, keys in split.filename_to_tensors.items():
             tensors = {k: self._piece(sources[k]) for k in keys}
-            records[fname] = io.save_tensors(tensors, tmp / fname)
+            records[fname] = ckpt_files.save_tensors(tensors, tmp / fname)
             del tensors
             if kill_at and int(kill_at) == state.step:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the crash-safety test
         rng_name = f"rng/rank{self.rank:05d}.json"
-        records[rng_name] = io.write_json(tmp / rng_name, io.rng_state())
+        records[rng_name] = ckpt_files.write_json(tmp / rng_name, ckpt_files.rng_state())
         if self.is_main:
-            records[io.META] = io.write_json(tmp / io.META, self._meta(state))
+            records[ckpt_files.META] = ckpt_files.write_json(tmp / ckpt_files.META, self._meta(state))
         return records
 
     @property
@@ -234,23 +234,24 @@ class Checkpointer:
             if not part.is_file():
                 raise CheckpointError(f"rank {r}'s files are not visible from rank 0 in {tmp}: every node must write "
                                       f"to the same filesystem; put train.run_dir on shared storage")
-            files.update(io.read_json(part, "checkpoint part list"))
-        io.write_json(tmp / io.MANIFEST, {"format": io.FORMAT, "version": io.VERSION, "step": step,
-                                          "world_size": self.world, "files": dict(sorted(files.items()))})
+            files.update(ckpt_files.read_json(part, "checkpoint part list"))
+        ckpt_files.write_json(tmp / ckpt_files.MANIFEST, {"format": ckpt_files.FORMAT, "version": ckpt_files.VERSION,
+                                                          "step": step, "world_size": self.world,
+                                                          "files": dict(sorted(files.items()))})
         for r in range(self.world):
             (tmp / f".part-rank{r:05d}.json").unlink()
-        io.fsync_path(tmp / "rng")
-        io.fsync_path(tmp)
+        ckpt_files.fsync_path(tmp / "rng")
+        ckpt_files.fsync_path(tmp)
         old = None
         if final.exists():  # the same step saved again (e.g. after resuming): replace it whole
-            old = final.with_name(io.TMP_PREFIX + "old-" + final.name)
-            io.remove_tree(old)
+            old = final.with_name(ckpt_files.TMP_PREFIX + "old-" + final.name)
+            ckpt_files.remove_tree(old)
             os.rename(final, old)
         os.rename(tmp, final)
-        io.fsync_path(self.root)
-        io.replace_text(self.root / io.LATEST, final.name + "\n")
+        ckpt_files.fsync_path(self.root)
+        ckpt_files.replace_text(self.root / ckpt_files.LATEST, final.name + "\n")
         if old is not None:
-            io.remove_tree(old)
+            ckpt_files.remove_tree(old)
         self.prune(keep_step=step)
         return sum(f["size"] for f in files.values())
 
@@ -260,14 +261,15 @@ class Checkpointer:
         `latest`, so --resume auto does not jump back to them."""
         if not self.is_main:
             return
-        done = [(s, d) for s, d in io.complete_checkpoints(self.root) if keep_step is None or s <= keep_step]
+        done = [(s, d) for s, d in ckpt_files.complete_checkpoints(self.root) if keep_step is None or s <= keep_step]
         for _, d in done[:-self.cfg.keep_last]:
-            io.remove_tree(d)
+            ckpt_files.remove_tree(d)
 
     def _meta(self, state) -> dict:
         h, ds, wl, sampler = self.holder, self.ds, self.workload, self.sampler
         return {
-            "format": io.FORMAT, "version": io.VERSION, "step": state.step, "train_state": state.to_dict(),
+            "format": ckpt_files.FORMAT, "version": ckpt_files.VERSION, "step": state.step,
+            "train_state": state.to_dict(),
             "world_size": self.world, "holder": h.name,
             "strategy": {"backend": ds.backend, "zero_stage": ds.stage, "precision": ds.precision},
             "params": {s.name: {"shape": list(s.shape), "trainable": s.trainable,
@@ -294,24 +296,24 @@ class Checkpointer:
         if spec == "none":
             return None
         if spec == "auto":
-            ckpt = io.newest_checkpoint(self.root)
+            ckpt = ckpt_files.newest_checkpoint(self.root)
             if ckpt is None:
                 self._say(f"--resume auto: no checkpoint in {self.root} yet, starting from scratch")
                 return None
         else:
-            ckpt = io.resolve_checkpoint(spec)
+            ckpt = ckpt_files.resolve_checkpoint(spec)
         return self.load(ckpt, load_optimizer)
 
     def load(self, path, load_optimizer: bool = True) -> TrainState:
         """Restores the tensors, engine counters and loss scale in place; returns the TrainState
         (step, data position) the run continues from."""
         t0 = time.perf_counter()
-        ckpt = io.resolve_checkpoint(path)
-        manifest = io.read_manifest(ckpt)
-        io.verify(ckpt, manifest, self.rank, self.world, self.acc.device)
-        meta = io.read_json(ckpt / io.META, "checkpoint metadata")
+        ckpt = ckpt_files.resolve_checkpoint(path)
+        manifest = ckpt_files.read_manifest(ckpt)
+        ckpt_files.verify(ckpt, manifest, self.rank, self.world, self.acc.device)
+        meta = ckpt_files.read_json(ckpt / ckpt_files.META, "checkpoint metadata")
         self._check_fits(ckpt, meta)
-        reader = io.PieceReader([ckpt / f for f in manifest["files"] if f.endswith(".safetensors")])
+        reader = ckpt_files.PieceReader([ckpt / f for f in manifest["files"] if f.endswith(".safetensors")])
         try:
             self._restore_tensors(reader, meta, load_optimizer)
         finally:
@@ -319,7 +321,8 @@ class Checkpointer:
         st = self._restore_counters(meta)
         rng = ckpt / "rng" / f"rank{self.rank:05d}.json"
         # RNG streams only mean something for the same ranks; another world size keeps fresh seeds.
-        self._pending_rng = io.read_json(rng, "RNG state") if meta["world_size"] == self.world and rng.is_file() else None
+        same_ranks = meta["world_size"] == self.world and rng.is_file()
+        self._pending_rng = ckpt_files.read_json(rng, "RNG state") if same_ranks else None
         _barrier()
         self.resumed_from = ckpt
         how = "" if load_optimizer else " (weights only: fresh optimizer moments)"
@@ -336,7 +339,7 @@ class Checkpointer:
         diff = shape_mismatch(want, have, "checkpoint", "model")
         if diff:
             raise CheckpointError(f"checkpoint {ckpt} does not fit model {self.model_name!r}:\n{diff}\n"
-                                  f"resume with the model settings it was trained with (see {ckpt / io.META})")
+                                  f"resume with the model settings it was trained with (see {ckpt / ckpt_files.META})")
         d, s, b = meta["data"], self.sampler, self.batch
         if d["num_samples"] != s.num_samples:
             raise CheckpointError(f"checkpoint {ckpt} was trained on {d['num_samples']} training samples, this run has "
@@ -400,7 +403,7 @@ class Checkpointer:
     def on_fit_start(self):
         """Restore RNG streams at the last moment before the first step (nothing in between may draw)."""
         if self._pending_rng is not None:
-            io.set_rng_state(self._pending_rng)
+            ckpt_files.set_rng_state(self._pending_rng)
             self._pending_rng = None
 
     # ------------------------------------------------------------------ engine / scaler bits
@@ -500,5 +503,5 @@ class Checkpointer:
     def latest_path(self) -> str | None:
         if self._last_saved is not None:
             return str(self._last_saved)
-        found = io.newest_checkpoint(self.root)
+        found = ckpt_files.newest_checkpoint(self.root)
         return str(found) if found else None
