@@ -189,7 +189,7 @@ def test_auto_and_the_check_pick_by_the_plan(tmp_path):
     from train.plan import fit
     from train.data import build_data
     from train.launch.device_memory import Budget
-    from train.dsconfig import resolve
+    from train.dsconfig import load_ds_setup
     family = fp32_family(tmp_path / "fp32")
     cfg = frontier_config()
     spec = resolve_model(cfg.model)
@@ -204,7 +204,7 @@ def test_auto_and_the_check_pick_by_the_plan(tmp_path):
     assert pick.label == "ZeRO-3" and "the faster ZeRO-2 would need" in pick.line
     with pytest.raises(fit.DoesNotFit, match="no option fits"):
         fit.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, budget(1.5))
-    ds = resolve(str(Path(family) / "ddp.json"), cfg, batch, 3, cuda=False)
+    ds = load_ds_setup(str(Path(family) / "ddp.json"), cfg, batch, 3, cuda=False)
     with pytest.raises(fit.DoesNotFit, match=r"ZeRO-3 is the fastest option that fits .*--ds-config auto"):
         fit.check(cfg, spec, ds, data, batch, 64, 2, budget(3.6))
     est, warning = fit.check(cfg, spec, ds, data, batch, 64, 2, budget(8))
@@ -241,7 +241,7 @@ def test_advice_and_auto_agree_under_a_cap_inside_the_margin(tmp_path):
     and following it runs; with room for the margin both land on ZeRO-3."""
     from models import resolve as resolve_model
     from train.data import build_data
-    from train.dsconfig import resolve
+    from train.dsconfig import load_ds_setup
     from train.launch.device_memory import Budget
     from train.plan import fit
     family = fp32_family(tmp_path / "fp32")
@@ -253,7 +253,7 @@ def test_advice_and_auto_agree_under_a_cap_inside_the_margin(tmp_path):
         return Budget(int(nbytes), "a test budget", "cpu", runtime)
 
     def ds(name):
-        return resolve(str(Path(family) / f"{name}.json"), cfg, batch, 3, cuda=False, hidden_size=1024)
+        return load_ds_setup(str(Path(family) / f"{name}.json"), cfg, batch, 3, cuda=False, hidden_size=1024)
 
     z3 = fit.check(cfg, spec, ds("zero3"), data, batch, 64, 2, budget(8 * GiB))[0].device_total
     tight = budget(z3 / (1 - 0.055))   # z3 < cap < z3 + 10% of the cap: a margin of 0.05 would fit

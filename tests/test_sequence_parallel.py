@@ -175,14 +175,14 @@ def _sp_check(tmp_path, n: int, *overrides, ds_json: str = "ds_configs/zero3.jso
     """train/launch/sequence_parallel.check on a real config, model spec and DeepSpeed setup."""
     from models import resolve as resolve_model
     from train.config import load_config
-    from train.dsconfig import resolve
+    from train.dsconfig import load_ds_setup
     from train.launch import sequence_parallel as sp_
     pairs = [("model.name", "gpt-tiny"), ("data.seq_len", "64"), ("distributed.sequence_parallel", str(n)),
              *[tuple(o.split("=", 1)) for o in overrides]]
     cfg = load_config(None, pairs)
     spec = resolve_model(cfg.model)
     batch = cfg.train.batch(1)
-    ds = resolve(ds_json, cfg, sp_.engine_batch(batch, n), 10, cuda=False, hidden_size=spec.hidden_size or 64)
+    ds = load_ds_setup(ds_json, cfg, sp_.engine_batch(batch, n), 10, cuda=False, hidden_size=spec.hidden_size or 64)
     sp_.check(cfg, spec, cfg.data.seq_len, ds)
 
 

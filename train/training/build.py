@@ -116,7 +116,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     from train.launch import distributed as dist_
     from train.data import build_data
     from train.data.sampler import EvalBatchSampler, GlobalBatchSampler
-    from train.dsconfig import resolve
+    from train.dsconfig import load_ds_setup
     from train.observe.metrics import JsonlLogger, Loggers
     from train.optim.optimizer import build_optimizer
     from train.training.trainer import Trainer
@@ -165,8 +165,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
         print(f"zerotrain: no --ds-config given: ds_configs/{name} ({why}); pass --ds-config to choose", flush=True)
     view = fit.measure(cfg, ds_path)  # the memory budget: one view for the check and --ds-config auto
     ds_path, choice = fit.resolve_auto(ds_path, cfg, spec, data, batch, seq_len, world, view)  # --ds-config auto
-    ds = resolve(ds_path, cfg, sp_.engine_batch(batch, sp_size), max_steps, cuda=cuda,
-                 hidden_size=hidden_size_of(spec, data))
+    ds = load_ds_setup(ds_path, cfg, sp_.engine_batch(batch, sp_size), max_steps, cuda=cuda,
+                         hidden_size=hidden_size_of(spec, data))
     sp_.check(cfg, spec, seq_len, ds)
     dist_.check_accelerate_precision(ds)
     hardware.check_compile(cfg, ds)
