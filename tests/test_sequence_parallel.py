@@ -285,11 +285,12 @@ def test_planner_divides_activations_by_n_and_counts_the_all_to_all_buffers():
     """Per rank: every saved activation is per token, so 1/N of them; the exchange buffers are
     q, k, v of one layer (send copy + receive buffer) on the local tokens."""
     from models.gpt import preset
-    from train.plan.estimate import Batch, activation_bytes, sp_exchange_bytes
+    from train.plan.activations import activation_bytes, sp_exchange_bytes
+    from train.plan.shapes import BatchShape
     g = preset("gpt-tiny", seq_len=SEQ_LEN)
     for ckpt in (False, True):
-        one = Batch(1, SEQ_LEN, 1, ckpt, 1)
-        two = Batch(1, SEQ_LEN, 1, ckpt, 2)
+        one = BatchShape(1, SEQ_LEN, 1, ckpt, 1)
+        two = BatchShape(1, SEQ_LEN, 1, ckpt, 2)
         assert activation_bytes(g, two, 4) * 2 == activation_bytes(g, one, 4)
         assert sp_exchange_bytes(g, one, 4) == 0
         kv = g.n_kv_head * g.head_dim

@@ -91,7 +91,7 @@ def run_checks(args) -> list[str]:
         or cfg.distributed.ds_config or "ds_configs/zero2.json"
     batch = cfg.train.batch(world)
     from models import resolve as resolve_model
-    from train.plan.fit import auto_dir, is_auto
+    from train.plan.memory_check import auto_dir, is_auto
     from train.plan.estimate import OPTIONS
     paths = [ds_path]
     if is_auto(ds_path):  # every candidate --ds-config auto may choose must be valid for this run

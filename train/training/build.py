@@ -157,14 +157,14 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
         sampler = GlobalBatchSampler(len(data.train), batch.micro, dp, batch.accum, cfg.train.seed)
     max_steps = cfg.train.epochs * sampler.steps_per_epoch if cfg.train.epochs else cfg.train.max_steps
 
-    from train.plan import fit
+    from train.plan import memory_check
     ds_path = dist_.resolve_ds_config_path(ds_config_cli or cfg.distributed.ds_config, launcher)
     if not (ds_config_cli or cfg.distributed.ds_config) and launcher != "accelerate" \
             and os.environ.get("RANK", "0") == "0":
         name, why = dist_.default_ds_config()
         print(f"zerotrain: no --ds-config given: ds_configs/{name} ({why}); pass --ds-config to choose", flush=True)
-    view = fit.measure(cfg, ds_path)  # the memory budget: one view for the check and --ds-config auto
-    ds_path, choice = fit.resolve_auto(ds_path, cfg, spec, data, batch, seq_len, world, view)  # --ds-config auto
+    view = memory_check.measure(cfg, ds_path)  # the memory budget: one view for the check and --ds-config auto
+    ds_path, choice = memory_check.resolve_auto(ds_path, cfg, spec, data, batch, seq_len, world, view)  # --ds-config auto
     ds = load_ds_setup(ds_path, cfg, sp_.engine_batch(batch, sp_size), max_steps, cuda=cuda,
                          hidden_size=hidden_size_of(spec, data))
     sp_.check(cfg, spec, seq_len, ds)
@@ -180,7 +180,8 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
     wandb_logger.preflight(acc, cfg)  # W&B online without credentials: every rank stops here
     _write_rank_info(run_dir, acc, topo, ds)
     # Before the model exists: a plan that does not fit the device memory stops here.
-    planned, budget = fit.preflight(cfg, spec, ds, data, batch, seq_len, world, acc.is_main_process, view, choice)
+    planned, budget = memory_check.preflight(cfg, spec, ds, data, batch, seq_len, world, acc.is_main_process, view,
+                                             choice)
     # Compact malloc only where the plan would not fit without it (train/launch/host_settings.py).
     host = host_settings.apply(host_settings.decide(cfg, ds, cuda, planned, budget))
 
@@ -258,7 +259,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None):
             (run_dir / "classes.json").write_text(json.dumps(data.class_names, indent=1) + "\n")
         sinks.append(JsonlLogger(run_dir / "metrics.jsonl"))
     loggers = Loggers(sinks)
-    from train.plan.estimate import rank_plan
+    from train.plan.rank_plan import rank_plan
     # The banner's "model states" and "memory" lines; the plan is compared with mem/* at step 2.
     memory = rank_plan(workload.model, cfg, ds, batch, topo, workload, data.seq_len, budget)
     from train.checkpoint.manager import Checkpointer
