@@ -1,5 +1,5 @@
-"""Resumable checkpoints: save / load (resume) / export / prune. Layout and guarantees:
-docs/checkpoints.md.
+"""Resumable checkpoints: save / load (resume) / init_from / prune, and the live export
+(train/checkpoint/export.py). Layout and guarantees: docs/checkpoints.md.
 
 Every rank writes the part of the state it owns (no rank gathers the model or the
 optimizer), as safetensors pieces keyed by parameter name and element range, so a
@@ -23,12 +23,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from models.lora import base_name, is_adapter
-from train.checkpoint import adapter
+from train.checkpoint import adapter, engine_state
 from train.checkpoint import files as ckpt_files
 from train.checkpoint.holders import MOMENTS, make_holder, persistent_buffers
 from train.checkpoint.state import TrainState
 from train.errors import CheckpointError, ConfigError
-from train.optim import loss_scale
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -284,8 +283,8 @@ class Checkpointer:
             "data": {"global_batch": sampler.global_batch, "num_samples": sampler.num_samples,
                      "steps_per_epoch": sampler.steps_per_epoch, "seed": sampler.seed,
                      **({"mixture": sampler.plan.record()} if getattr(sampler, "plan", None) else {})},
-            "engine": self._engine_counters(),
-            "loss_scaler": self._scaler_state(),
+            "engine": engine_state.engine_counters(self.model, self.ds),
+            "loss_scaler": engine_state.scaler_state(self.model, self.acc, self.ds),
             "config": self.resolved_config,
         }
 
@@ -388,16 +387,7 @@ class Checkpointer:
         """The saved TrainState; DeepSpeed's step counters and the loss scale set to match it."""
         known = TrainState.__dataclass_fields__
         st = TrainState(**{k: v for k, v in meta["train_state"].items() if k in known})
-        if self.ds.is_deepspeed:
-            eng = self.model
-            saved = meta.get("engine") or {}
-            eng.global_steps = saved.get("global_steps", st.step)
-            eng.global_samples = saved.get("global_samples", st.samples_seen)
-            eng.skipped_steps = saved.get("skipped_steps", st.skipped_steps)
-            eng.micro_steps = st.step * self.batch.accum
-        scaler = meta.get("loss_scaler")
-        if scaler and self.ds.precision == "fp16":
-            self._restore_scaler(scaler)
+        engine_state.restore(meta, st, self.model, self.acc, self.ds, self.batch.accum)
         return st
 
     def on_fit_start(self):
@@ -405,30 +395,6 @@ class Checkpointer:
         if self._pending_rng is not None:
             ckpt_files.set_rng_state(self._pending_rng)
             self._pending_rng = None
-
-    # ------------------------------------------------------------------ engine / scaler bits
-    def _engine_counters(self):
-        m = self.model
-        if not self.ds.is_deepspeed:
-            return None
-        return {k: int(getattr(m, k)) for k in ("global_steps", "global_samples", "skipped_steps") if hasattr(m, k)}
-
-    def _scaler_state(self):
-        if self.ds.precision != "fp16":
-            return None
-        if self.ds.is_deepspeed:
-            return {"kind": "deepspeed", **loss_scale.state(self.model.optimizer)}
-        sc = getattr(self.acc, "scaler", None)
-        return {"kind": "torch", **{k: float(v) for k, v in sc.state_dict().items()}} if sc is not None else None
-
-    def _restore_scaler(self, s: dict):
-        if s["kind"] == "deepspeed" and self.ds.is_deepspeed:
-            loss_scale.restore(self.model.optimizer, s)
-        elif s["kind"] == "torch" and getattr(self.acc, "scaler", None) is not None:
-            state = {k: v for k, v in s.items() if k != "kind"}
-            state["_growth_tracker"] = int(state.get("_growth_tracker", 0))
-            state["growth_interval"] = int(state.get("growth_interval", 2000))
-            self.acc.scaler.load_state_dict(state)
 
     # ------------------------------------------------------------------ weights
     def init_from(self, path: str):
@@ -463,41 +429,21 @@ class Checkpointer:
         self._say(f"initialised {'the frozen base ' if self.lora else ''}weights from {path} ({len(slots)} tensors)")
 
     def export(self, out_dir: str | Path | None = None) -> str:
-        """Consolidated weights (HF layout) from the live state: ranks gather one tensor at a
-        time (DeepSpeed's own full-parameter accessors under ZeRO), rank 0 writes one shard at a time."""
-        from train.checkpoint.weights import EXPORT_DTYPES, write_weights
+        """Consolidated weights (HF layout; a LoRA run's adapter) from the live state
+        (train/checkpoint/export.py): a collective, every rank calls it."""
+        from train.checkpoint.export import export_adapter, export_weights
         t0 = time.perf_counter()
         out = Path(out_dir) if out_dir else self.export_dir
-        h = self.holder
+        dtype = self.cfg.export_dtype
         if self.lora is not None:
-            # The adapter in PEFT's layout: gathered tensor by tensor (under ZeRO-3 a partitioned adapter
-            # is a shard here; full_param is DeepSpeed's collective gather), written by rank 0.
-            trained, tensors = [s for s in h.slots if s.trainable], {}
-            for s in trained:
-                t = h.full_param(s)  # a collective under ZeRO: every rank, in slot order
-                if self.is_main:
-                    tensors[s.name] = t
-            adapter.write_adapter(out, self.lora, tensors, EXPORT_DTYPES[self.cfg.export_dtype], self.is_main)
+            n = export_adapter(out, self.holder, self.lora, dtype, self.is_main)
             _barrier()
-            self._say(f"exported the {self.cfg.export_dtype} LoRA adapter ({len(trained)} tensors) to {out} in "
+            self._say(f"exported the {dtype} LoRA adapter ({n} tensors) to {out} in "
                       f"{time.perf_counter() - t0:.2f} s (zerotrain export --merge: full merged weights)")
             return str(out)
-        slots = {s.name: s for s in h.slots}
-        buffers = dict(persistent_buffers(self.raw_model))
-        entries = [(s.name, s.shape, torch.float32) for s in h.slots] + \
-                  [(n, tuple(b.shape), b.dtype) for n, b in buffers.items()]
-
-        def get(name):
-            if name in slots:
-                return h.full_param(slots[name])
-            return buffers[name].detach().cpu()
-
-        wl = self.workload
-        write_weights(out, entries, get, dtype=EXPORT_DTYPES[self.cfg.export_dtype],
-                      max_shard_size=self.cfg.max_shard_size, tied=wl.tied, family=wl.family,
-                      model_config=wl.model_config, is_writer=self.is_main)
+        export_weights(out, self.holder, self.raw_model, self.workload, self.cfg, self.is_main)
         _barrier()
-        self._say(f"exported {self.cfg.export_dtype} weights to {out} in {time.perf_counter() - t0:.2f} s")
+        self._say(f"exported {dtype} weights to {out} in {time.perf_counter() - t0:.2f} s")
         return str(out)
 
     def latest_path(self) -> str | None:
