@@ -105,28 +105,7 @@ def read_deepspeed(step_dir: Path, optimizer_order=None) -> Imported:
     if world != len(optim_files):
         raise CheckpointError(f"{step_dir}: the checkpoint was written by {world} ranks but has {len(optim_files)} "
                               f"*_optim_states.pt files (a rank's file is missing)")
-    paddings = osd[0].get("param_alignment_paddings")
-    if stage <= 2:
-        base = [o["base_optimizer_state"] for o in osd]
-        groups = [o["single_partition_of_fp32_groups"] for o in osd]
-    else:
-        base = [o["optimizer_state_dict"] for o in osd]
-        groups = [o["fp32_flat_groups"] for o in osd]
-    ngroups = len(groups[0])
-
-    def merge(flat):
-        if stage <= 2:
-            sd = z._get_fp32_state_dict_from_zero2_checkpoint(world, flat, zms, flat is not groups, paddings)
-        else:
-            sd = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat, zms, flat is not groups)
-        return {k: v for k, v in z.to_torch_tensor(sd).items()}
-
-    with torch_load_restricted(), _quiet(z):
-        full = merge(groups)
-        moments = {}
-        for kind in MOMENTS:
-            flat = [[b["state"][g][kind] for g in range(ngroups)] for b in base]
-            moments[kind] = merge(flat)
+    full, moments, base = _merge_partitions(z, zms, osd, stage, world)
     tied = {a: s for a, s in zms[0].shared_params}
     buffers = dict(zms[0].buffers)
     for d in moments.values():
@@ -151,6 +130,35 @@ def read_deepspeed(step_dir: Path, optimizer_order=None) -> Imported:
                     buffers={n: b.float() if b.is_floating_point() else b for n, b in buffers.items()}, tied=tied,
                     global_steps=int(ms.get("global_steps", 0)), global_samples=ms.get("global_samples"),
                     skipped_steps=int(ms.get("skipped_steps", 0) or 0), notes=notes)
+
+
+def _merge_partitions(z, zms, osd: list, stage: int, world: int) -> tuple[dict, dict, list]:
+    """(whole fp32 weights by name, whole moments by kind and name, each rank's base optimizer
+    state): zero_to_fp32 (`z`) reassembles the ranks' flat fp32 partitions, and the moment
+    partitions, which have exactly their layout."""
+    paddings = osd[0].get("param_alignment_paddings")
+    if stage <= 2:
+        base = [o["base_optimizer_state"] for o in osd]
+        groups = [o["single_partition_of_fp32_groups"] for o in osd]
+    else:
+        base = [o["optimizer_state_dict"] for o in osd]
+        groups = [o["fp32_flat_groups"] for o in osd]
+    ngroups = len(groups[0])
+
+    def merge(flat):
+        if stage <= 2:
+            sd = z._get_fp32_state_dict_from_zero2_checkpoint(world, flat, zms, flat is not groups, paddings)
+        else:
+            sd = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat, zms, flat is not groups)
+        return {k: v for k, v in z.to_torch_tensor(sd).items()}
+
+    with torch_load_restricted(), _quiet(z):
+        full = merge(groups)
+        moments = {}
+        for kind in MOMENTS:
+            flat = [[b["state"][g][kind] for g in range(ngroups)] for b in base]
+            moments[kind] = merge(flat)
+    return full, moments, base
 
 
 def _quiet(z):
