@@ -360,12 +360,12 @@ def validate_ds(path: Path, train_args: list[str], cuda: bool) -> dict:
     from models import resolve as resolve_model
     from train.args import parse_train_args
     from train.config import load_config
-    from train.dsconfig import resolve
+    from train.dsconfig import load_ds_setup
     targs = parse_train_args(train_args)
     cfg = load_config(targs.config, targs.overrides)
     batch = cfg.train.batch(1)
     width = resolve_model(cfg.model).hidden_size
-    ds = resolve(str(path), cfg, batch, cfg.train.max_steps, cuda=cuda, hidden_size=width)
+    ds = load_ds_setup(str(path), cfg, batch, cfg.train.max_steps, cuda=cuda, hidden_size=width)
     return {"precision": ds.precision, "backend": ds.backend, "stage": ds.stage}
 
 

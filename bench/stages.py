@@ -275,7 +275,7 @@ def trainer_result(run_dir: Path, peak_dir: Path, a) -> dict:
            "planned": {k[5:]: v for k, v in mem.items() if k.startswith("plan/") and not k.endswith("per_rank")},
            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
     cfg = run_dir / "config.json"
-    if cfg.is_file():  # the planner's peak per rank that the run's memory check used (train/plan/fit.py)
+    if cfg.is_file():  # the planner's peak per rank that the run's memory check used (train/plan/memory_check.py)
         plan = json.loads(cfg.read_text())["resolved"].get("memory_plan") or {}
         out["planned_peak_bytes"] = (plan.get("device_bytes") or {}).get("total")
     mfu = [r["mfu"] for r in rows if "mfu" in r and r["step"] > a.warmup]

@@ -20,15 +20,15 @@ import deepspeed.accelerator.cpu_accelerator as cpu_accelerator  # noqa: E402
 import train.dsconfig  # noqa: E402
 
 cpu_accelerator.CPU_Accelerator.is_fp16_supported = lambda self: True
-_resolve = train.dsconfig.resolve
+_load_ds_setup = train.dsconfig.load_ds_setup
 
 
-def _resolve_as_on_cuda(*args, **kwargs):
+def _load_ds_setup_as_on_cuda(*args, **kwargs):
     kwargs["cuda"] = True  # only the fp16-needs-CUDA refusal reads it
-    return _resolve(*args, **kwargs)
+    return _load_ds_setup(*args, **kwargs)
 
 
-train.dsconfig.resolve = _resolve_as_on_cuda
+train.dsconfig.load_ds_setup = _load_ds_setup_as_on_cuda
 
 if __name__ == "__main__":
     sys.argv[0] = str(REPO / "train" / "main.py")

@@ -101,7 +101,7 @@ def ref_z2(work):
 def ddp_crash(work, ref_z3):
     """DDP continues a ZeRO-3 run (--resume auto in a copy of its run dir cut back to step 4),
     is SIGKILLed inside its step-10 save, and is restarted with --resume auto."""
-    from train.checkpoint.manager import KILL_ENV
+    KILL_ENV = "ZEROTRAIN_INJECT_KILL_IN_SAVE"  # train/testhooks.py "saved_file"
     d = work / "ddp"
     shutil.copytree(ref_z3.dir / "checkpoints", d / "checkpoints")
     for s in (6, 8, 10):

@@ -9,7 +9,7 @@ import pytest
 from helpers import REPO
 from train.args import parse_train_args
 from train.config import RunConfig, load_config
-from train.dsconfig import resolve
+from train.dsconfig import load_ds_setup
 from train.errors import ConfigError
 from train.optim.schedule import lr_at
 
@@ -155,7 +155,7 @@ def test_lr_schedule_is_a_function_of_the_global_step():
 def _resolve(tmp_path, ds: dict, cuda=False, **run):
     cfg = load_config(None, list(run.items()))
     path = write(tmp_path, "ds.json", json.dumps(ds))
-    return resolve(path, cfg, cfg.train.batch(2), 100, cuda=cuda)
+    return load_ds_setup(path, cfg, cfg.train.batch(2), 100, cuda=cuda)
 
 
 def test_shipped_configs_resolve(tmp_path):
@@ -163,8 +163,8 @@ def test_shipped_configs_resolve(tmp_path):
     stages = {}
     for name in ("ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero2_fp32",
                  "zero2_fp16"):
-        ds = resolve(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100,
-                     cuda=name.endswith("fp16"), hidden_size=128)
+        ds = load_ds_setup(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100,
+                             cuda=name.endswith("fp16"), hidden_size=128)
         stages[name] = (ds.backend, ds.stage, ds.precision, ds.offload_optimizer, ds.offload_param)
         if ds.is_deepspeed:
             r = ds.resolved
@@ -244,11 +244,11 @@ def test_auto_zero_sizes_scale_with_the_model_width(tmp_path):
         "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
         "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size")}}}))
     for h in (64, 4096):
-        z = resolve(path, cfg, cfg.train.batch(2), 10, cuda=False, hidden_size=h).resolved["zero_optimization"]
+        z = load_ds_setup(path, cfg, cfg.train.batch(2), 10, cuda=False, hidden_size=h).resolved["zero_optimization"]
         assert z["reduce_bucket_size"] == h * h and z["stage3_param_persistence_threshold"] == 10 * h
         assert z["stage3_max_live_parameters"] == z["stage3_max_reuse_distance"] == z["sub_group_size"] == 24 * h * h
     # `zerotrain check` validates before any data exists: the sizes are left for the run.
-    z = resolve(path, cfg, cfg.train.batch(2), 10, cuda=False, sizes_later=True).resolved["zero_optimization"]
+    z = load_ds_setup(path, cfg, cfg.train.batch(2), 10, cuda=False, sizes_later=True).resolved["zero_optimization"]
     assert z["reduce_bucket_size"] == "auto"
 
 
@@ -262,4 +262,4 @@ def test_matching_concrete_values_are_accepted(tmp_path):
 def test_missing_ds_config_lists_shipped_files(tmp_path):
     cfg = load_config(None)
     with pytest.raises(ConfigError, match="not found.*ds_configs/zero2.json"):
-        resolve(str(tmp_path / "nope.json"), cfg, cfg.train.batch(1), 10, cuda=False)
+        load_ds_setup(str(tmp_path / "nope.json"), cfg, cfg.train.batch(1), 10, cuda=False)

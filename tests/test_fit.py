@@ -63,7 +63,9 @@ def frontier(tmp_path_factory):
     if why is not None:
         pytest.skip(f"cannot create a memory cgroup here ({why}): the fit frontier needs a kernel-enforced limit")
     from models import gpt_config
-    from train.plan.estimate import Batch, Device, estimate, gpt_shape, strategy_from_json
+    from train.plan.estimate import Device, estimate
+    from train.plan.shapes import BatchShape, gpt_shape
+    from train.plan.strategy import strategy_from_json
     work = tmp_path_factory.mktemp("frontier")
     family = fp32_family(work / "fp32")
     out = {"family": family, "work": work}
@@ -77,7 +79,7 @@ def frontier(tmp_path_factory):
     # 2. The cap: halfway between DDP's plan and ZeRO-3's plan plus the 10% headroom auto keeps.
     cfg = frontier_config()
     shape = gpt_shape("frontier", gpt_config(cfg.model, vocab_size=256))
-    batch, device = Batch(1, 64), Device("cpu", runtime)
+    batch, device = BatchShape(1, 64), Device("cpu", runtime)
     peak = {name: estimate(shape, strategy_from_json(name, Path(family) / f"{name}.json", None, shape.width), 2,
                            batch, device=device).device_total for name in ("ddp", "zero3")}
     assert peak["zero3"] / 0.9 < 0.95 * peak["ddp"], f"DDP and ZeRO-3 are too close on this machine: {peak}"
@@ -186,10 +188,10 @@ def test_the_ram_share_counts_the_local_ranks_before_the_accelerator_exists(monk
 def test_auto_and_the_check_pick_by_the_plan(tmp_path):
     """In-process: the same arithmetic the launches use, on chosen budgets."""
     from models import resolve as resolve_model
-    from train.plan import fit
+    from train.plan import memory_check
     from train.data import build_data
     from train.launch.device_memory import Budget
-    from train.dsconfig import resolve
+    from train.dsconfig import load_ds_setup
     family = fp32_family(tmp_path / "fp32")
     cfg = frontier_config()
     spec = resolve_model(cfg.model)
@@ -199,18 +201,18 @@ def test_auto_and_the_check_pick_by_the_plan(tmp_path):
     def budget(gib):
         return Budget(int(gib * GiB), "a test budget", "cpu", int(0.9 * GiB))
 
-    assert fit.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, budget(8)).label == "DDP"
-    pick = fit.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, budget(3.6))
+    assert memory_check.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, budget(8)).label == "DDP"
+    pick = memory_check.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, budget(3.6))
     assert pick.label == "ZeRO-3" and "the faster ZeRO-2 would need" in pick.line
-    with pytest.raises(fit.DoesNotFit, match="no option fits"):
-        fit.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, budget(1.5))
-    ds = resolve(str(Path(family) / "ddp.json"), cfg, batch, 3, cuda=False)
-    with pytest.raises(fit.DoesNotFit, match=r"ZeRO-3 is the fastest option that fits .*--ds-config auto"):
-        fit.check(cfg, spec, ds, data, batch, 64, 2, budget(3.6))
-    est, warning = fit.check(cfg, spec, ds, data, batch, 64, 2, budget(8))
+    with pytest.raises(memory_check.DoesNotFit, match="no option fits"):
+        memory_check.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, budget(1.5))
+    ds = load_ds_setup(str(Path(family) / "ddp.json"), cfg, batch, 3, cuda=False)
+    with pytest.raises(memory_check.DoesNotFit, match=r"ZeRO-3 is the fastest option that fits .*--ds-config auto"):
+        memory_check.check(cfg, spec, ds, data, batch, 64, 2, budget(3.6))
+    est, warning = memory_check.check(cfg, spec, ds, data, batch, 64, 2, budget(8))
     assert warning is None and est.strategy.backend == "ddp"
     with pytest.raises(Exception, match="not a directory"):
-        fit.auto_dir("auto:/nonexistent")
+        memory_check.auto_dir("auto:/nonexistent")
 
 
 def test_memcap_kills_over_the_limit_and_says_so():
@@ -241,9 +243,9 @@ def test_advice_and_auto_agree_under_a_cap_inside_the_margin(tmp_path):
     and following it runs; with room for the margin both land on ZeRO-3."""
     from models import resolve as resolve_model
     from train.data import build_data
-    from train.dsconfig import resolve
+    from train.dsconfig import load_ds_setup
     from train.launch.device_memory import Budget
-    from train.plan import fit
+    from train.plan import memory_check
     family = fp32_family(tmp_path / "fp32")
     cfg = frontier_config()
     spec, data, batch = resolve_model(cfg.model), build_data(cfg.data, 64, cfg.train.seed), cfg.train.batch(2)
@@ -253,34 +255,36 @@ def test_advice_and_auto_agree_under_a_cap_inside_the_margin(tmp_path):
         return Budget(int(nbytes), "a test budget", "cpu", runtime)
 
     def ds(name):
-        return resolve(str(Path(family) / f"{name}.json"), cfg, batch, 3, cuda=False, hidden_size=1024)
+        return load_ds_setup(str(Path(family) / f"{name}.json"), cfg, batch, 3, cuda=False, hidden_size=1024)
 
-    z3 = fit.check(cfg, spec, ds("zero3"), data, batch, 64, 2, budget(8 * GiB))[0].device_total
+    z3 = memory_check.check(cfg, spec, ds("zero3"), data, batch, 64, 2, budget(8 * GiB))[0].device_total
     tight = budget(z3 / (1 - 0.055))   # z3 < cap < z3 + 10% of the cap: a margin of 0.05 would fit
-    with pytest.raises(fit.DoesNotFit) as refused:
-        fit.check(cfg, spec, ds("ddp"), data, batch, 64, 2, tight)
-    with pytest.raises(fit.DoesNotFit) as auto:
-        fit.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, tight)
+    with pytest.raises(memory_check.DoesNotFit) as refused:
+        memory_check.check(cfg, spec, ds("ddp"), data, batch, 64, 2, tight)
+    with pytest.raises(memory_check.DoesNotFit) as auto:
+        memory_check.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, tight)
     # Before: the check called ZeRO-3 "the fastest option that fits" (ignoring the margin), auto refused it.
     assert "is the fastest option that fits" not in str(refused.value), refused.value
-    arithmetic = fit.with_margin(fit._rows(fit.model_shape(spec, data), fit._plan_batch(cfg, batch, 64), 2,
-                                           fit._device(tight), Path(family))[3], tight, 0.1)
-    assert arithmetic.startswith(f"{fit.hb(z3)} + 10% margin (") and arithmetic.endswith(f"> {fit.hb(tight.bytes)}")
+    rows = memory_check._rows(memory_check.model_shape(spec, data), memory_check._plan_batch(cfg, batch, 64), 2,
+                              memory_check._device(tight), Path(family))
+    arithmetic = memory_check.with_margin(rows[3], tight, 0.1)
+    assert arithmetic.startswith(f"{memory_check.hb(z3)} + 10% margin (") \
+        and arithmetic.endswith(f"> {memory_check.hb(tight.bytes)}")
     fix = f"`--distributed.memory_margin 0.05` with --ds-config auto:{family} would run it"
     for message in (str(refused.value), str(auto.value)):
         assert f"ZeRO-3, needs {arithmetic}" in message and fix in message, message
     # The way out, as advised: that JSON runs (the check warns, stating the margin); auto with that margin picks it.
-    est, warning = fit.check(cfg, spec, ds("zero3"), data, batch, 64, 2, tight)
+    est, warning = memory_check.check(cfg, spec, ds("zero3"), data, batch, 64, 2, tight)
     assert est.device_total == z3 and warning and arithmetic in warning, warning
     cfg.distributed.memory_margin = 0.05
-    assert fit.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, tight).label == "ZeRO-3"
+    assert memory_check.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, tight).label == "ZeRO-3"
     # Room for the margin: the check advises ZeRO-3 and auto chooses it.
     cfg.distributed.memory_margin = 0.1
     roomy = budget(z3 / 0.85)
-    with pytest.raises(fit.DoesNotFit, match=rf"ZeRO-3 is the fastest option that fits with the 10% margin "
-                                             rf"\({re.escape(fit.hb(z3))} \+ 10% margin .*--ds-config auto:"):
-        fit.check(cfg, spec, ds("ddp"), data, batch, 64, 2, roomy)
-    pick = fit.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, roomy)
+    with pytest.raises(memory_check.DoesNotFit, match=rf"ZeRO-3 is the fastest option that fits with the 10% margin "
+                                                      rf"\({re.escape(memory_check.hb(z3))} \+ 10% margin .*--ds-config auto:"):
+        memory_check.check(cfg, spec, ds("ddp"), data, batch, 64, 2, roomy)
+    pick = memory_check.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, roomy)
     assert pick.label == "ZeRO-3" and pick.estimate.device_total == z3
 
 
@@ -289,17 +293,19 @@ def test_the_check_and_auto_measure_the_budget_once_at_the_same_point(monkeypatc
     process group and the Accelerator; the planner adds each option's own start-up growth."""
     from train.launch import device_memory
     from train.plan import estimate as est
-    from train.plan import fit
+    from train.plan import memory_check
+    from train.plan.shapes import BatchShape, count_shape
+    from train.plan.strategy import strategy_from_json
     views = iter([(3 * GiB, "first view", None, 300 * 2 ** 20), (3 * GiB, "second view", None, 345 * 2 ** 20)])
-    monkeypatch.setattr(fit, "local_budget", lambda: next(views))
+    monkeypatch.setattr(memory_check, "local_budget", lambda: next(views))
     cfg = frontier_config()
-    view = fit.measure(cfg, "auto")
-    assert fit.agreed_budget(view) == fit.agreed_budget(view)            # auto's budget is the check's
-    assert fit.agreed_budget(view).runtime == 300 * 2 ** 20
-    shape = est.count_shape(10 ** 6)
+    view = memory_check.measure(cfg, "auto")
+    assert memory_check.agreed_budget(view) == memory_check.agreed_budget(view)  # auto's budget is the check's
+    assert memory_check.agreed_budget(view).runtime == 300 * 2 ** 20
+    shape = count_shape(10 ** 6)
     device = est.Device("cpu", 300 * 2 ** 20)
-    ddp, z3 = (est.estimate(shape, est.strategy_from_json(n, est.paths.DS_CONFIGS / f"{n}.json", "fp32"), 2,
-                            est.Batch(1, None), device=device) for n in ("ddp", "zero3"))
+    ddp, z3 = (est.estimate(shape, strategy_from_json(n, est.paths.DS_CONFIGS / f"{n}.json", "fp32"), 2,
+                            BatchShape(1, None), device=device) for n in ("ddp", "zero3"))
     assert ddp.runtime == device.runtime + est.STARTUP["ddp"] and z3.runtime == device.runtime + est.STARTUP["deepspeed"]
     cfg.distributed.memory_check = False
-    assert fit.measure(cfg, "ds_configs/zero3.json") is None                 # neither path runs: nothing measured
+    assert memory_check.measure(cfg, "ds_configs/zero3.json") is None   # neither path runs: nothing measured

@@ -17,7 +17,7 @@ from helpers import REPO
 from train.launch import device_env
 from train.training import hardware
 from train.config import load_config
-from train.dsconfig import resolve
+from train.dsconfig import load_ds_setup
 from train.errors import ConfigError
 
 SHIPPED = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json"))
@@ -36,8 +36,8 @@ def test_every_shipped_json_takes_every_schedule(schedule):
     so --optim.schedule linear failed with every one of them)."""
     cfg = load_config(None, [("optim.schedule", schedule)])
     for name in SHIPPED:
-        ds = resolve(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100, cuda=True,
-                     hidden_size=64)
+        ds = load_ds_setup(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100, cuda=True,
+                             hidden_size=64)
         assert "scheduler" not in ds.resolved, name
 
 
@@ -54,10 +54,10 @@ def test_gather_16bit_on_save_false_is_refused(tmp_path):
     cfg = load_config(None)
     zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}
     with pytest.raises(ConfigError, match="never calls DeepSpeed's save_16bit_model.*checkpoint.export false"):
-        resolve(_write(tmp_path, {"zero_optimization": zero}), cfg, cfg.train.batch(2), 100, cuda=False,
-                hidden_size=64)
+        load_ds_setup(_write(tmp_path, {"zero_optimization": zero}), cfg, cfg.train.batch(2), 100, cuda=False,
+                        hidden_size=64)
     zero["stage3_gather_16bit_weights_on_model_save"] = True
-    resolve(_write(tmp_path, {"zero_optimization": zero}), cfg, cfg.train.batch(2), 100, cuda=False, hidden_size=64)
+    load_ds_setup(_write(tmp_path, {"zero_optimization": zero}), cfg, cfg.train.batch(2), 100, cuda=False, hidden_size=64)
 
 
 # ------------------------------------------------------------------ DDP fp16 -> GradScaler
@@ -66,14 +66,14 @@ def test_ddp_fp16_settings_reach_the_grad_scaler(tmp_path):
     ddp = json.loads((REPO / "ds_configs" / "ddp.json").read_text())
     ddp["bf16"], ddp["fp16"]["enabled"] = {"enabled": False}, True
     ddp["fp16"].update(initial_scale_power=12, loss_scale_window=50)
-    ds = resolve(_write(tmp_path, ddp), cfg, cfg.train.batch(2), 100, cuda=True)
+    ds = load_ds_setup(_write(tmp_path, ddp), cfg, cfg.train.batch(2), 100, cuda=True)
     assert ds.precision == "fp16" and ds.grad_scaler == {"init_scale": 4096.0, "growth_interval": 50}
     # ... and Accelerate builds its GradScaler from them (the handler build_accelerator passes).
     from accelerate.utils import GradScalerKwargs
     assert GradScalerKwargs(**ds.grad_scaler).to_kwargs() == {"init_scale": 4096.0, "growth_interval": 50}
     ddp["bf16"] = {"enabled": True}
     ddp["fp16"]["enabled"] = False
-    assert resolve(_write(tmp_path, ddp), cfg, cfg.train.batch(2), 100, cuda=True).grad_scaler is None
+    assert load_ds_setup(_write(tmp_path, ddp), cfg, cfg.train.batch(2), 100, cuda=True).grad_scaler is None
 
 
 @pytest.mark.parametrize("fp16,needle", [
@@ -85,7 +85,7 @@ def test_ddp_fp16_settings_without_a_grad_scaler_meaning_are_refused(tmp_path, f
     cfg = load_config(None)
     ds = {"ddp": {}, "fp16": {"enabled": True, **fp16}}
     with pytest.raises(ConfigError, match=needle):
-        resolve(_write(tmp_path, ds), cfg, cfg.train.batch(2), 100, cuda=True)
+        load_ds_setup(_write(tmp_path, ds), cfg, cfg.train.batch(2), 100, cuda=True)
 
 
 # ------------------------------------------------------------------ hardware options
@@ -144,8 +144,8 @@ def test_the_deepspeed_launchers_node_ranks_reach_accelerate(monkeypatch):
 
 def _ds(tmp_path, name):
     cfg = load_config(None)
-    return resolve(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100, cuda=True,
-                   hidden_size=64)
+    return load_ds_setup(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100, cuda=True,
+                           hidden_size=64)
 
 
 def test_channels_last_is_for_vision_under_ddp_on_cuda(tmp_path):

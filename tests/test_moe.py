@@ -275,8 +275,10 @@ def test_planner_counts_total_and_active_parameters_and_the_gathered_block(tmp_p
     """Memory follows every parameter, FLOPs the active ones; under ZeRO-3 a whole sparse block
     (all its experts) is gathered at once even when stage3_max_live_parameters is smaller."""
     from train.commands import plan as plan_cli
-    from train.plan.estimate import Batch, estimate, strategy_from_json
-    from train.plan.fit import model_shape
+    from train.plan.estimate import estimate
+    from train.plan.memory_check import model_shape
+    from train.plan.shapes import BatchShape
+    from train.plan.strategy import strategy_from_json
     from models import resolve
     from models.config import ModelConfig
     d = save_tiny_moe(tmp_path / "m")
@@ -287,7 +289,7 @@ def test_planner_counts_total_and_active_parameters_and_the_gathered_block(tmp_p
     small = ds_variant(tmp_path, "zero3", "z3_small_live", bf16={"enabled": False},
                        zero_optimization={"stage": 3, "stage3_max_live_parameters": 1000,
                                           "stage3_param_persistence_threshold": 0})
-    e = estimate(shape, strategy_from_json("z3", Path(small)), 2, Batch(1, SEQ), rank=0)
+    e = estimate(shape, strategy_from_json("z3", Path(small)), 2, BatchShape(1, SEQ), rank=0)
     largest = max(shape.tensors)
     assert e.backward_work == 4 * shape.leaf_block + 4 * largest  # fp32: the block, not 1000 elements
     run = tmp_path / "run.yaml"

@@ -12,7 +12,10 @@ import torch
 from train import paths
 from train.commands import plan as plan_cli
 from train.plan import estimate as plan
-from train.plan.estimate import Batch, Cluster, count_shape, estimate, gpt_shape, make_plan
+from train.plan.activations import activation_bytes
+from train.plan.estimate import Cluster, estimate, make_plan
+from train.plan.shapes import BatchShape, count_shape, gpt_shape
+from train.plan.strategy import strategy_from_json
 
 PSI, N = 1_000_000_000, 8           # 1e9 is a multiple of 2N: no flat-buffer padding
 OPTIONS = dict(plan.OPTIONS)
@@ -20,14 +23,15 @@ OPTIONS = dict(plan.OPTIONS)
 
 def strategy(name: str, precision: str = "bf16", accum_dtype: str | None = None):
     label = {v: k for k, v in plan.OPTIONS}.get(f"{name}.json", name)
-    s = plan.strategy_from_json(label, paths.DS_CONFIGS / f"{name}.json", precision)
+    s = strategy_from_json(label, paths.DS_CONFIGS / f"{name}.json", precision)
     if accum_dtype is not None:
         s = dataclasses.replace(s, grad_accum_fp32=accum_dtype == "fp32")
     return s
 
 
 def states(name, precision="bf16", accum=1, psi=PSI, n=N, accum_dtype="bf16"):
-    e = estimate(count_shape(psi), strategy(name, precision, accum_dtype), n, Batch(micro=1, seq_len=None, accum=accum))
+    e = estimate(count_shape(psi), strategy(name, precision, accum_dtype), n,
+                 BatchShape(micro=1, seq_len=None, accum=accum))
     return e
 
 
@@ -98,7 +102,7 @@ def test_zero3_keeps_small_tensors_whole():
     from models.gpt import preset
     cfg = preset("gpt-tiny", d_model=256)     # proj (65k) and tok_emb (65k) are under the 1e5 threshold
     shape = gpt_shape("x", cfg)
-    e = estimate(shape, strategy("zero3", "fp32"), 2, Batch(1, 64))
+    e = estimate(shape, strategy("zero3", "fp32"), 2, BatchShape(1, 64))
     persistent = sum(t for t in shape.tensors if t <= 100_000)
     assert 0 < persistent < shape.num_params
     assert e.params == 4 * sum(-(-t // 2) for t in shape.tensors) + 4 * persistent
@@ -123,7 +127,7 @@ def test_activation_estimate_matches_saved_tensors(dtype):
         out = model(idx).float()
         F.cross_entropy(out.view(-1, out.size(-1)), idx.view(-1))
     elem = 4 if dtype == torch.float32 else 2
-    predicted = plan.activation_bytes(cfg, Batch(4, 32), elem)
+    predicted = activation_bytes(cfg, BatchShape(4, 32), elem)
     # The estimate adds the head's backward transients (fp32 log-prob grad + logits) on top.
     transients = 4 * 32 * (4 + elem) * cfg.vocab_size
     assert abs(predicted - transients - sum(saved.values())) / sum(saved.values()) < 0.03
@@ -157,8 +161,8 @@ def test_the_document_mask_is_saved_once_and_planned_once(dtype):
         F.cross_entropy(out.view(-1, out.size(-1)), idx.view(-1))
     elem = 4 if dtype == torch.float32 else 2
     assert len(squares) == 1                                          # one mask for the 3 layers
-    predicted = plan.activation_bytes(cfg, Batch(B, T, document_mask=True), elem)
-    assert predicted - plan.activation_bytes(cfg, Batch(B, T), elem) == B * T * T * elem
+    predicted = activation_bytes(cfg, BatchShape(B, T, document_mask=True), elem)
+    assert predicted - activation_bytes(cfg, BatchShape(B, T), elem) == B * T * T * elem
     transients = B * T * (4 + elem) * cfg.vocab_size
     assert abs(predicted - transients - sum(saved.values())) / sum(saved.values()) < 0.03
 
@@ -166,7 +170,7 @@ def test_the_document_mask_is_saved_once_and_planned_once(dtype):
 def test_recommendation_moves_from_ddp_to_zero_to_offload_as_memory_shrinks():
     from models.gpt import PRESETS
     shape = gpt_shape("gpt-1.3b", PRESETS["gpt-1.3b"])
-    batch = Batch(micro=1, seq_len=2048, accum=2, checkpointing=True)
+    batch = BatchShape(micro=1, seq_len=2048, accum=2, checkpointing=True)
 
     def pick(gib, devices=8):
         p = make_plan(shape, Cluster(1, devices, int(gib * 2**30), 512 * 2**30), batch)

@@ -175,14 +175,14 @@ def _sp_check(tmp_path, n: int, *overrides, ds_json: str = "ds_configs/zero3.jso
     """train/launch/sequence_parallel.check on a real config, model spec and DeepSpeed setup."""
     from models import resolve as resolve_model
     from train.config import load_config
-    from train.dsconfig import resolve
+    from train.dsconfig import load_ds_setup
     from train.launch import sequence_parallel as sp_
     pairs = [("model.name", "gpt-tiny"), ("data.seq_len", "64"), ("distributed.sequence_parallel", str(n)),
              *[tuple(o.split("=", 1)) for o in overrides]]
     cfg = load_config(None, pairs)
     spec = resolve_model(cfg.model)
     batch = cfg.train.batch(1)
-    ds = resolve(ds_json, cfg, sp_.engine_batch(batch, n), 10, cuda=False, hidden_size=spec.hidden_size or 64)
+    ds = load_ds_setup(ds_json, cfg, sp_.engine_batch(batch, n), 10, cuda=False, hidden_size=spec.hidden_size or 64)
     sp_.check(cfg, spec, cfg.data.seq_len, ds)
 
 
@@ -285,11 +285,12 @@ def test_planner_divides_activations_by_n_and_counts_the_all_to_all_buffers():
     """Per rank: every saved activation is per token, so 1/N of them; the exchange buffers are
     q, k, v of one layer (send copy + receive buffer) on the local tokens."""
     from models.gpt import preset
-    from train.plan.estimate import Batch, activation_bytes, sp_exchange_bytes
+    from train.plan.activations import activation_bytes, sp_exchange_bytes
+    from train.plan.shapes import BatchShape
     g = preset("gpt-tiny", seq_len=SEQ_LEN)
     for ckpt in (False, True):
-        one = Batch(1, SEQ_LEN, 1, ckpt, 1)
-        two = Batch(1, SEQ_LEN, 1, ckpt, 2)
+        one = BatchShape(1, SEQ_LEN, 1, ckpt, 1)
+        two = BatchShape(1, SEQ_LEN, 1, ckpt, 2)
         assert activation_bytes(g, two, 4) * 2 == activation_bytes(g, one, 4)
         assert sp_exchange_bytes(g, one, 4) == 0
         kv = g.n_kv_head * g.head_dim

@@ -30,7 +30,7 @@ from models.gpt import GPT, preset  # noqa: E402
 from models.vision import gathering_inits  # noqa: E402
 from train.config import ModelConfig, load_config  # noqa: E402
 from train.data import DataBundle  # noqa: E402
-from train.dsconfig import resolve  # noqa: E402
+from train.dsconfig import load_ds_setup  # noqa: E402
 
 deepspeed.init_distributed(dist_backend="gloo")
 RANK, WORLD = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -179,8 +179,8 @@ def accumulated_norm(stage: int, accum_dtype=None, comm_dtype=None) -> float:
     micro, accum = 1, 64
     run = load_config(None, [("train.micro_batch_size", str(micro)), ("train.grad_accum_steps", str(accum)),
                              ("train.grad_clip", "0")])
-    ds = resolve(os.path.join(os.environ["REPO"], "ds_configs", f"zero{stage}.json"), run, run.train.batch(WORLD), 10,
-                 cuda=False, hidden_size=8)
+    ds = load_ds_setup(os.path.join(os.environ["REPO"], "ds_configs", f"zero{stage}.json"), run, run.train.batch(WORLD), 10,
+                         cuda=False, hidden_size=8)
     config = copy.deepcopy(ds.resolved)
     if accum_dtype is not None:
         config["data_types"] = {"grad_accum_dtype": accum_dtype}

@@ -202,67 +202,110 @@ def _check_block(path, block: dict, name: str, checks: dict):
                               f'use "auto" or change the run config')
 
 
-def resolve(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda: bool,
-            hidden_size: int | None = None, sizes_later: bool = False) -> DSSetup:
-    """Validate the JSON at `path` against the run config and fill every "auto". The "auto"
-    ZeRO sizes need the model width; `sizes_later` (zerotrain check, before any data is read)
-    leaves them for the run to fill."""
+def load_ds_setup(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda: bool,
+                  hidden_size: int | None = None, sizes_later: bool = False) -> DSSetup:
+    """Read the DeepSpeed JSON at `path`, validate it against the run config and fill every
+    "auto". The "auto" ZeRO sizes need the model width; `sizes_later` (zerotrain check, before
+    any data is read) leaves them for the run to fill."""
     ds = copy.deepcopy(read_ds_json(path))
     precision = precision_of(path, ds)
+    _check_fp16_device(path, precision, cuda)
+    _match_batch(path, ds, cfg, batch)
+    _check_optimizer(path, ds, cfg.optim)
+    _check_scheduler(path, ds, cfg.optim, max_steps)
+    if "ddp" in ds:
+        return _ddp_setup(path, ds, precision)
+    return _deepspeed_setup(path, ds, precision, hidden_size, sizes_later)
+
+
+def _check_fp16_device(path, precision: str, cuda: bool):
     if precision == "fp16" and not cuda:
         raise ConfigError(
             f'{path}: fp16 needs a CUDA GPU (DeepSpeed refuses it on CPU: "Type fp16 is not supported on your '
             f'device"); on this machine use bf16: set "bf16": {{"enabled": true}} and "fp16": {{"enabled": false}} '
             f"(as in ds_configs/zero2.json)")
 
-    t = cfg.train
+
+def _match_batch(path, ds: dict, cfg: RunConfig, batch: Batch):
+    """The batch keys and gradient clipping: filled from the run config, or equal to it."""
     _match(path, ds, "train_micro_batch_size_per_gpu", batch.micro, "train.micro_batch_size")
     _match(path, ds, "gradient_accumulation_steps", batch.accum, "train.grad_accum_steps")
     _match(path, ds, "train_batch_size", batch.global_size,
            f"global batch (micro {batch.micro} x accum {batch.accum} x world {batch.world})")
-    _match(path, ds, "gradient_clipping", float(t.grad_clip), "train.grad_clip")
+    _match(path, ds, "gradient_clipping", float(cfg.train.grad_clip), "train.grad_clip")
 
-    o = cfg.optim
-    if "optimizer" in ds:
-        opt = ds.pop("optimizer")
-        kind = str(opt.get("type", "AdamW")) if isinstance(opt, dict) else ""
-        if kind.lower() not in OPTIMIZERS:
-            raise ConfigError(f'{path}: "optimizer.type" {kind!r} is not supported; zerotrain builds AdamW itself '
-                              f'(DeepSpeedCPUAdam under optimizer offload): use "AdamW" or remove the block')
-        _check_block(path, opt, "optimizer", {"lr": (o.lr, "optim.lr"), "betas": (list(o.betas), "optim.betas"),
-                                              "eps": (o.eps, "optim.eps"),
-                                              "weight_decay": (o.weight_decay, "optim.weight_decay")})
-    if "scheduler" in ds:
-        sched = ds.pop("scheduler")
-        kind = sched.get("type") if isinstance(sched, dict) else None
-        if kind not in SCHEDULES:
-            raise ConfigError(f'{path}: "scheduler.type" {kind!r} is not supported; use one of '
-                              f'{", ".join(SCHEDULES)} (zerotrain computes the LR itself) or remove the block')
-        if SCHEDULES[kind] != o.schedule:
-            raise ConfigError(f'{path}: "scheduler.type" {kind} means schedule "{SCHEDULES[kind]}" but the run '
-                              f'config has optim.schedule = "{o.schedule}"; make them agree')
-        _check_block(path, sched, "scheduler", {"warmup_num_steps": (o.warmup_steps, "optim.warmup_steps"),
-                                                "total_num_steps": (max_steps, "train.max_steps"),
-                                                "warmup_max_lr": (o.lr, "optim.lr"),
-                                                "warmup_min_lr": (0.0, "warmup start (0)")})
 
-    has_ddp = "ddp" in ds
-    if has_ddp:
-        stray = [k for k in DEEPSPEED_ONLY if k in ds]
-        if stray:
-            raise ConfigError(f'{path}: a "ddp" file (plain DDP) cannot also set {", ".join(stray)}; '
-                              f"use a ds_configs/zero*.json file for DeepSpeed")
-        ddp = ds["ddp"]
-        if not isinstance(ddp, dict):
-            raise ConfigError(f'{path}: "ddp" must be an object of DDP options')
-        for k in ddp:
-            if k not in DDP_KEYS:
-                raise ConfigError(f'{path}: "ddp.{k}" is not a DDP option{did_you_mean(k, DDP_KEYS)}; '
-                                  f"valid: {', '.join(DDP_KEYS)}")
-        return DSSetup(path=str(path), backend="ddp", stage=None, precision=precision, offload_optimizer=None,
-                       offload_param=None, ddp_kwargs=dict(ddp), resolved=ds,
-                       grad_scaler=grad_scaler_args(path, ds["fp16"]) if precision == "fp16" else None)
+def _check_optimizer(path, ds: dict, o):
+    """An "optimizer" block selects AdamW and pins its hyper-parameters; it is removed from `ds`."""
+    if "optimizer" not in ds:
+        return
+    opt = ds.pop("optimizer")
+    kind = str(opt.get("type", "AdamW")) if isinstance(opt, dict) else ""
+    if kind.lower() not in OPTIMIZERS:
+        raise ConfigError(f'{path}: "optimizer.type" {kind!r} is not supported; zerotrain builds AdamW itself '
+                          f'(DeepSpeedCPUAdam under optimizer offload): use "AdamW" or remove the block')
+    _check_block(path, opt, "optimizer", {"lr": (o.lr, "optim.lr"), "betas": (list(o.betas), "optim.betas"),
+                                          "eps": (o.eps, "optim.eps"),
+                                          "weight_decay": (o.weight_decay, "optim.weight_decay")})
 
+
+def _check_scheduler(path, ds: dict, o, max_steps: int):
+    """A "scheduler" block must name the run config's schedule; it is removed from `ds`."""
+    if "scheduler" not in ds:
+        return
+    sched = ds.pop("scheduler")
+    kind = sched.get("type") if isinstance(sched, dict) else None
+    if kind not in SCHEDULES:
+        raise ConfigError(f'{path}: "scheduler.type" {kind!r} is not supported; use one of '
+                          f'{", ".join(SCHEDULES)} (zerotrain computes the LR itself) or remove the block')
+    if SCHEDULES[kind] != o.schedule:
+        raise ConfigError(f'{path}: "scheduler.type" {kind} means schedule "{SCHEDULES[kind]}" but the run '
+                          f'config has optim.schedule = "{o.schedule}"; make them agree')
+    _check_block(path, sched, "scheduler", {"warmup_num_steps": (o.warmup_steps, "optim.warmup_steps"),
+                                            "total_num_steps": (max_steps, "train.max_steps"),
+                                            "warmup_max_lr": (o.lr, "optim.lr"),
+                                            "warmup_min_lr": (0.0, "warmup start (0)")})
+
+
+def _ddp_setup(path, ds: dict, precision: str) -> DSSetup:
+    """A "ddp" file: plain DDP with the block's options (and no DeepSpeed key)."""
+    stray = [k for k in DEEPSPEED_ONLY if k in ds]
+    if stray:
+        raise ConfigError(f'{path}: a "ddp" file (plain DDP) cannot also set {", ".join(stray)}; '
+                          f"use a ds_configs/zero*.json file for DeepSpeed")
+    ddp = ds["ddp"]
+    if not isinstance(ddp, dict):
+        raise ConfigError(f'{path}: "ddp" must be an object of DDP options')
+    for k in ddp:
+        if k not in DDP_KEYS:
+            raise ConfigError(f'{path}: "ddp.{k}" is not a DDP option{did_you_mean(k, DDP_KEYS)}; '
+                              f"valid: {', '.join(DDP_KEYS)}")
+    return DSSetup(path=str(path), backend="ddp", stage=None, precision=precision, offload_optimizer=None,
+                   offload_param=None, ddp_kwargs=dict(ddp), resolved=ds,
+                   grad_scaler=grad_scaler_args(path, ds["fp16"]) if precision == "fp16" else None)
+
+
+def _deepspeed_setup(path, ds: dict, precision: str, hidden_size: int | None, sizes_later: bool) -> DSSetup:
+    """A "zero_optimization" file (or neither block: ZeRO-0): checked, its "auto" sizes filled."""
+    zero = _zero_block(path, ds)
+    stage = zero.get("stage", 0)
+    off_opt, off_par = _offload_devices(path, zero, stage)
+    _fill_auto_sizes(path, zero, hidden_size, sizes_later)
+    _grad_accum_dtype(path, ds, stage, precision)
+    _check_gather_on_save(path, zero)
+    if off_opt:
+        # The optimizer is ours (DeepSpeedCPUAdam); DeepSpeed must not second-guess it.
+        ds["zero_force_ds_cpu_optimizer"] = False
+    ds["zero_allow_untested_optimizer"] = True
+    left = [k for k in _find_auto(ds) if not (sizes_later and k.removeprefix("zero_optimization.") in AUTO_SIZES)]
+    if left:
+        raise ConfigError(f'{path}: zerotrain cannot fill "auto" for {", ".join(left)}; set concrete values')
+    return DSSetup(path=str(path), backend="deepspeed", stage=stage, precision=precision, offload_optimizer=off_opt,
+                   offload_param=off_par, resolved=ds)
+
+
+def _zero_block(path, ds: dict) -> dict:
+    """ds["zero_optimization"] (created as stage 0 when absent), its stage checked."""
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     if not isinstance(zero, dict):
         raise ConfigError(f'{path}: "zero_optimization" must be an object like {{"stage": 2}}')
@@ -274,6 +317,11 @@ def resolve(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda: bool,
         if bad:
             raise ConfigError(f'{path}: {", ".join("zero_optimization." + k for k in bad)} only apply to ZeRO-3 '
                               f"but the file sets stage {stage}; remove them or set \"stage\": 3")
+    return zero
+
+
+def _offload_devices(path, zero: dict, stage: int) -> tuple[str | None, str | None]:
+    """(optimizer, parameter) offload devices: "cpu", "nvme" or None."""
     off_opt = (zero.get("offload_optimizer") or {}).get("device")
     off_par = (zero.get("offload_param") or {}).get("device")
     off_opt = None if off_opt in (None, "none") else off_opt
@@ -282,6 +330,11 @@ def resolve(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda: bool,
         raise ConfigError(f'{path}: "offload_optimizer" needs ZeRO stage 1, 2 or 3 (the file sets stage 0)')
     if off_opt not in (None, "cpu", "nvme") or off_par not in (None, "cpu", "nvme"):
         raise ConfigError(f'{path}: offload "device" must be "cpu", "nvme" or "none"')
+    return off_opt, off_par
+
+
+def _fill_auto_sizes(path, zero: dict, hidden_size: int | None, sizes_later: bool):
+    """The "auto" buffer sizes from the model width (AUTO_SIZES); left as they are with `sizes_later`."""
     for k, rule in AUTO_SIZES.items():
         if _is_auto(zero.get(k)):
             if hidden_size is None and sizes_later:
@@ -290,22 +343,15 @@ def resolve(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda: bool,
                 raise ConfigError(f'{path}: "zero_optimization.{k}" is "auto" but this model has no hidden size '
                                   f"to derive it from; set a number")
             zero[k] = rule(hidden_size)
-    _grad_accum_dtype(path, ds, stage, precision)
+
+
+def _check_gather_on_save(path, zero: dict):
     gather = zero.get("stage3_gather_16bit_weights_on_model_save")
     if gather is not None and gather is not True:
         raise ConfigError(f'{path}: "zero_optimization.stage3_gather_16bit_weights_on_model_save": {gather!r}: zerotrain '
                           f"never calls DeepSpeed's save_16bit_model; its exports always gather the full ZeRO-3 weights "
                           f'(checkpoint.export, zerotrain export). Remove the key (or set it true); to skip the '
                           f"export set checkpoint.export false")
-    if off_opt:
-        # The optimizer is ours (DeepSpeedCPUAdam); DeepSpeed must not second-guess it.
-        ds["zero_force_ds_cpu_optimizer"] = False
-    ds["zero_allow_untested_optimizer"] = True
-    left = [k for k in _find_auto(ds) if not (sizes_later and k.removeprefix("zero_optimization.") in AUTO_SIZES)]
-    if left:
-        raise ConfigError(f'{path}: zerotrain cannot fill "auto" for {", ".join(left)}; set concrete values')
-    return DSSetup(path=str(path), backend="deepspeed", stage=stage, precision=precision, offload_optimizer=off_opt,
-                   offload_param=off_par, resolved=ds)
 
 
 ACCUM_DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",

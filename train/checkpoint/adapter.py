@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from models import lora as lora_names
-from train.checkpoint import files as io
+from train.checkpoint import files as ckpt_files
 from train.checkpoint.weights import EXPORT_DTYPES, WeightsReader, write_weights
 from train.errors import CheckpointError, ConfigError
 
@@ -76,13 +76,13 @@ def write_adapter(out_dir, lora: dict, tensors: dict[str, torch.Tensor], dtype: 
     if bad or not tensors:
         raise RuntimeError(f"refusing to write an incomplete LoRA adapter (tensors not gathered?): {bad[:4]}")
     tmp = out.with_name(f".{out.name}.tmp")
-    io.remove_tree(tmp)
+    ckpt_files.remove_tree(tmp)
     tmp.mkdir(parents=True)
     state = {lora_names.adapter_key(n): t.to(dtype).contiguous() for n, t in tensors.items()}
     save_file(state, str(tmp / lora_names.ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    io.fsync_path(tmp / lora_names.ADAPTER_WEIGHTS)
+    ckpt_files.fsync_path(tmp / lora_names.ADAPTER_WEIGHTS)
     lora_names.write_adapter_config(lora, tmp)
-    io.replace_dir(tmp, out)
+    ckpt_files.replace_dir(tmp, out)
     return out
 
 
@@ -99,10 +99,10 @@ def export_lora_checkpoint(ckpt_path, out_dir, merge: bool = False, dtype: str |
                            max_shard_size: str | None = None) -> Path:
     """A LoRA checkpoint -> PEFT adapter directory, or with `merge` full merged weights. Offline:
     one CPU process, no process group; the merge reads the base one tensor at a time."""
-    ckpt = io.resolve_checkpoint(ckpt_path)
-    manifest = io.read_manifest(ckpt)
-    io.verify(ckpt, manifest)
-    meta = io.read_json(ckpt / io.META, "checkpoint metadata")
+    ckpt = ckpt_files.resolve_checkpoint(ckpt_path)
+    manifest = ckpt_files.read_manifest(ckpt)
+    ckpt_files.verify(ckpt, manifest)
+    meta = ckpt_files.read_json(ckpt / ckpt_files.META, "checkpoint metadata")
     lora = meta.get("lora")
     if lora is None:
         raise ConfigError(f"{ckpt} is not a LoRA checkpoint (no model.lora): --merge applies to LoRA adapters only; "
@@ -111,7 +111,7 @@ def export_lora_checkpoint(ckpt_path, out_dir, merge: bool = False, dtype: str |
     dtype = dtype or ck_cfg.get("export_dtype", "bf16")
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f'--dtype must be "bf16" or "fp32" (got "{dtype}")')
-    reader = io.PieceReader([ckpt / f for f in manifest["files"] if f.endswith(".safetensors")])
+    reader = ckpt_files.PieceReader([ckpt / f for f in manifest["files"] if f.endswith(".safetensors")])
     try:
         adapter = {n: reader.read("param", n, 0, math.prod(p["shape"])).view(p["shape"])
                    for n, p in meta["params"].items()}

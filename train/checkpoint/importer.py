@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import files as io
+from train.checkpoint import files as ckpt_files
 from train.checkpoint.holders import MOMENTS
 from train.checkpoint.safe_unpickle import restricted_load, torch_load_restricted
 from train.errors import CheckpointError
@@ -105,28 +105,7 @@ def read_deepspeed(step_dir: Path, optimizer_order=None) -> Imported:
     if world != len(optim_files):
         raise CheckpointError(f"{step_dir}: the checkpoint was written by {world} ranks but has {len(optim_files)} "
                               f"*_optim_states.pt files (a rank's file is missing)")
-    paddings = osd[0].get("param_alignment_paddings")
-    if stage <= 2:
-        base = [o["base_optimizer_state"] for o in osd]
-        groups = [o["single_partition_of_fp32_groups"] for o in osd]
-    else:
-        base = [o["optimizer_state_dict"] for o in osd]
-        groups = [o["fp32_flat_groups"] for o in osd]
-    ngroups = len(groups[0])
-
-    def merge(flat):
-        if stage <= 2:
-            sd = z._get_fp32_state_dict_from_zero2_checkpoint(world, flat, zms, flat is not groups, paddings)
-        else:
-            sd = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat, zms, flat is not groups)
-        return {k: v for k, v in z.to_torch_tensor(sd).items()}
-
-    with torch_load_restricted(), _quiet(z):
-        full = merge(groups)
-        moments = {}
-        for kind in MOMENTS:
-            flat = [[b["state"][g][kind] for g in range(ngroups)] for b in base]
-            moments[kind] = merge(flat)
+    full, moments, base = _merge_partitions(z, zms, osd, stage, world)
     tied = {a: s for a, s in zms[0].shared_params}
     buffers = dict(zms[0].buffers)
     for d in moments.values():
@@ -153,17 +132,46 @@ def read_deepspeed(step_dir: Path, optimizer_order=None) -> Imported:
                     skipped_steps=int(ms.get("skipped_steps", 0) or 0), notes=notes)
 
 
+def _merge_partitions(z, zms, osd: list, stage: int, world: int) -> tuple[dict, dict, list]:
+    """(whole fp32 weights by name, whole moments by kind and name, each rank's base optimizer
+    state): zero_to_fp32 (`z`) reassembles the ranks' flat fp32 partitions, and the moment
+    partitions, which have exactly their layout."""
+    paddings = osd[0].get("param_alignment_paddings")
+    if stage <= 2:
+        base = [o["base_optimizer_state"] for o in osd]
+        groups = [o["single_partition_of_fp32_groups"] for o in osd]
+    else:
+        base = [o["optimizer_state_dict"] for o in osd]
+        groups = [o["fp32_flat_groups"] for o in osd]
+    ngroups = len(groups[0])
+
+    def merge(flat):
+        if stage <= 2:
+            sd = z._get_fp32_state_dict_from_zero2_checkpoint(world, flat, zms, flat is not groups, paddings)
+        else:
+            sd = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat, zms, flat is not groups)
+        return {k: v for k, v in z.to_torch_tensor(sd).items()}
+
+    with torch_load_restricted(), _quiet(z):
+        full = merge(groups)
+        moments = {}
+        for kind in MOMENTS:
+            flat = [[b["state"][g][kind] for g in range(ngroups)] for b in base]
+            moments[kind] = merge(flat)
+    return full, moments, base
+
+
 def _quiet(z):
     """zero_to_fp32 prints its progress (print + tqdm); the import prints its own summary."""
     import contextlib
-    import io as _io
+    import io
 
     @contextlib.contextmanager
     def cm():
         saved = getattr(z, "tqdm", None)
         z.tqdm = lambda it, *a, **k: it
         try:
-            with contextlib.redirect_stdout(_io.StringIO()):
+            with contextlib.redirect_stdout(io.StringIO()):
                 yield
         finally:
             z.tqdm = saved
@@ -233,19 +241,20 @@ def write_checkpoint(out: Path, imp: Imported, meta: dict) -> Path:
     `meta` is meta.json minus what comes from `imp` (params, buffers)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(io.TMP_PREFIX + out.name)
-    io.remove_tree(tmp)
+    tmp = out.with_name(ckpt_files.TMP_PREFIX + out.name)
+    ckpt_files.remove_tree(tmp)
     tmp.mkdir()
     try:
         tensors = {}
         for name, t in imp.weights.items():
-            tensors[io.piece_key("param", name, 0)] = t.detach().reshape(-1).float().contiguous()
+            tensors[ckpt_files.piece_key("param", name, 0)] = t.detach().reshape(-1).float().contiguous()
             if name in imp.steps:
                 for kind in MOMENTS:
-                    tensors[io.piece_key(kind, name, 0)] = imp.moments[kind][name].reshape(-1).float().contiguous()
+                    moment = imp.moments[kind][name]
+                    tensors[ckpt_files.piece_key(kind, name, 0)] = moment.reshape(-1).float().contiguous()
         for name, b in imp.buffers.items():
-            tensors[io.piece_key("buffer", name, 0)] = b.detach().reshape(-1).contiguous()
-        files = {"rank00000.safetensors": io.save_tensors(tensors, tmp / "rank00000.safetensors")}
+            tensors[ckpt_files.piece_key("buffer", name, 0)] = b.detach().reshape(-1).contiguous()
+        files = {"rank00000.safetensors": ckpt_files.save_tensors(tensors, tmp / "rank00000.safetensors")}
         full = {**meta,
                 "params": {n: {"shape": list(t.shape), "trainable": n in imp.steps,
                                **({"optimizer_step": imp.steps[n]} if n in imp.steps else {})}
@@ -253,12 +262,13 @@ def write_checkpoint(out: Path, imp: Imported, meta: dict) -> Path:
                 "buffers": {n: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
                             for n, b in imp.buffers.items()},
                 "moments": list(MOMENTS)}
-        files[io.META] = io.write_json(tmp / io.META, full)
-        io.write_json(tmp / io.MANIFEST, {"format": io.FORMAT, "version": io.VERSION, "step": meta["step"],
-                                          "world_size": 1, "files": dict(sorted(files.items()))})
-        io.replace_dir(tmp, out)
+        files[ckpt_files.META] = ckpt_files.write_json(tmp / ckpt_files.META, full)
+        ckpt_files.write_json(tmp / ckpt_files.MANIFEST, {"format": ckpt_files.FORMAT, "version": ckpt_files.VERSION,
+                                                          "step": meta["step"], "world_size": 1,
+                                                          "files": dict(sorted(files.items()))})
+        ckpt_files.replace_dir(tmp, out)
     except BaseException:
-        io.remove_tree(tmp)
+        ckpt_files.remove_tree(tmp)
         raise
     return out
 
@@ -289,7 +299,7 @@ def _hf_weights(d: Path) -> dict[str, torch.Tensor]:
     if (d / "model.safetensors").is_file():
         return load_file(str(d / "model.safetensors"))
     if (d / "model.safetensors.index.json").is_file():
-        index = io.read_json(d / "model.safetensors.index.json", "weights index")
+        index = ckpt_files.read_json(d / "model.safetensors.index.json", "weights index")
         out = {}
         for f in sorted(set(index["weight_map"].values())):
             out.update(load_file(str(d / f)))
@@ -307,7 +317,7 @@ def read_hf_trainer(d: Path, optimizer_order=None) -> Imported:
     trainer_state.json's global_step. Not read: training_args.bin (a pickled TrainingArguments:
     code), rng_state.pth (numpy objects; RNG streams start fresh), scheduler.pt (zerotrain's LR
     is a function of the step)."""
-    state = io.read_json(d / "trainer_state.json", "HF Trainer state")
+    state = ckpt_files.read_json(d / "trainer_state.json", "HF Trainer state")
     step = int(state.get("global_step", 0))
     weights = {n: t.float() if t.is_floating_point() else t for n, t in _hf_weights(d).items()}
     moments, steps, notes = {k: {} for k in MOMENTS}, {}, []

@@ -1,5 +1,5 @@
-"""Resumable checkpoints: save / load (resume) / export / prune. Layout and guarantees:
-docs/checkpoints.md.
+"""Resumable checkpoints: save / load (resume) / init_from / prune, and the live export
+(train/checkpoint/export.py). Layout and guarantees: docs/checkpoints.md.
 
 Every rank writes the part of the state it owns (no rank gathers the model or the
 optimizer), as safetensors pieces keyed by parameter name and element range, so a
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -23,12 +22,12 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from models.lora import base_name, is_adapter
-from train.checkpoint import adapter
-from train.checkpoint import files as io
+from train import testhooks
+from train.checkpoint import adapter, engine_state
+from train.checkpoint import files as ckpt_files
 from train.checkpoint.holders import MOMENTS, make_holder, persistent_buffers
 from train.checkpoint.state import TrainState
 from train.errors import CheckpointError, ConfigError
-from train.optim import loss_scale
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -38,13 +37,12 @@ if TYPE_CHECKING:
     from train.data.sampler import GlobalBatchSampler
     from train.dsconfig import DSSetup
 
-KILL_ENV = "ZEROTRAIN_INJECT_KILL_IN_SAVE"  # "<step>": SIGKILL each rank after its first file of that save
 
 
 # ---------------------------------------------------------------------------- collectives (no-ops alone)
 
 def _barrier():
-    d = io.process_group()
+    d = ckpt_files.process_group()
     if d is not None:
         d.barrier()
 
@@ -125,14 +123,14 @@ class Checkpointer:
     # ------------------------------------------------------------------ save
     def save(self, state) -> Path:
         t0 = time.perf_counter()
-        name = io.step_dir_name(state.step)
-        final, tmp = self.root / name, self.root / (io.TMP_PREFIX + name)
+        name = ckpt_files.step_dir_name(state.step)
+        final, tmp = self.root / name, self.root / (ckpt_files.TMP_PREFIX + name)
 
         def prepare():
             if self.is_main:
                 self.root.mkdir(parents=True, exist_ok=True)
-                for stale in self.root.glob(io.TMP_PREFIX + "*"):  # left by a save that was killed
-                    io.remove_tree(stale)
+                for stale in self.root.glob(ckpt_files.TMP_PREFIX + "*"):  # left by a save that was killed
+                    ckpt_files.remove_tree(stale)
                 tmp.mkdir()
 
         # Each _agree ends in a collective: the directory exists before anyone writes, every
@@ -140,13 +138,13 @@ class Checkpointer:
         # returns before it is.
         try:
             self._agree(prepare, f"creating {tmp}")
-            self._agree(lambda: io.write_json(tmp / f".part-rank{self.rank:05d}.json",
-                                              self._write_rank_files(tmp, state)), f"writing checkpoint {final}")
+            self._agree(lambda: ckpt_files.write_json(tmp / f".part-rank{self.rank:05d}.json",
+                                                      self._write_rank_files(tmp, state)), f"writing checkpoint {final}")
             nbytes = self._agree(lambda: self._commit(tmp, final, state.step) if self.is_main else 0,
                                  f"completing checkpoint {final}")
         except CheckpointError:
             if self.is_main and tmp.exists():  # give the space back; `latest` still names the previous save
-                io.remove_tree(tmp)
+                ckpt_files.remove_tree(tmp)
             raise
         self._last_saved = final
         dt = time.perf_counter() - t0
@@ -162,7 +160,7 @@ class Checkpointer:
             out = fn()
         except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
             err = e
-        failed = io.reduce_max(torch.tensor([int(err is not None)]), self.acc.device)
+        failed = ckpt_files.reduce_max(torch.tensor([int(err is not None)]), self.acc.device)
         if err is not None:
             # safetensors reports ENOSPC as SafetensorError("... No space left on device (os error 28)").
             if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "(os error 28)" in str(err):
@@ -186,29 +184,27 @@ class Checkpointer:
             if b <= a or not self._saved(s):
                 continue
             for kind in ("param",) + (MOMENTS if s.trainable else ()):
-                key = io.piece_key(kind, s.name, a)
+                key = ckpt_files.piece_key(kind, s.name, a)
                 sources[key] = (s, kind)
                 skeleton[key] = torch.empty(b - a, dtype=torch.float32, device="meta")
         if self.is_main:
             for name, buf in persistent_buffers(self.raw_model):
-                key = io.piece_key("buffer", name, 0)
+                key = ckpt_files.piece_key("buffer", name, 0)
                 sources[key] = buf
                 skeleton[key] = torch.empty(buf.numel(), dtype=buf.dtype, device="meta")
         # Files of at most max_shard_size: the host copy of one file is the save's extra memory.
         split = split_torch_state_dict_into_shards(skeleton, filename_pattern=f"rank{self.rank:05d}{{suffix}}.safetensors",
                                                    max_shard_size=self.cfg.max_shard_size)
-        kill_at = os.environ.get(KILL_ENV)
         records = {}
         for fname, keys in split.filename_to_tensors.items():
             tensors = {k: self._piece(sources[k]) for k in keys}
-            records[fname] = io.save_tensors(tensors, tmp / fname)
+            records[fname] = ckpt_files.save_tensors(tensors, tmp / fname)
             del tensors
-            if kill_at and int(kill_at) == state.step:
-                os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the crash-safety test
+            testhooks.fire("saved_file", step=state.step)  # ZEROTRAIN_INJECT_KILL_IN_SAVE (train/testhooks.py)
         rng_name = f"rng/rank{self.rank:05d}.json"
-        records[rng_name] = io.write_json(tmp / rng_name, io.rng_state())
+        records[rng_name] = ckpt_files.write_json(tmp / rng_name, ckpt_files.rng_state())
         if self.is_main:
-            records[io.META] = io.write_json(tmp / io.META, self._meta(state))
+            records[ckpt_files.META] = ckpt_files.write_json(tmp / ckpt_files.META, self._meta(state))
         return records
 
     @property
@@ -234,23 +230,24 @@ class Checkpointer:
             if not part.is_file():
                 raise CheckpointError(f"rank {r}'s files are not visible from rank 0 in {tmp}: every node must write "
                                       f"to the same filesystem; put train.run_dir on shared storage")
-            files.update(io.read_json(part, "checkpoint part list"))
-        io.write_json(tmp / io.MANIFEST, {"format": io.FORMAT, "version": io.VERSION, "step": step,
-                                          "world_size": self.world, "files": dict(sorted(files.items()))})
+            files.update(ckpt_files.read_json(part, "checkpoint part list"))
+        ckpt_files.write_json(tmp / ckpt_files.MANIFEST, {"format": ckpt_files.FORMAT, "version": ckpt_files.VERSION,
+                                                          "step": step, "world_size": self.world,
+                                                          "files": dict(sorted(files.items()))})
         for r in range(self.world):
             (tmp / f".part-rank{r:05d}.json").unlink()
-        io.fsync_path(tmp / "rng")
-        io.fsync_path(tmp)
+        ckpt_files.fsync_path(tmp / "rng")
+        ckpt_files.fsync_path(tmp)
         old = None
         if final.exists():  # the same step saved again (e.g. after resuming): replace it whole
-            old = final.with_name(io.TMP_PREFIX + "old-" + final.name)
-            io.remove_tree(old)
+            old = final.with_name(ckpt_files.TMP_PREFIX + "old-" + final.name)
+            ckpt_files.remove_tree(old)
             os.rename(final, old)
         os.rename(tmp, final)
-        io.fsync_path(self.root)
-        io.replace_text(self.root / io.LATEST, final.name + "\n")
+        ckpt_files.fsync_path(self.root)
+        ckpt_files.replace_text(self.root / ckpt_files.LATEST, final.name + "\n")
         if old is not None:
-            io.remove_tree(old)
+            ckpt_files.remove_tree(old)
         self.prune(keep_step=step)
         return sum(f["size"] for f in files.values())
 
@@ -260,14 +257,15 @@ class Checkpointer:
         `latest`, so --resume auto does not jump back to them."""
         if not self.is_main:
             return
-        done = [(s, d) for s, d in io.complete_checkpoints(self.root) if keep_step is None or s <= keep_step]
+        done = [(s, d) for s, d in ckpt_files.complete_checkpoints(self.root) if keep_step is None or s <= keep_step]
         for _, d in done[:-self.cfg.keep_last]:
-            io.remove_tree(d)
+            ckpt_files.remove_tree(d)
 
     def _meta(self, state) -> dict:
         h, ds, wl, sampler = self.holder, self.ds, self.workload, self.sampler
         return {
-            "format": io.FORMAT, "version": io.VERSION, "step": state.step, "train_state": state.to_dict(),
+            "format": ckpt_files.FORMAT, "version": ckpt_files.VERSION, "step": state.step,
+            "train_state": state.to_dict(),
             "world_size": self.world, "holder": h.name,
             "strategy": {"backend": ds.backend, "zero_stage": ds.stage, "precision": ds.precision},
             "params": {s.name: {"shape": list(s.shape), "trainable": s.trainable,
@@ -282,8 +280,8 @@ class Checkpointer:
             "data": {"global_batch": sampler.global_batch, "num_samples": sampler.num_samples,
                      "steps_per_epoch": sampler.steps_per_epoch, "seed": sampler.seed,
                      **({"mixture": sampler.plan.record()} if getattr(sampler, "plan", None) else {})},
-            "engine": self._engine_counters(),
-            "loss_scaler": self._scaler_state(),
+            "engine": engine_state.engine_counters(self.model, self.ds),
+            "loss_scaler": engine_state.scaler_state(self.model, self.acc, self.ds),
             "config": self.resolved_config,
         }
 
@@ -294,24 +292,24 @@ class Checkpointer:
         if spec == "none":
             return None
         if spec == "auto":
-            ckpt = io.newest_checkpoint(self.root)
+            ckpt = ckpt_files.newest_checkpoint(self.root)
             if ckpt is None:
                 self._say(f"--resume auto: no checkpoint in {self.root} yet, starting from scratch")
                 return None
         else:
-            ckpt = io.resolve_checkpoint(spec)
+            ckpt = ckpt_files.resolve_checkpoint(spec)
         return self.load(ckpt, load_optimizer)
 
     def load(self, path, load_optimizer: bool = True) -> TrainState:
         """Restores the tensors, engine counters and loss scale in place; returns the TrainState
         (step, data position) the run continues from."""
         t0 = time.perf_counter()
-        ckpt = io.resolve_checkpoint(path)
-        manifest = io.read_manifest(ckpt)
-        io.verify(ckpt, manifest, self.rank, self.world, self.acc.device)
-        meta = io.read_json(ckpt / io.META, "checkpoint metadata")
+        ckpt = ckpt_files.resolve_checkpoint(path)
+        manifest = ckpt_files.read_manifest(ckpt)
+        ckpt_files.verify(ckpt, manifest, self.rank, self.world, self.acc.device)
+        meta = ckpt_files.read_json(ckpt / ckpt_files.META, "checkpoint metadata")
         self._check_fits(ckpt, meta)
-        reader = io.PieceReader([ckpt / f for f in manifest["files"] if f.endswith(".safetensors")])
+        reader = ckpt_files.PieceReader([ckpt / f for f in manifest["files"] if f.endswith(".safetensors")])
         try:
             self._restore_tensors(reader, meta, load_optimizer)
         finally:
@@ -319,7 +317,8 @@ class Checkpointer:
         st = self._restore_counters(meta)
         rng = ckpt / "rng" / f"rank{self.rank:05d}.json"
         # RNG streams only mean something for the same ranks; another world size keeps fresh seeds.
-        self._pending_rng = io.read_json(rng, "RNG state") if meta["world_size"] == self.world and rng.is_file() else None
+        same_ranks = meta["world_size"] == self.world and rng.is_file()
+        self._pending_rng = ckpt_files.read_json(rng, "RNG state") if same_ranks else None
         _barrier()
         self.resumed_from = ckpt
         how = "" if load_optimizer else " (weights only: fresh optimizer moments)"
@@ -336,7 +335,7 @@ class Checkpointer:
         diff = shape_mismatch(want, have, "checkpoint", "model")
         if diff:
             raise CheckpointError(f"checkpoint {ckpt} does not fit model {self.model_name!r}:\n{diff}\n"
-                                  f"resume with the model settings it was trained with (see {ckpt / io.META})")
+                                  f"resume with the model settings it was trained with (see {ckpt / ckpt_files.META})")
         d, s, b = meta["data"], self.sampler, self.batch
         if d["num_samples"] != s.num_samples:
             raise CheckpointError(f"checkpoint {ckpt} was trained on {d['num_samples']} training samples, this run has "
@@ -385,47 +384,14 @@ class Checkpointer:
         """The saved TrainState; DeepSpeed's step counters and the loss scale set to match it."""
         known = TrainState.__dataclass_fields__
         st = TrainState(**{k: v for k, v in meta["train_state"].items() if k in known})
-        if self.ds.is_deepspeed:
-            eng = self.model
-            saved = meta.get("engine") or {}
-            eng.global_steps = saved.get("global_steps", st.step)
-            eng.global_samples = saved.get("global_samples", st.samples_seen)
-            eng.skipped_steps = saved.get("skipped_steps", st.skipped_steps)
-            eng.micro_steps = st.step * self.batch.accum
-        scaler = meta.get("loss_scaler")
-        if scaler and self.ds.precision == "fp16":
-            self._restore_scaler(scaler)
+        engine_state.restore(meta, st, self.model, self.acc, self.ds, self.batch.accum)
         return st
 
     def on_fit_start(self):
         """Restore RNG streams at the last moment before the first step (nothing in between may draw)."""
         if self._pending_rng is not None:
-            io.set_rng_state(self._pending_rng)
+            ckpt_files.set_rng_state(self._pending_rng)
             self._pending_rng = None
-
-    # ------------------------------------------------------------------ engine / scaler bits
-    def _engine_counters(self):
-        m = self.model
-        if not self.ds.is_deepspeed:
-            return None
-        return {k: int(getattr(m, k)) for k in ("global_steps", "global_samples", "skipped_steps") if hasattr(m, k)}
-
-    def _scaler_state(self):
-        if self.ds.precision != "fp16":
-            return None
-        if self.ds.is_deepspeed:
-            return {"kind": "deepspeed", **loss_scale.state(self.model.optimizer)}
-        sc = getattr(self.acc, "scaler", None)
-        return {"kind": "torch", **{k: float(v) for k, v in sc.state_dict().items()}} if sc is not None else None
-
-    def _restore_scaler(self, s: dict):
-        if s["kind"] == "deepspeed" and self.ds.is_deepspeed:
-            loss_scale.restore(self.model.optimizer, s)
-        elif s["kind"] == "torch" and getattr(self.acc, "scaler", None) is not None:
-            state = {k: v for k, v in s.items() if k != "kind"}
-            state["_growth_tracker"] = int(state.get("_growth_tracker", 0))
-            state["growth_interval"] = int(state.get("growth_interval", 2000))
-            self.acc.scaler.load_state_dict(state)
 
     # ------------------------------------------------------------------ weights
     def init_from(self, path: str):
@@ -460,45 +426,25 @@ class Checkpointer:
         self._say(f"initialised {'the frozen base ' if self.lora else ''}weights from {path} ({len(slots)} tensors)")
 
     def export(self, out_dir: str | Path | None = None) -> str:
-        """Consolidated weights (HF layout) from the live state: ranks gather one tensor at a
-        time (DeepSpeed's own full-parameter accessors under ZeRO), rank 0 writes one shard at a time."""
-        from train.checkpoint.weights import EXPORT_DTYPES, write_weights
+        """Consolidated weights (HF layout; a LoRA run's adapter) from the live state
+        (train/checkpoint/export.py): a collective, every rank calls it."""
+        from train.checkpoint.export import export_adapter, export_weights
         t0 = time.perf_counter()
         out = Path(out_dir) if out_dir else self.export_dir
-        h = self.holder
+        dtype = self.cfg.export_dtype
         if self.lora is not None:
-            # The adapter in PEFT's layout: gathered tensor by tensor (under ZeRO-3 a partitioned adapter
-            # is a shard here; full_param is DeepSpeed's collective gather), written by rank 0.
-            trained, tensors = [s for s in h.slots if s.trainable], {}
-            for s in trained:
-                t = h.full_param(s)  # a collective under ZeRO: every rank, in slot order
-                if self.is_main:
-                    tensors[s.name] = t
-            adapter.write_adapter(out, self.lora, tensors, EXPORT_DTYPES[self.cfg.export_dtype], self.is_main)
+            n = export_adapter(out, self.holder, self.lora, dtype, self.is_main)
             _barrier()
-            self._say(f"exported the {self.cfg.export_dtype} LoRA adapter ({len(trained)} tensors) to {out} in "
+            self._say(f"exported the {dtype} LoRA adapter ({n} tensors) to {out} in "
                       f"{time.perf_counter() - t0:.2f} s (zerotrain export --merge: full merged weights)")
             return str(out)
-        slots = {s.name: s for s in h.slots}
-        buffers = dict(persistent_buffers(self.raw_model))
-        entries = [(s.name, s.shape, torch.float32) for s in h.slots] + \
-                  [(n, tuple(b.shape), b.dtype) for n, b in buffers.items()]
-
-        def get(name):
-            if name in slots:
-                return h.full_param(slots[name])
-            return buffers[name].detach().cpu()
-
-        wl = self.workload
-        write_weights(out, entries, get, dtype=EXPORT_DTYPES[self.cfg.export_dtype],
-                      max_shard_size=self.cfg.max_shard_size, tied=wl.tied, family=wl.family,
-                      model_config=wl.model_config, is_writer=self.is_main)
+        export_weights(out, self.holder, self.raw_model, self.workload, self.cfg, self.is_main)
         _barrier()
-        self._say(f"exported {self.cfg.export_dtype} weights to {out} in {time.perf_counter() - t0:.2f} s")
+        self._say(f"exported {dtype} weights to {out} in {time.perf_counter() - t0:.2f} s")
         return str(out)
 
     def latest_path(self) -> str | None:
         if self._last_saved is not None:
             return str(self._last_saved)
-        found = io.newest_checkpoint(self.root)
+        found = ckpt_files.newest_checkpoint(self.root)
         return str(found) if found else None

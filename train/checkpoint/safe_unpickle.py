@@ -3,28 +3,21 @@ torch pickles of DeepSpeed / HF Trainer checkpoints. Training and resuming never
 (their checkpoints are safetensors + JSON; tests/test_checkpoint.py runs a resume with the
 pickle functions replaced by ones that fail).
 
-A pickle can name any importable callable and call it (`__reduce__`: `os.system`, ...). The
-`RestrictedUnpickler` resolves only an allowlist:
-
-- tensors and storages: torch's rebuild functions and storage types (the storage *bytes* come
-  from the zip archive, not from the pickle), `torch.Size`, `torch.Tensor` (as a rebuild type);
-- plain containers: `collections.OrderedDict` (and Python's built-in dict / list / tuple /
-  str / numbers, which need no lookup);
-- DeepSpeed's plain-data records, replaced by inert stand-ins so that none of DeepSpeed's code
-  runs while loading: `ZeroStageEnum` -> its int value, `LossScaler` / `DynamicLossScaler` /
-  `fragment_address` / `argparse.Namespace` -> a `Record` (a dict of its attributes).
-
-Everything else (`os.system`, `builtins.eval`, any class with its own `__setstate__` ...) is
-refused with `UnsafePickle` before anything is called. Checked against what DeepSpeed 0.19
-writes for ZeRO-0..3 fp32 (tests/test_import.py lists the globals of every file it writes).
+A pickle can name any importable callable and call it (`__reduce__`: `os.system`, ...), so every
+file is read by torch's weights-only loader (`torch.load(weights_only=True)`): tensors, storages,
+plain containers and torch's own types, nothing else. DeepSpeed's plain-data records are allowed
+under the names DeepSpeed pickles them by, as inert stand-ins (`torch.serialization.safe_globals`),
+so that loading a DeepSpeed checkpoint neither imports nor runs DeepSpeed's code: `ZeroStageEnum`
+-> its int value, `LossScaler` / `DynamicLossScaler` / `fragment_address` / `argparse.Namespace`
+-> a `Record` (a dict of its attributes). Everything else is refused with `UnsafePickle` before
+anything is called.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import pickle
-import types
+import re
 
 import torch
 
@@ -32,7 +25,8 @@ from train.errors import CheckpointError
 
 
 class UnsafePickle(CheckpointError):
-    """A pickle names something outside the allowlist (code would run): nothing was called."""
+    """torch's weights-only loader refused the pickle (a global outside the allowlist, or a
+    construct it does not allow): nothing was called."""
 
 
 class Record(dict):
@@ -64,81 +58,41 @@ def _enum_value(value, *_):
     return value
 
 
-def _tensor_rebuilders() -> dict[tuple[str, str], object]:
-    import torch._utils as tu
-    import torch._tensor as tt
-    out = {("torch._utils", n): getattr(tu, n) for n in
-           ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
-            "_rebuild_parameter_with_state") if hasattr(tu, n)}
-    out[("torch._tensor", "_rebuild_from_type_v2")] = tt._rebuild_from_type_v2
-    out[("torch", "Tensor")] = torch.Tensor
-    out[("torch.nn.parameter", "Parameter")] = torch.nn.Parameter
-    out[("torch", "Size")] = torch.Size
-    for dt in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"):
-        out[("torch", dt)] = getattr(torch, dt)
-    out[("torch", "device")] = torch.device
-    return out
-
-
-ALLOWED_CONTAINERS = {("collections", "OrderedDict"): collections.OrderedDict}
-PLAIN_RECORDS = {
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-    ("deepspeed.utils.tensor_fragment", "fragment_address"),
-    ("argparse", "Namespace"),
-}
-ENUMS = {("deepspeed.runtime.zero.config", "ZeroStageEnum")}
-
-
-class RestrictedUnpickler(pickle.Unpickler):
-    """pickle.Unpickler whose find_class resolves only the allowlist above (torch.load routes
-    storage types around find_class itself: they only wrap bytes from the archive)."""
-
-    source = "a pickle"
-
-    def find_class(self, module, name):
-        key = (module, name)
-        allowed = _tensor_rebuilders()
-        if key in allowed:
-            return allowed[key]
-        if key in ALLOWED_CONTAINERS:
-            return ALLOWED_CONTAINERS[key]
-        if key in PLAIN_RECORDS:
-            return Record
-        if key in ENUMS:
-            return _enum_value
-        if module == "torch" and name.endswith("Storage"):
-            return getattr(torch, name)
-        raise UnsafePickle(f"refused to unpickle {module}.{name} in {self.source}: only tensors and plain "
-                           f"containers are allowed (this file would run code when loaded; do not trust it)")
-
-
-def _pickle_module(source: str):
-    mod = types.ModuleType("zerotrain_restricted_pickle")
-    mod.Unpickler = cls = type("Unpickler", (RestrictedUnpickler,), {"source": source})
-
-    def load(f, **kwargs):  # torch's legacy (non-zip) format reads its header with pickle_module.load
-        return cls(f, **kwargs).load()
-
-    mod.load = load
-    mod.loads = None  # nothing may fall back to the unrestricted pickle functions
-    mod.__name__ = "pickle"
-    return mod
-
+# What DeepSpeed 0.19 pickles besides tensors and containers (ZeRO-0..3, fp16 loss scalers),
+# by the name in the pickle: torch's loader then never imports these modules.
+STAND_INS = [(Record, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+             (Record, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+             (Record, "deepspeed.utils.tensor_fragment.fragment_address"),
+             (Record, "argparse.Namespace"),
+             (_enum_value, "deepspeed.runtime.zero.config.ZeroStageEnum")]
 
 _real_torch_load = torch.load
 
 
 def restricted_load(path, map_location="cpu", **_ignored):
-    """torch.load of `path` through RestrictedUnpickler (any weights_only / pickle_module a caller
-    passes is ignored). Raises UnsafePickle for anything outside the allowlist."""
+    """torch.load of `path` with weights_only=True and the stand-ins (any weights_only /
+    pickle_module a caller passes is ignored). Raises UnsafePickle for anything else."""
     try:
-        return _real_torch_load(path, map_location="cpu", weights_only=False, pickle_module=_pickle_module(str(path)))
-    except UnsafePickle:
-        raise
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, TypeError) as e:
+        with torch.serialization.safe_globals(STAND_INS):
+            return _real_torch_load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # the weights-only loader's refusal
+        raise _refusal(path, str(e)) from None
+    except (RuntimeError, EOFError, ValueError, AttributeError, TypeError, KeyError) as e:
         raise CheckpointError(f"{path} is not a readable torch checkpoint file ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _refusal(path, message: str) -> UnsafePickle:
+    """One line from torch's refusal: the global it names, or its own reason (an opcode it does
+    not allow: torch.save writes pickle protocol 2; a bare pickle of protocol 4 stops at FRAME)."""
+    found = re.search(r"GLOBAL (\S+)", message)
+    if found:
+        name = found.group(1) if "." in found.group(1) else f"builtins.{found.group(1)}"
+        return UnsafePickle(f"refused to unpickle {name} in {path}: only tensors and plain containers are "
+                            f"allowed (this file would run code when loaded; do not trust it)")
+    parts = [p.strip() for p in message.split("\n\n") if p.strip()]
+    reason = parts[-2] if len(parts) > 1 else message.strip()  # torch's own words, before its docs link
+    return UnsafePickle(f"{path} is not a readable torch checkpoint file (UnpicklingError: {reason})")
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import files as io
+from train.checkpoint import files as ckpt_files
 from train.errors import CheckpointError, ConfigError
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -34,7 +34,7 @@ def _write_config(d: Path, family: str, model_config: dict, dtype: torch.dtype):
         if save_hf_config is not None:
             save_hf_config(model_config, d, dtype=str(dtype).removeprefix("torch."))
             return
-    io.write_json(d / "config.json", model_config)
+    ckpt_files.write_json(d / "config.json", model_config)
 
 
 def write_weights(out_dir: Path, entries, get_tensor, *, dtype, max_shard_size, tied, family: str, model_config: dict,
@@ -53,7 +53,7 @@ def write_weights(out_dir: Path, entries, get_tensor, *, dtype, max_shard_size, 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     if is_writer:
-        io.remove_tree(tmp)
+        ckpt_files.remove_tree(tmp)
         tmp.mkdir(parents=True)
     for fname, names in split.filename_to_tensors.items():
         shard = {}
@@ -63,14 +63,15 @@ def write_weights(out_dir: Path, entries, get_tensor, *, dtype, max_shard_size, 
                 shard[n] = t.reshape(skeleton[n].shape).to(dtype=skeleton[n].dtype, copy=True).contiguous()
         if is_writer:
             save_file(shard, str(tmp / fname), metadata={"format": "pt", **aliases})
-            io.fsync_path(tmp / fname)
+            ckpt_files.fsync_path(tmp / fname)
         del shard
     if not is_writer:
         return out_dir
     if split.is_sharded:
-        io.write_json(tmp / INDEX, {"metadata": {**split.metadata, **aliases}, "weight_map": split.tensor_to_filename})
+        ckpt_files.write_json(tmp / INDEX, {"metadata": {**split.metadata, **aliases},
+                                            "weight_map": split.tensor_to_filename})
     _write_config(tmp, family, model_config, dtype)
-    io.replace_dir(tmp, out_dir)
+    ckpt_files.replace_dir(tmp, out_dir)
     return out_dir
 
 
@@ -83,7 +84,7 @@ class WeightsReader:
         from safetensors import safe_open
         self.path = p = Path(path)
         if (p / INDEX).is_file():
-            index = io.read_json(p / INDEX, f"{what} index")
+            index = ckpt_files.read_json(p / INDEX, f"{what} index")
             files = sorted(set(index["weight_map"].values()))
             meta = index.get("metadata") or {}
         elif (p / SINGLE).is_file():
@@ -160,10 +161,10 @@ def load_weights(model: torch.nn.Module, path, strict: bool = True) -> torch.nn.
 def export_checkpoint(ckpt_path, out_dir, dtype: str | None = None, max_shard_size: str | None = None) -> Path:
     """A resumable checkpoint -> HF-layout weights, with no process group and no GPU:
     each tensor is assembled from the pieces all ranks wrote."""
-    ckpt = io.resolve_checkpoint(ckpt_path)
-    manifest = io.read_manifest(ckpt)
-    io.verify(ckpt, manifest)  # the same check a resume runs (here one process hashes every file)
-    meta = io.read_json(ckpt / io.META, "checkpoint metadata")
+    ckpt = ckpt_files.resolve_checkpoint(ckpt_path)
+    manifest = ckpt_files.read_manifest(ckpt)
+    ckpt_files.verify(ckpt, manifest)  # the same check a resume runs (here one process hashes every file)
+    meta = ckpt_files.read_json(ckpt / ckpt_files.META, "checkpoint metadata")
     ck_cfg = ((meta.get("config") or {}).get("checkpoint") or {})
     dtype = dtype or ck_cfg.get("export_dtype", "bf16")
     max_shard_size = max_shard_size or ck_cfg.get("max_shard_size", "2GB")
@@ -173,7 +174,7 @@ def export_checkpoint(ckpt_path, out_dir, dtype: str | None = None, max_shard_si
     entries = [(n, tuple(p["shape"]), torch.float32) for n, p in meta["params"].items()]
     entries += [(n, tuple(b["shape"]), getattr(torch, b["dtype"])) for n, b in buffers.items()]
     how = {n: ("buffer" if n in buffers else "param", math.prod(shape), d) for n, shape, d in entries}
-    reader = io.PieceReader([ckpt / f for f in manifest["files"] if f.endswith(".safetensors")])
+    reader = ckpt_files.PieceReader([ckpt / f for f in manifest["files"] if f.endswith(".safetensors")])
     try:
         def get(name):
             kind, numel, src_dtype = how[name]

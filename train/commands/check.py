@@ -66,7 +66,7 @@ def ssh_not_needed(acc: dict | None) -> str | None:
 
 def run_checks(args) -> list[str]:
     from train.config import load_config
-    from train.dsconfig import resolve
+    from train.dsconfig import load_ds_setup
     ok = []
     hosts = None
     if args.hostfile:
@@ -91,7 +91,7 @@ def run_checks(args) -> list[str]:
         or cfg.distributed.ds_config or "ds_configs/zero2.json"
     batch = cfg.train.batch(world)
     from models import resolve as resolve_model
-    from train.plan.fit import auto_dir, is_auto
+    from train.plan.memory_check import auto_dir, is_auto
     from train.plan.estimate import OPTIONS
     paths = [ds_path]
     if is_auto(ds_path):  # every candidate --ds-config auto may choose must be valid for this run
@@ -99,8 +99,8 @@ def run_checks(args) -> list[str]:
         ok.append(f"--ds-config {ds_path}: chooses at start-up among {', '.join(Path(x).name for x in paths)}")
     width = resolve_model(cfg.model).hidden_size  # before any data: None for linear and vision models
     for path in paths:
-        ds = resolve(path, cfg, batch, cfg.train.max_steps, cuda=args.cuda, hidden_size=width,
-                     sizes_later=True)
+        ds = load_ds_setup(path, cfg, batch, cfg.train.max_steps, cuda=args.cuda, hidden_size=width,
+                             sizes_later=True)
         ok.append(f"{path}: {ds.describe()} at world size {world}: micro {batch.micro} x accum {batch.accum} "
                   f"x world {world} = global {batch.global_size}")
     return ok

@@ -9,7 +9,7 @@ import argparse
 import sys
 import time
 
-from train.checkpoint import files as io
+from train.checkpoint import files as ckpt_files
 from train.checkpoint.adapter import export_lora_checkpoint
 from train.checkpoint.weights import EXPORT_DTYPES, export_checkpoint
 from train.errors import user_errors
@@ -30,8 +30,8 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     with user_errors(a.debug):
         t0 = time.perf_counter()
-        ckpt = io.resolve_checkpoint(a.checkpoint)
-        if a.merge or "lora" in io.read_json(ckpt / io.META, "checkpoint metadata"):
+        ckpt = ckpt_files.resolve_checkpoint(a.checkpoint)
+        if a.merge or "lora" in ckpt_files.read_json(ckpt / ckpt_files.META, "checkpoint metadata"):
             out = export_lora_checkpoint(ckpt, a.out_dir, a.merge, a.dtype, a.max_shard_size)
         else:
             out = export_checkpoint(ckpt, a.out_dir, a.dtype, a.max_shard_size)

@@ -140,7 +140,7 @@ class _RunModel:
         return None
 
     def meta(self, imp, position: str, source: str) -> dict:
-        from train.checkpoint import files as io
+        from train.checkpoint import files as ckpt_files
         from train.checkpoint.state import TrainState
         cfg, wl = self.cfg, self.workload
         n = len(self.data.train)
@@ -169,7 +169,8 @@ class _RunModel:
             self.position_note = "the data order restarts (epoch 0, sample 0; --data-position restart)"
         st = TrainState(step=imp.global_steps, epoch=epoch, offset=offset, samples_seen=samples,
                         tokens_seen=samples * self.data.items_per_sample, skipped_steps=imp.skipped_steps)
-        return {"format": io.FORMAT, "version": io.VERSION, "step": st.step, "train_state": st.to_dict(),
+        return {"format": ckpt_files.FORMAT, "version": ckpt_files.VERSION, "step": st.step,
+                "train_state": st.to_dict(),
                 "world_size": 1, "holder": f"import ({imp.source})",
                 "strategy": {"backend": "import", "zero_stage": None, "precision": "fp32"},
                 "imported_from": {"source": source, "format": imp.source},

@@ -16,7 +16,8 @@ from typing import Optional
 from train import paths
 from train.cli_args import ArgumentParser, Value
 from train.errors import ConfigError, did_you_mean, user_errors
-from train.plan.estimate import GiB, Batch, Cluster, Device, ModelShape, Plan, count_shape, gpt_shape, make_plan
+from train.plan.estimate import GiB, Cluster, Device, Plan, make_plan
+from train.plan.shapes import BatchShape, ModelShape, count_shape, gpt_shape
 
 
 def parse_count(text: str) -> Optional[int]:
@@ -191,7 +192,7 @@ def resolve_model(spec: str) -> tuple[ModelShape, dict]:
             # Sized from the model itself, built on the meta device: a LoRA run's optimizer state and
             # gradients are its adapters' (models/lora.py), an hf: model's shapes its config.json's.
             from models import resolve
-            from train.plan.fit import model_shape
+            from train.plan.memory_check import model_shape
             m = resolve(cfg.model)
             return model_shape(m, None), {**batch, "seq_len": cfg.data.seq_len or m.context}
         if cfg.model.name not in gpt.PRESETS:
@@ -229,7 +230,7 @@ def main(argv: list[str]) -> int:
             "activation_checkpointing", False)
         seq = a.get("seq_len") or run.get("seq_len") or (shape.gpt.seq_len if shape.gpt else None)
         sp = a.get("sequence_parallel") or run.get("sequence_parallel", 1)
-        batch = Batch(a.get("micro_batch") or run.get("micro_batch", 8), seq, a.get("grad_accum") or run.get(
+        batch = BatchShape(a.get("micro_batch") or run.get("micro_batch", 8), seq, a.get("grad_accum") or run.get(
             "grad_accum", 1), ckpt, sequence_parallel=sp, document_mask=run.get("document_mask", False))
         for name, v in (("--nodes", cluster.nodes), ("--gpus-per-node", cluster.devices_per_node),
                         ("--micro-batch", batch.micro), ("--grad-accum", batch.accum), ("--sequence-parallel", sp)):

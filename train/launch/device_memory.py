@@ -6,7 +6,7 @@ A rank's budget is what its device can give it:
     and its ancestors (v1 memory.limit_in_bytes, v2 memory.max), shared by the ranks of this
     node inside that cgroup; and the RAM: what the rank holds now plus its share of
     MemAvailable. The kernel kills a process over its cgroup limit (SIGKILL, exit 137) with
-    no message: zerotrain checks the plan against the budget first (train/plan/fit.py).
+    no message: zerotrain checks the plan against the budget first (train/plan/memory_check.py).
 
 compact_host_malloc() makes glibc return freed large blocks to the OS at once, so that a CPU
 rank's resident memory follows its live tensors; see its docstring for what it costs.

@@ -26,7 +26,7 @@ from train.checkpoint.state import TrainState
 from train.config import RunConfig
 from train.data import build_data
 from train.data.sampler import EvalBatchSampler, GlobalBatchSampler
-from train.dsconfig import DSSetup, resolve
+from train.dsconfig import DSSetup, load_ds_setup
 from train.errors import ConfigError
 from train.launch import distributed as dist_
 from train.launch import elastic as elastic_
@@ -35,8 +35,8 @@ from train.launch import sequence_parallel as sp_
 from train.observe import wandb_logger
 from train.observe.metrics import JsonlLogger, Loggers
 from train.optim.optimizer import build_optimizer
-from train.plan import fit
-from train.plan.estimate import rank_plan
+from train.plan import memory_check
+from train.plan.rank_plan import rank_plan
 from train.training import hardware
 
 if TYPE_CHECKING:
@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from train.launch.elastic import ElasticRun
     from train.launch.host_settings import HostSettings
     from train.launch.sequence_parallel import SPRun
-    from train.plan.estimate import Estimate, RankPlan
+    from train.plan.estimate import Estimate
+    from train.plan.rank_plan import RankPlan
 
 
 # ---------------------------------------------------------------------------- runtime
@@ -165,7 +166,7 @@ def _sampler(cfg: RunConfig, bundle: DataBundle, b: Batch):
 @dataclass
 class Strategy:
     ds: DSSetup
-    choice: Optional[fit.Choice]    # --ds-config auto: what it chose and why
+    choice: Optional[memory_check.Choice]    # --ds-config auto: what it chose and why
     acc: Accelerator
     topo: Topology
     sp: Optional[SPRun]             # this rank's sequence-parallel group; None: off
@@ -186,8 +187,8 @@ def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, d
     sp = sp_.SPRun.join(rt.sp_size, topo.rank, topo.world_size, data.spec.family) if rt.sp_size > 1 else None
     wandb_logger.preflight(acc, cfg)  # W&B online without credentials: every rank stops here
     _write_rank_info(rt.run_dir, acc, topo, ds)
-    planned, budget = fit.preflight(cfg, data.spec, ds, data.bundle, rt.batch, data.seq_len, rt.world,
-                                    acc.is_main_process, view, choice)
+    planned, budget = memory_check.preflight(cfg, data.spec, ds, data.bundle, rt.batch, data.seq_len, rt.world,
+                                             acc.is_main_process, view, choice)
     # Compact malloc only where the plan would not fit without it (train/launch/host_settings.py).
     host = host_settings.apply(host_settings.decide(cfg, ds, rt.cuda, planned, budget))
     return Strategy(ds=ds, choice=choice, acc=acc, topo=topo, sp=sp, planned=planned, budget=budget, host=host)
@@ -200,9 +201,9 @@ def _ds_setup(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, data: R
     if not given and rt.launcher != "accelerate" and os.environ.get("RANK", "0") == "0":
         name, why = dist_.default_ds_config()
         print(f"zerotrain: no --ds-config given: ds_configs/{name} ({why}); pass --ds-config to choose", flush=True)
-    view = fit.measure(cfg, ds_path)  # the memory budget: one view for the check and --ds-config auto
-    ds_path, choice = fit.resolve_auto(ds_path, cfg, data.spec, data.bundle, rt.batch, data.seq_len, rt.world, view)
-    ds = resolve(ds_path, cfg, sp_.engine_batch(rt.batch, rt.sp_size), data.max_steps, cuda=rt.cuda,
+    view = memory_check.measure(cfg, ds_path)  # the memory budget: one view for the check and --ds-config auto
+    ds_path, choice = memory_check.resolve_auto(ds_path, cfg, data.spec, data.bundle, rt.batch, data.seq_len, rt.world, view)
+    ds = load_ds_setup(ds_path, cfg, sp_.engine_batch(rt.batch, rt.sp_size), data.max_steps, cuda=rt.cuda,
                  hidden_size=hidden_size_of(data.spec, data.bundle))
     sp_.check(cfg, data.spec, data.seq_len, ds)
     dist_.check_accelerate_precision(ds)

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from train.launch.sequence_parallel import SPRun
     from train.observe.metrics import Loggers
     from train.observe.wandb_logger import WandbSink
-    from train.plan.estimate import RankPlan
+    from train.plan.rank_plan import RankPlan
 
 
 @dataclass(eq=False)

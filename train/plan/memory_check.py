@@ -9,7 +9,7 @@ agrees on (train/launch/device_memory.py: the tightest over all ranks).
   instead; one that fits only without the margin gets a warning. Without it the kernel kills
   the rank mid-run (exit 137) with no word of why.
 * `--ds-config auto` (or `auto:<dir>`: choose among the JSONs of another directory, e.g. fp32
-  copies of the shipped ones): the fastest option of train/plan.OPTIONS whose plan leaves
+  copies of the shipped ones): the fastest option of train/plan/estimate.py OPTIONS whose plan leaves
   distributed.memory_margin of the budget free. One line says what it chose and why, and
   what the next-faster option would have needed; config.json records it.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from train import paths
+from train import paths, process_group
 from train.launch.device_memory import Budget, local_budget
 from train.errors import ConfigError, UserError
 from train.observe.report import human_bytes as hb
@@ -69,7 +69,7 @@ def agreed_budget(mine: dict | None = None) -> Budget:
     mine = mine or local_view()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if process_group.size() == 1:
         return Budget(mine["bytes"], mine["source"] + (" (1 rank in it)" if mine["cgroup"] else ""), device,
                       mine["runtime"])
     views: list = [None] * dist.get_world_size()
@@ -94,7 +94,7 @@ def model_shape(spec, data):
     meta device (no memory)."""
     from models import meta_model
     from models.gpt import GPTConfig
-    from train.plan.estimate import module_shape
+    from train.plan.shapes import module_shape
     model, model_config, width = meta_model(spec, data)
     gpt = GPTConfig.from_dict({k: v for k, v in model_config.items() if k != "family"}) \
         if model_config.get("family") == "gpt" else None
@@ -102,10 +102,10 @@ def model_shape(spec, data):
 
 
 def _plan_batch(cfg, batch, seq_len):
-    from train.plan.estimate import Batch
-    return Batch(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing,
-                 sequence_parallel=cfg.distributed.sequence_parallel,
-                 document_mask=cfg.data.packing or cfg.data.document_mask)
+    from train.plan.shapes import BatchShape
+    return BatchShape(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing,
+                      sequence_parallel=cfg.distributed.sequence_parallel,
+                      document_mask=cfg.data.packing or cfg.data.document_mask)
 
 
 def _device(budget: Budget):
@@ -162,7 +162,8 @@ class Choice:
 
 def _rows(shape, batch, world: int, device, configs: Path, precision: str | None = None):
     """Estimates for the OPTIONS found in `configs`, in their own precision or `precision`."""
-    from train.plan.estimate import OPTIONS, estimate, strategy_from_json
+    from train.plan.estimate import OPTIONS, estimate
+    from train.plan.strategy import strategy_from_json
     rows = []
     for label, fname in OPTIONS:
         path = configs / fname
@@ -254,7 +255,8 @@ def _advice(cfg) -> str:
 def check(cfg, spec, ds, data, batch, seq_len, world: int, budget: Budget):
     """The plan for the chosen strategy against the budget: (its Estimate, None) when it fits
     with the margin, (Estimate, a warning line) when it fits without, DoesNotFit otherwise."""
-    from train.plan.estimate import estimate, strategy_from_setup
+    from train.plan.estimate import estimate
+    from train.plan.strategy import strategy_from_setup
     shape = model_shape(spec, data)
     pb, device = _plan_batch(cfg, batch, seq_len), _device(budget)
     e = estimate(shape, strategy_from_setup(ds), world, pb, device=device)  # the largest rank
@@ -274,7 +276,8 @@ def advise(cfg, shape, pb, world: int, device, ds, budget: Budget) -> str:
     """What to run instead of a strategy that does not fit: exactly what --ds-config auto would
     choose among the same JSONs (their directory when it holds the option files, e.g. fp32
     copies; else the shipped ones in this run's precision), with the same margin."""
-    from train.plan.estimate import OPTIONS, strategy_from_json
+    from train.plan.estimate import OPTIONS
+    from train.plan.strategy import strategy_from_json
     margin = cfg.distributed.memory_margin
     here = Path(ds.path).parent if ds.path else None
     if here is not None and sum((here / f).is_file() for _, f in OPTIONS) > 1:
