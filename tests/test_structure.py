@@ -161,3 +161,20 @@ def test_only_zerotrain_import_unpickles():
     importers = {m for m, deps in graph.items() if "train.checkpoint.safe_unpickle" in deps}
     assert importers == {"train.checkpoint.importer"}, importers
     assert {m for m, deps in graph.items() if "train.checkpoint.importer" in deps} == {"train.commands.import_ckpt"}
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_every_production_function_fits_on_a_screen():
+    """No function in train/ or models/ is over MAX_FUNCTION_LINES lines (decorators excluded,
+    nested functions counted in their parent): a long function is a set of named steps waiting
+    to be written (DEVELOPERS.md, Layout)."""
+    long = []
+    for name, path in sorted(_modules().items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long
