@@ -21,7 +21,7 @@ RUN         ?= examples/default.yaml
 HAS_GPU     := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
 DS_CONFIG   ?= $(if $(HAS_GPU),ds_configs/zero2.json,ds_configs/zero2_fp32.json)
 PYTEST_ARGS ?=
-# Serial by default: on 2 cores 2 pytest-xdist workers were slower (measured, DEVELOPERS.md); with more
+# Serial by default: on 2 cores 2 pytest-xdist workers were slower (measured, docs/machine_notes.md); with more
 # cores: XDIST="-n 4 --dist loadgroup" (a test module per worker at a time, tests/conftest.py).
 XDIST       ?=
 

@@ -6,7 +6,11 @@ processes with distributed.sequence_parallel 1 (each rank a whole row) and 2 (ea
 one row), under one DeepSpeed JSON (fp32 copy of ds_configs/zero3.json by default): model states
 are the same in both, so the difference is the activations and the all-to-all buffers. Peak per
 rank: the peak usage of the rank's memory cgroup (bench/memcap.py; no limit); predicted: the peak
-in each run's config.json (train/plan/estimate.py). (With SP 1 the 2 ranks train on 2 rows per
+in each run's config.json (train/plan/estimate.py). The runs use compact malloc by default
+(--host-malloc): the planner counts live tensors, and with glibc's default allocator a long row's
+freed activation blocks stay resident (glibc raises its mmap threshold after the first large free,
+so later blocks come from a heap that is not trimmed), which is allocator growth, not activations
+(BENCHMARKS.md "Sequence parallelism"). (With SP 1 the 2 ranks train on 2 rows per
 step, with SP 2 on one: the losses are compared by bench/../tests/test_sequence_parallel.py, not here.)
 
     python bench/sequence_parallel.py                       # the BENCHMARKS.md figures
@@ -39,6 +43,8 @@ def parse(argv):
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--host-malloc", default="compact", choices=("compact", "glibc"),
+                   help="train.host_malloc of both runs (compact: resident memory follows live tensors)")
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     return p.parse_args(argv)
@@ -56,7 +62,7 @@ def main(argv=None) -> int:
             "--model.activation_checkpointing", "true", "--train.micro_batch_size", "1",
             "--train.max_steps", str(a.steps), "--train.eval_every", "0", "--train.eval_batches", "1",
             "--train.sample_tokens", "0", "--train.progress", "false", "--logging.every_steps", "1",
-            "--checkpoint.save_at_end", "false", "--checkpoint.export", "false", "--ds-config", str(ds)]
+            "--checkpoint.save_at_end", "false", "--checkpoint.export", "false", "--train.host_malloc", a.host_malloc, "--ds-config", str(ds)]
     runs = {}
     for n in (1, 2):
         key = f"sp{n}"
@@ -74,7 +80,7 @@ def main(argv=None) -> int:
     meta = {"command": shlex.join([Path(sys.executable).name, "bench/sequence_parallel.py",
                                    *(sys.argv[1:] if argv is None else argv)]), "machine": machine(),
             "model": f"gpt-small-cpu d_model={a.d_model} n_layer={a.n_layer} seq={a.seq_len} micro=1, "
-                     f"activation checkpointing", "config": a.config, "precision": a.precision, "nproc": 2,
+                     f"activation checkpointing, {a.host_malloc} malloc", "config": a.config, "precision": a.precision, "nproc": 2,
             "started": stamp}
     result = {"meta": meta, "runs": runs, "measured_saving_per_rank": measured, "predicted_saving": predicted,
               "saving_error": [(predicted - m) / m for m in measured]}

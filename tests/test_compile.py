@@ -4,7 +4,7 @@ so parameter names - checkpoints, exports - do not change, and it trains the sam
 In process on a one-layer GPT with the "aot_eager" backend: Dynamo's graph capture and AOT
 autograd as in a real compile, without TorchInductor's code generation (80 s on a cold cache on
 2 cores; its kernels are torch's to test). The full-trainer run with the default backend is a
-measurement in README (same losses as eager).
+measurement in docs/gpus.md (same losses as eager).
 """
 
 from __future__ import annotations

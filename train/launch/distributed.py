@@ -3,7 +3,7 @@
 Every launcher (deepspeed, accelerate launch, torchrun, mpirun, plain python) ends here
 with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in the environment, and
 with an Accelerator whose idea of rank and world size is the real one. On CPU-only
-machines Accelerate needs help (see DEVELOPERS.md):
+machines Accelerate needs help (docs/machine_notes.md):
 - DeepSpeed: backend="gloo" passed explicitly (Accelerate picks none on CPU, and then
   each rank believes it is rank 0 of 1 while DeepSpeed sees N ranks); `cpu=True` would
   silently switch DeepSpeed off.
