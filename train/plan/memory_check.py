@@ -192,6 +192,7 @@ def choose(ds_config: str, cfg, spec, data, batch, seq_len, world: int, budget: 
                     + (f"; the faster {nf.strategy.label} would need {hb(nf.device_total)}" if nf else
                        "; it is the fastest option"))
             return Choice(e.strategy.path, e.strategy.label, e, nf, line, budget, margin)
+
     def sp(before):  # auto, given the flag, chooses the fastest option that fits with it: the one named
         fit = sp_fit(cfg, spec, seq_len, world, budget, before,
                      lambda trial, b: _rows(shape, _plan_batch(trial, b, seq_len), world, device, configs))
