@@ -10,6 +10,7 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -18,6 +19,7 @@ from train.cli_args import ArgumentParser, Value
 from train.errors import ConfigError, did_you_mean, user_errors
 from train.plan.estimate import GiB, Cluster, Device, Plan, make_plan
 from train.plan.shapes import BatchShape, ModelShape, count_shape, gpt_shape
+from train.plan.sp_fit import first_fit, sizes
 
 
 def parse_count(text: str) -> Optional[int]:
@@ -81,8 +83,10 @@ def render(plan: Plan) -> str:
         lines.append(f"\nrecommended: {r.strategy.label}  (--ds-config {_rel(r.strategy.path)}): the fastest option "
                      f"whose {r.device_total / GiB:.2f} GiB fits in {usable / GiB:.2f} GiB ({plan.safety:.0%} headroom)")
     else:
+        sp = plan.sp_fit.clause("--sequence-parallel", f"{plan.sp_fit.estimate.device_total / GiB:.2f} GiB") + "; " \
+            if plan.sp_fit else ""
         lines.append(f"\nnothing fits in {usable / GiB:.2f} GiB per device ({plan.safety:.0%} headroom): "
-                     + _advice(plan))
+                     + sp + _advice(plan))
     notes = sorted({n for r in plan.rows for n in r.notes})
     lines.append("\npeak = " + ("runtime + " if dev.runtime else "") + "params + grads + optim + buffers + the larger of "
                  "(activ + bwd+) and step+; bwd+: gathered ZeRO-3 params, flattened gradients, autocast copies; "
@@ -101,6 +105,19 @@ def _advice(plan: Plan) -> str:
         tips.append("a smaller --micro-batch (raise accumulation instead)")
     tips.append("more devices or nodes")
     return "try " + ", ".join(tips)
+
+
+def sp_fit(plan: Plan, precision: str):
+    """When nothing fits a GPT's plan: the smallest --sequence-parallel (dividing the world, the heads,
+    the key/value heads and the sequence) with which a ZeRO option would (train/plan/sp_fit.py)."""
+    g, b, c = plan.shape.gpt, plan.batch, plan.cluster
+    if plan.recommended is not None or g is None:
+        return None
+    usable = (1 - plan.safety) * c.device_mem
+    plans = ((n, make_plan(plan.shape, c, replace(b, sequence_parallel=n), precision, plan.safety,
+                           device=plan.device).rows)
+             for n in sizes(b.sequence_parallel, c.world, g.n_head, g.n_kv_head, b.seq_len))
+    return first_fit(plan.rows[0].activations, plans, lambda r: r.fits and r.device_total <= usable)
 
 
 def _rel(path: Optional[str]) -> str:
@@ -130,7 +147,8 @@ its model exists (anonymous pages of the imported libraries; their shared code p
 charged per rank), measured by importing them once here (~10 s), or --runtime SIZE.
 
 --sequence-parallel N plans Ulysses sequence parallelism (distributed.sequence_parallel): each
-rank holds 1/N of every row, so activations divide by N; the all-to-all buffers are added.
+rank holds 1/N of every row, so activations divide by N; the all-to-all buffers are added. When
+nothing fits a GPT, the plan names the smallest N that would make a ZeRO option fit, if one does.
 """
 
 FLAGS = {"--nodes": int, "--gpus-per-node": int, "--device-mem": str, "--cpu-mem": str, "--micro-batch": int,
@@ -258,6 +276,7 @@ def main(argv: list[str]) -> int:
         else:
             device = Device("cuda", parse_bytes(a["runtime"], "--runtime") if a.get("runtime") else 0)
         plan = make_plan(shape, cluster, batch, precision, safety, device=device)
+        plan.sp_fit = sp_fit(plan, precision)
         print(json.dumps(plan.to_dict(), indent=1) if a["json"] else render(plan))
     return 0
 

@@ -332,27 +332,31 @@ class Plan:
     rows: list
     recommended: Optional[Estimate]
     device: Device = CUDA
+    sp_fit: object = None   # nothing recommended: the sequence parallelism that would fit (train/plan/sp_fit.SPFit)
 
     def to_dict(self) -> dict:
         return {"model": self.shape.name, "num_params": self.shape.num_params,
                 "trained_params": sum(self.shape.tensors), "cluster": vars(self.cluster), "world": self.cluster.world, "batch": vars(self.batch),
                 "device": vars(self.device), "safety": self.safety, "options": [r.to_dict() for r in self.rows],
                 "recommended": self.recommended.strategy.label if self.recommended else None,
-                "recommended_ds_config": self.recommended.strategy.path if self.recommended else None}
+                "recommended_ds_config": self.recommended.strategy.path if self.recommended else None,
+                "sequence_parallel_would_fit": self.sp_fit.record() if self.sp_fit else None}
 
 
 def make_plan(shape: ModelShape, cluster: Cluster, batch: BatchShape, precision: str = "bf16", safety: float = 0.1,
               configs_dir: Path = paths.DS_CONFIGS, device: Device = CUDA) -> Plan:
     """Every option of OPTIONS (the JSONs in `configs_dir`) for this model and cluster. An
     option `fits` when its predicted peak is at most the device memory; the recommendation is
-    the fastest one that also leaves `safety` of it free (estimation error, allocator cache)."""
+    the fastest one that also leaves `safety` of it free (estimation error, allocator cache), a
+    ZeRO one under sequence parallelism (a run refuses SP under plain DDP)."""
     rows = []
     for label, fname in OPTIONS:
         path = Path(configs_dir) / fname
         s = (strategy_from_json(label, path, precision, shape.width) if path.is_file()
              else default_strategy(label, fname, precision))
         rows.append(judge(estimate(shape, s, cluster.world, batch, device=device), cluster, safety))
-    best = next((r for r in rows if r.fits and r.device_total <= (1 - safety) * cluster.device_mem), None)
+    best = next((r for r in rows if r.fits and r.device_total <= (1 - safety) * cluster.device_mem
+                 and not (r.strategy.backend == "ddp" and batch.sequence_parallel > 1)), None)
     return Plan(shape, cluster, batch, safety, rows, best, device)
 
 

@@ -161,15 +161,18 @@ class Choice:
 
 
 def _rows(shape, batch, world: int, device, configs: Path, precision: str | None = None):
-    """Estimates for the OPTIONS found in `configs`, in their own precision or `precision`."""
+    """Estimates for the OPTIONS found in `configs`, in their own precision or `precision`; under
+    sequence parallelism the ZeRO ones only (a run refuses SP under plain DDP)."""
     from train.plan.estimate import OPTIONS, estimate
     from train.plan.strategy import strategy_from_json
     rows = []
     for label, fname in OPTIONS:
         path = configs / fname
         if path.is_file():
-            rows.append(estimate(shape, strategy_from_json(label, path, precision, shape.width), world, batch,
-                                 device=device))
+            s = strategy_from_json(label, path, precision, shape.width)
+            if s.backend == "ddp" and batch.sequence_parallel > 1:
+                continue  # sequence parallelism needs ZeRO (train/launch/sequence_parallel.py)
+            rows.append(estimate(shape, s, world, batch, device=device))
     return rows
 
 
@@ -177,7 +180,8 @@ def choose(ds_config: str, cfg, spec, data, batch, seq_len, world: int, budget: 
     """--ds-config auto: the fastest option whose plan leaves the margin free."""
     configs = auto_dir(ds_config)
     margin = cfg.distributed.memory_margin
-    rows = _rows(model_shape(spec, data), _plan_batch(cfg, batch, seq_len), world, _device(budget), configs)
+    shape, device = model_shape(spec, data), _device(budget)
+    rows = _rows(shape, _plan_batch(cfg, batch, seq_len), world, device, configs)
     if not rows:
         raise ConfigError(f"--ds-config {ds_config}: {configs} holds none of ddp.json, zero1.json, ... zero3_offload.json")
     for i, e in enumerate(rows):
@@ -188,16 +192,22 @@ def choose(ds_config: str, cfg, spec, data, batch, seq_len, world: int, budget: 
                     + (f"; the faster {nf.strategy.label} would need {hb(nf.device_total)}" if nf else
                        "; it is the fastest option"))
             return Choice(e.strategy.path, e.strategy.label, e, nf, line, budget, margin)
+
+    def sp(before):  # auto, given the flag, chooses the fastest option that fits with it: the one named
+        fit = sp_fit(cfg, spec, seq_len, world, budget, before,
+                     lambda trial, b: _rows(shape, _plan_batch(trial, b, seq_len), world, device, configs))
+        return sp_clause(fit, cfg, budget)
     tight = next((r for r in rows if r.device_total <= budget.bytes), None)
     if tight is not None:  # fits, but not with the margin: say so, and what would run it
         raise DoesNotFit(f"--ds-config auto: no option fits {hb(budget.bytes)} ({budget.source}) with the "
                          f"{margin:.0%} distributed.memory_margin: the fastest that fits without it, "
                          f"{tight.strategy.label}, needs {with_margin(tight, budget, margin)}; "
-                         f"{_tight_fix(tight, budget, ds_config, f'--ds-config {_rel(tight.strategy.path)}')}")
+                         f"{_tight_fix(tight, budget, ds_config, f'--ds-config {_rel(tight.strategy.path)}')}"
+                         f"{sp(tight.activations)}")
     least = min(rows, key=lambda r: r.device_total)
     raise DoesNotFit(f"--ds-config auto: no option fits {hb(budget.bytes)} ({budget.source}): the smallest, "
                      f"{least.strategy.label}, needs "
-                     f"{hb(least.device_total)} per rank ({_why(least)}); {_advice(cfg)}")
+                     f"{hb(least.device_total)} per rank ({_why(least)}){sp(least.activations)}; {_advice(cfg)}")
 
 
 def _tight_fix(e, budget: Budget, auto: str | None, use: str) -> str:
@@ -267,24 +277,28 @@ def check(cfg, spec, ds, data, batch, seq_len, world: int, budget: Budget):
         return e, (f"warning: {ds.describe()} is predicted to need {with_margin(e, budget, margin)} per rank "
                    f"({budget.source}): it runs, but the estimate's error or the allocator's cache may not fit "
                    f"(distributed.memory_margin)")
+    fix = advise(cfg, shape, pb, world, device, ds, budget, (spec, seq_len, e.activations))
     raise DoesNotFit(f"{ds.describe()} [{ds.path}] needs about {hb(e.device_total)} per rank ({_why(e)}) but "
-                     f"{budget.source} allows {hb(budget.bytes)}; {advise(cfg, shape, pb, world, device, ds, budget)}. "
-                     f"(distributed.memory_check false skips this check)")
+                     f"{budget.source} allows {hb(budget.bytes)}; {fix}. (distributed.memory_check false skips this check)")
 
 
-def advise(cfg, shape, pb, world: int, device, ds, budget: Budget) -> str:
+def advise(cfg, shape, pb, world: int, device, ds, budget: Budget, run: tuple | None = None) -> str:
     """What to run instead of a strategy that does not fit: exactly what --ds-config auto would
     choose among the same JSONs (their directory when it holds the option files, e.g. fp32
-    copies; else the shipped ones in this run's precision), with the same margin."""
-    from train.plan.estimate import OPTIONS
-    from train.plan.strategy import strategy_from_json
+    copies; else the shipped ones in this run's precision), with the same margin. When none fits,
+    and `run` (spec, seq_len, activations per rank) is given: the sequence-parallel size that
+    would fit (sp_fit), this run's own JSON preferred."""
+    from train.plan.estimate import OPTIONS, estimate
+    from train.plan.strategy import strategy_from_json, strategy_from_setup
     margin = cfg.distributed.memory_margin
     here = Path(ds.path).parent if ds.path else None
     if here is not None and sum((here / f).is_file() for _, f in OPTIONS) > 1:
-        rows, auto = _rows(shape, pb, world, device, here), _auto_flag(here)  # auto:<here> sees these very rows
+        rows_at = lambda b: _rows(shape, b, world, device, here)  # noqa: E731  auto:<here> sees these very rows
+        rows, auto = rows_at(pb), _auto_flag(here)
         how = lambda r: f"--ds-config {_rel(r.strategy.path)}"  # noqa: E731
     else:
-        rows = _rows(shape, pb, world, device, paths.DS_CONFIGS, ds.precision)
+        rows_at = lambda b: _rows(shape, b, world, device, paths.DS_CONFIGS, ds.precision)  # noqa: E731
+        rows = rows_at(pb)
         same = all(strategy_from_json(r.strategy.label, Path(r.strategy.path)).precision == ds.precision for r in rows)
         auto = "auto" if same else None
 
@@ -300,12 +314,65 @@ def advise(cfg, shape, pb, world: int, device, ds, budget: Budget) -> str:
     if best is not None:
         return (f"{best.strategy.label} is the fastest option that fits with the {margin:.0%} margin "
                 f"({with_margin(best, budget, margin)}): use {how(best)}{auto_hint}")
+    sp = ""
+    if run is not None:  # this run's own JSON first (a ZeRO one), then the fastest of the same JSONs
+        own = strategy_from_setup(ds) if ds.is_deepspeed else None
+        spec, seq_len, before = run
+        fit = sp_fit(cfg, spec, seq_len, world, budget, before, lambda trial, b: (
+            [estimate(shape, own, world, _plan_batch(trial, b, seq_len), device=device)] if own else [])
+            + rows_at(_plan_batch(trial, b, seq_len)))
+        sp = sp_clause(fit, cfg, budget, lambda r: "" if r.strategy is own else f" with {how(r)}")
     tight = next((r for r in rows if r.device_total <= budget.bytes), None)
     if tight is not None:
         return (f"no option fits with the {margin:.0%} distributed.memory_margin: the fastest that fits without it, "
                 f"{tight.strategy.label}, needs {with_margin(tight, budget, margin)}; "
-                f"{_tight_fix(tight, budget, auto, how(tight))}")
-    return f"no option fits; {_advice(cfg)}"
+                f"{_tight_fix(tight, budget, auto, how(tight))}{sp}")
+    return f"no option fits{sp}; {_advice(cfg)}"
+
+
+class _ZeroJSON:
+    """What train/launch/sequence_parallel.check reads of a DSSetup, for a ZeRO JSON: the options a
+    sequence-parallel suggestion names are ZeRO ones (sp_fit.first_fit)."""
+
+    is_deepspeed = True
+    path = None
+
+
+def sp_runs(cfg, spec, seq_len, world: int):
+    """(N, this run's config with it, its Batch per data-parallel rank) for every sequence-parallel
+    size above the run's that train/launch/sequence_parallel.py accepts for this model, sequence
+    and world under a ZeRO JSON (train.compile aside: sp_clause says to turn it off), with a
+    global batch that splits over world / N data-parallel ranks; N ascending, lazily."""
+    from dataclasses import replace
+    from train.launch import sequence_parallel as sp_
+    from train.plan.sp_fit import sizes
+    for n in sizes(cfg.distributed.sequence_parallel, world):
+        trial = replace(cfg, distributed=replace(cfg.distributed, sequence_parallel=n),
+                        train=replace(cfg.train, compile=False))
+        try:
+            sp_.check(trial, spec, seq_len, _ZeroJSON)
+            batch = trial.train.batch(world // n)
+        except ConfigError:
+            continue
+        yield n, trial, batch
+
+
+def sp_fit(cfg, spec, seq_len, world: int, budget: Budget, before, options):
+    """The smallest size of sp_runs with which one of `options(its config, its Batch)` (Estimates,
+    in order of preference) fits with the margin (train/plan/sp_fit.py), or None."""
+    from train.plan.sp_fit import first_fit
+    margin = cfg.distributed.memory_margin
+    return first_fit(before, ((n, options(trial, b)) for n, trial, b in sp_runs(cfg, spec, seq_len, world)),
+                     lambda e: fits(e, budget, margin))
+
+
+def sp_clause(fit, cfg, budget: Budget, how=lambda r: "") -> str:
+    """'; --distributed.sequence_parallel N would fit (...)' for a refusal, or '' without a fit."""
+    if fit is None:
+        return ""
+    how_ = how(fit.estimate) + (" and --train.compile false" if cfg.train.compile else "")
+    return "; " + fit.clause("--distributed.sequence_parallel",
+                             with_margin(fit.estimate, budget, cfg.distributed.memory_margin), how_)
 
 
 def _auto_flag(d: Path) -> str:
