@@ -224,6 +224,27 @@ def test_hf_attention_sp_cannot_wrap_is_refused(tmp_path):
         sp_.check(cfg, spec, 64, Zero3())
 
 
+@pytest.mark.parametrize("pairs, flag", [
+    ([("data.kind", "sft"), ("data.packing", "true")], "data.packing"),
+    ([("data.kind", "tokens"), ("data.document_mask", "true")], "data.document_mask"),
+], ids=["packing", "document-mask"])
+def test_hf_packed_rows_under_sp_are_refused(pairs, flag):
+    """The hf: attention under SP is plain causal over the whole row (the model's own mask is made
+    per slice): rows of several documents would attend across them, so both flags are refused."""
+    from models.spec import ModelSpec
+    from train.config import load_config
+    from train.errors import ConfigError
+    from train.launch import sequence_parallel as sp_
+    cfg = load_config(None, [("model.name", "hf:/x"), ("distributed.sequence_parallel", "2"), *pairs])
+    spec = ModelSpec(config=cfg.model, family="hf", hf_config={"num_attention_heads": 4, "num_key_value_heads": 2})
+
+    class Zero3:
+        is_deepspeed, path = True, "zero3.json"
+    with pytest.raises(ConfigError, match=f"distributed.sequence_parallel 2 with {flag} on an hf: model is not "
+                                          f"supported .*; set {flag} false, or use the built-in GPT"):
+        sp_.check(cfg, spec, 64, Zero3())
+
+
 def test_world_size_not_divisible_exits_2_in_one_line(capsys):
     code, err = run_main(capsys, [*TINY, "--distributed.sequence_parallel", "2", "--train.max_steps", "1"])
     lines = [ln for ln in err.splitlines() if ln.strip()]
