@@ -1,10 +1,14 @@
-"""Ulysses sequence parallelism (distributed.sequence_parallel, issue 29): exact against one rank,
-resumable both ways, refused up front where it cannot run.
+"""Ulysses sequence parallelism (distributed.sequence_parallel, issue 29), launched: exact against
+one rank, resumable both ways, exported as a plain run. (Refusals and the planner, in-process:
+tests/test_sequence_parallel_checks.py.)
 
-The launches are real (tests/helpers.py run_train): an SP=2 run of 2 processes (ZeRO-3, fp32,
-every matrix partitioned) against a 1-process run without SP on the same samples, at 4096 tokens
-per row with a tiny width so that it runs on this CPU. Module-scoped fixtures share them: the
-6-step pair also saves at step 3, and each side resumes the other's checkpoint.
+The launches are real (tests/helpers.py run_train): SP=2 runs of 2 processes (ZeRO-3, fp32, every
+matrix partitioned) and one of 4 (2 SP groups x 2 data-parallel ranks), each against a 1-process
+run without SP on the same samples, at 4096 tokens per row with a tiny width so that it runs on
+this CPU. Module-scoped fixtures share them: the 6-step pair also saves at step 3 and each side
+resumes the other's checkpoint; the accumulation pair runs with activation checkpointing (the
+all-to-alls run again in the recomputation) and its 1-rank side is the 4-rank run's reference;
+the 1-rank 6-step run is the unmasked reference of the document-masked pair (the same rows).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, fp32, rank_infos, run_main, run_train, train_losses
+from helpers import TINY, data_trace, fp32, rank_infos, run_train, train_losses, write_token_file
 
 SEQ_LEN = 4096
 # The tiny GPT (4 heads, 2 KV heads: GQA) at a long row; 300 kB of text = 73 rows of 4096.
@@ -26,6 +30,25 @@ TOL = 1e-5
 
 def _steps(d: Path) -> dict[int, float]:
     return train_losses(d)
+
+
+def _rows(d: Path, rank: int = 0) -> list[list[int]]:
+    """The crc of every row the rank trained on, one sorted list per step (train.trace_data)."""
+    by_step: dict[int, list[int]] = {}
+    for r in data_trace(d, rank):
+        by_step.setdefault(r["step"], []).extend(r["crc"])
+    return [sorted(by_step[k]) for k in sorted(by_step)]
+
+
+def _without(args: list[str], *flags: str) -> list[str]:
+    """args less each flag in `flags` and its value."""
+    out, skip = [], False
+    for a in args:
+        if skip or a in flags:
+            skip = not skip
+            continue
+        out.append(a)
+    return out
 
 
 def _max_diff(a: dict, b: dict, steps) -> float:
@@ -40,21 +63,22 @@ def work(tmp_path_factory):
     return {"dir": d, "zero3": fp32(d, "zero3")}
 
 
-def _launch(work, name: str, nproc: int, *args) -> Path:
+def _launch(work, name: str, nproc: int, *args, common: list[str] = LONG) -> Path:
     run_dir = work["dir"] / name
     launcher = "python" if nproc == 1 else "torchrun"
-    proc = run_train(launcher, nproc, [*LONG, "--ds-config", work["zero3"], *args, "--train.run_dir", str(run_dir)])
+    proc = run_train(launcher, nproc, [*common, "--ds-config", work["zero3"], *args, "--train.run_dir", str(run_dir)])
     (run_dir / "launcher.out").write_text(proc.stdout)
     return run_dir
 
 
 SIX = ["--train.max_steps", "6", "--checkpoint.every_steps", "3"]
+TRACE = ["--train.trace_data", "true"]  # ranks/rank<R>.data.jsonl: a crc of every row each rank trains on
 
 
 @pytest.fixture(scope="module")
 def base6(work):
-    """1 process, no SP: 6 steps, checkpoints at steps 3 and 6."""
-    return _launch(work, "base6", 1, *SIX)
+    """1 process, no SP: 6 steps, checkpoints at steps 3 and 6 (its rows traced)."""
+    return _launch(work, "base6", 1, *SIX, *TRACE)
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +87,30 @@ def sp6(work):
     return _launch(work, "sp6", 2, *SIX, *SP2)
 
 
-ACCUM = ["--train.micro_batch_size", "2", "--train.grad_accum_steps", "2", "--train.max_steps", "3"]
+# Activation checkpointing on: backward recomputes every block, the all-to-alls included.
+ACCUM = ["--train.micro_batch_size", "2", "--train.grad_accum_steps", "2", "--train.max_steps", "3",
+         "--model.activation_checkpointing", "true"]
 
 
 @pytest.fixture(scope="module")
 def base_accum(work):
-    """1 process, no SP: micro-batches of 2 rows, accumulation 2 (4 rows per step)."""
-    return _launch(work, "base_accum", 1, *ACCUM)
+    """1 process, no SP: micro-batches of 2 rows, accumulation 2 (4 rows per step), checkpointing."""
+    return _launch(work, "base_accum", 1, *ACCUM, *TRACE)
 
 
 @pytest.fixture(scope="module")
 def sp_accum(work):
     return _launch(work, "sp_accum", 2, *ACCUM, *SP2)
+
+
+# SP=2 in a world of 4: 2 groups x 2 data-parallel ranks of micro 2, no accumulation = base_accum's
+# 4 rows per step (the sampler's order does not depend on micro, accumulation or world).
+WORLD4 = [*ACCUM, "--train.grad_accum_steps", "1", *SP2, *TRACE]
+
+
+@pytest.fixture(scope="module")
+def sp4(work):
+    return _launch(work, "sp4", 4, *WORLD4)
 
 
 def _ckpt(run_dir: Path, step: int) -> str:
@@ -101,10 +137,67 @@ def test_sp2_zero3_matches_one_rank_step_by_step(base6, sp6):
 
 
 @pytest.mark.multiproc
-def test_sp2_with_accumulation_and_two_rows_per_micro_batch_matches_one_rank(base_accum, sp_accum):
+def test_sp2_with_accumulation_two_rows_per_micro_batch_and_checkpointing_matches_one_rank(base_accum, sp_accum):
+    """Activation checkpointing recomputes each block in backward, so the SP run does its
+    all-to-alls again there: the gradients (hence steps 2 and 3) are still the 1-rank run's."""
     base, sp = _steps(base_accum), _steps(sp_accum)
     assert sorted(sp) == sorted(base) == [1, 2, 3]
     assert _max_diff(base, sp, [1, 2, 3]) < TOL, (base, sp)
+    for d in (base_accum, sp_accum):
+        model = json.loads((d / "config.json").read_text())["model"]
+        assert model["activation_checkpointing"] is True and model["resolved"]["activation_checkpointing"] is True
+
+
+@pytest.mark.multiproc
+def test_sp2_in_a_world_of_4_matches_one_rank_on_the_same_rows(base_accum, sp4):
+    """2 SP groups (ranks 0-1, 2-3) x 2 data-parallel ranks, ZeRO-3 over all 4: each step trains
+    on the rows of the 1-rank run's step (the order of a run without SP) with its losses."""
+    base, sp = _steps(base_accum), _steps(sp4)
+    assert sorted(sp) == sorted(base) == [1, 2, 3]
+    assert _max_diff(base, sp, [1, 2, 3]) < TOL, (base, sp)
+    rows = [_rows(sp4, r) for r in range(4)]
+    assert rows[0] == rows[1] and rows[2] == rows[3], rows  # a group reads the same rows
+    assert [sorted(a + b) for a, b in zip(rows[0], rows[2])] == _rows(base_accum), (rows, _rows(base_accum))
+    infos = rank_infos(sp4)
+    assert [i["sequence_parallel"]["ranks"] for i in infos] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(i["zero3"]["held_elements"] * 3 < i["zero3"]["elements"] for i in infos), infos  # ~1/4 each
+    cfg = json.loads((sp4 / "config.json").read_text())
+    assert cfg["resolved"]["tokens_per_step"] == 4 * SEQ_LEN
+    assert cfg["resolved"]["deepspeed_config"]["train_batch_size"] == 8  # DeepSpeed: 4 ranks x 2 rows
+
+
+# ---------------------------------------------------------------------------- document masks
+
+EOS = 10  # a newline: each line of the corpus is a document, dozens of them in every row
+
+
+@pytest.fixture(scope="module")
+def doc_runs(work):
+    """base6's 300 kB of text written as a byte-level token file, so the rows are base6's, with
+    data.document_mask at EOS: 3 steps on 1 rank without SP and on 2 ranks with SP=2."""
+    from train.data.text import read_bytes
+    tok = write_token_file(work["dir"] / "doc_tokens" / "train.bin", read_bytes(None, 300000)[0])
+    common = [*_without(LONG, "--data.max_bytes"), "--data.kind", "tokens", "--data.path", str(tok),
+              "--data.document_mask", "true", "--data.eos_id", str(EOS)]
+    args = ["--train.max_steps", "3", *TRACE]
+    return (_launch(work, "doc_base", 1, *args, common=common),
+            _launch(work, "doc_sp", 2, *args, *SP2, common=common))
+
+
+@pytest.mark.multiproc
+def test_sp2_with_document_masks_matches_one_rank_and_the_mask_counts(base6, doc_runs):
+    """Packed documents under SP: attention sees the whole row's doc_ids and positions on every
+    rank, so the masked losses are the 1-rank masked run's; and on the same rows (base6's, by
+    their crcs) the mask changes the losses by far more than that tolerance, so an SP path that
+    dropped it could not pass."""
+    doc_base, doc_sp = doc_runs
+    base, sp, unmasked = _steps(doc_base), _steps(doc_sp), _steps(base6)
+    assert sorted(sp) == sorted(base) == [1, 2, 3]
+    assert _max_diff(base, sp, [1, 2, 3]) < TOL, (base, sp)
+    assert _rows(doc_base) == _rows(doc_sp, 0) == _rows(doc_sp, 1) == _rows(base6)[:3]
+    assert _max_diff(base, unmasked, [1, 2, 3]) > 100 * TOL, (base, unmasked)
+    for d in doc_runs:
+        assert json.loads((d / "config.json").read_text())["data"]["document_mask"] is True
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -159,78 +252,6 @@ def test_slice_batch_keeps_positions_and_documents_whole():
     assert out["position_ids"] is b["position_ids"] and out["doc_ids"] is b["doc_ids"]
 
 
-# ---------------------------------------------------------------------------- up-front errors
-
-def test_sequence_parallel_must_be_a_whole_number_at_least_one():
-    from train.config import load_config
-    from train.errors import ConfigError
-    for bad in ("0", "-2"):
-        with pytest.raises(ConfigError, match="distributed.sequence_parallel must be a whole number >= 1"):
-            load_config(None, [("distributed.sequence_parallel", bad)])
-    with pytest.raises(ConfigError, match="distributed.sequence_parallel must be an integer"):
-        load_config(None, [("distributed.sequence_parallel", "two")])
-
-
-def _sp_check(tmp_path, n: int, *overrides, ds_json: str = "ds_configs/zero3.json"):
-    """train/launch/sequence_parallel.check on a real config, model spec and DeepSpeed setup."""
-    from models import resolve as resolve_model
-    from train.config import load_config
-    from train.dsconfig import load_ds_setup
-    from train.launch import sequence_parallel as sp_
-    pairs = [("model.name", "gpt-tiny"), ("data.seq_len", "64"), ("distributed.sequence_parallel", str(n)),
-             *[tuple(o.split("=", 1)) for o in overrides]]
-    cfg = load_config(None, pairs)
-    spec = resolve_model(cfg.model)
-    batch = cfg.train.batch(1)
-    ds = load_ds_setup(ds_json, cfg, sp_.engine_batch(batch, n), 10, cuda=False, hidden_size=spec.hidden_size or 64)
-    sp_.check(cfg, spec, cfg.data.seq_len, ds)
-
-
-@pytest.mark.parametrize("n, overrides, ds_json, message", [
-    (3, ["data.seq_len=48"], "ds_configs/zero3.json",
-     "distributed.sequence_parallel 3 does not divide the model's 4 attention heads (gpt-tiny)"),
-    (4, [], "ds_configs/zero3.json",
-     "distributed.sequence_parallel 4 does not divide the model's 2 key/value heads (gpt-tiny)"),
-    (2, ["data.seq_len=63"], "ds_configs/zero3.json",
-     "distributed.sequence_parallel 2 does not divide data.seq_len 63"),
-    (2, [], "ds_configs/ddp.json", "distributed.sequence_parallel 2 needs a ZeRO DeepSpeed JSON, not plain DDP"),
-    (2, ["train.compile=true"], "ds_configs/zero3.json", "with train.compile true is not supported"),
-], ids=["heads", "kv-heads", "seq-len", "ddp", "compile"])
-def test_combinations_sp_cannot_run_are_refused_in_one_line(tmp_path, n, overrides, ds_json, message):
-    from train.errors import ConfigError
-    with pytest.raises(ConfigError) as e:
-        _sp_check(tmp_path, n, *overrides, ds_json=ds_json)
-    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
-
-
-def test_sp_of_a_model_that_is_not_a_language_model_is_refused(tmp_path):
-    from train.errors import ConfigError
-    with pytest.raises(ConfigError, match='sequence parallelism splits a language model.s sequence; model.name "resnet18"'):
-        _sp_check(tmp_path, 2, "model.name=resnet18", "data.kind=imagefolder")
-
-
-def test_hf_attention_sp_cannot_wrap_is_refused(tmp_path):
-    from models.spec import ModelSpec
-    from train.config import load_config
-    from train.errors import ConfigError
-    from train.launch import sequence_parallel as sp_
-    cfg = load_config(None, [("model.name", "hf:/x"), ("distributed.sequence_parallel", "2")])
-    spec = ModelSpec(config=cfg.model, family="hf", hf_config={"num_attention_heads": 4, "num_key_value_heads": 2,
-                                                               "_attn_implementation": "flash_attention_2"})
-
-    class Zero3:
-        is_deepspeed, path = True, "zero3.json"
-    with pytest.raises(ConfigError, match='uses attn_implementation "flash_attention_2", which the Ulysses'):
-        sp_.check(cfg, spec, 64, Zero3())
-
-
-def test_world_size_not_divisible_exits_2_in_one_line(capsys):
-    code, err = run_main(capsys, [*TINY, "--distributed.sequence_parallel", "2", "--train.max_steps", "1"])
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2 and len(lines) == 1, err
-    assert "distributed.sequence_parallel 2 does not divide the world size 1" in lines[0], err
-
-
 # ---------------------------------------------------------------------------- hf: models
 
 @pytest.fixture(scope="module")
@@ -259,56 +280,62 @@ def hf_llama(work):
 def _hf_launch(work, hf_llama, name: str, nproc: int, *args) -> Path:
     run_dir = work["dir"] / name
     launcher = "python" if nproc == 1 else "torchrun"
-    tiny = [a for a in TINY if a not in ("--data.max_bytes", "300000")]  # (text-only)
+    tiny = _without(TINY, "--data.max_bytes", "--checkpoint.export")  # (text-only; the export is under test)
     argv = [*tiny, *hf_llama, "--data.seq_len", str(SEQ_LEN), "--train.micro_batch_size", "1",
             "--train.grad_accum_steps", "2", "--train.max_steps", "3", "--train.eval_every", "0",
+            "--checkpoint.export", "true", "--checkpoint.export_dtype", "fp32",
             "--ds-config", work["zero3"], *args, "--train.run_dir", str(run_dir)]
     run_train(launcher, nproc, argv)
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def hf_runs(work, hf_llama):
+    """The tiny Llama for 3 steps of 2 rows, on 1 rank and with SP=2; each exports fp32 weights."""
+    return _hf_launch(work, hf_llama, "hf_base", 1), _hf_launch(work, hf_llama, "hf_sp", 2, *SP2)
+
+
 @pytest.mark.multiproc
-def test_hf_llama_sp2_matches_one_rank_with_accumulation(work, hf_llama):
+def test_hf_llama_sp2_matches_one_rank_with_accumulation(hf_runs):
     """transformers' Llama under SP=2 (the "zerotrain_ulysses" attention around its sdpa, the
     slice's own positions for its RoPE) has the 1-rank losses of the same rows."""
-    base = _steps(_hf_launch(work, hf_llama, "hf_base", 1))
-    sp_dir = _hf_launch(work, hf_llama, "hf_sp", 2, *SP2)
-    sp = _steps(sp_dir)
+    base_dir, sp_dir = hf_runs
+    base, sp = _steps(base_dir), _steps(sp_dir)
     assert sorted(sp) == sorted(base) == [1, 2, 3]
     assert _max_diff(base, sp, [1, 2, 3]) < TOL, (base, sp)
     assert rank_infos(sp_dir)[1]["sequence_parallel"]["rank"] == 1
 
 
-# ---------------------------------------------------------------------------- planner
-
-def test_planner_divides_activations_by_n_and_counts_the_all_to_all_buffers():
-    """Per rank: every saved activation is per token, so 1/N of them; the exchange buffers are
-    q, k, v of one layer (send copy + receive buffer) on the local tokens."""
-    from models.gpt import preset
-    from train.plan.activations import activation_bytes, sp_exchange_bytes
-    from train.plan.shapes import BatchShape
-    g = preset("gpt-tiny", seq_len=SEQ_LEN)
-    for ckpt in (False, True):
-        one = BatchShape(1, SEQ_LEN, 1, ckpt, 1)
-        two = BatchShape(1, SEQ_LEN, 1, ckpt, 2)
-        assert activation_bytes(g, two, 4) * 2 == activation_bytes(g, one, 4)
-        assert sp_exchange_bytes(g, one, 4) == 0
-        kv = g.n_kv_head * g.head_dim
-        assert sp_exchange_bytes(g, two, 4) == 2 * 4 * (SEQ_LEN // 2) * (g.d_model + 2 * kv)
+def _hf_loss(model_dir: Path, row) -> tuple[float, object]:
+    """transformers' own load of `model_dir` and its mean next-token loss on one row."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=row[None, :-1]).logits[0]
+    return torch.nn.functional.cross_entropy(logits.float(), row[1:]).item(), model
 
 
-def test_zerotrain_plan_sequence_parallel_flag(capsys):
-    from train.commands.plan import main as plan
-    rows = {}
-    for n in (1, 2):
-        assert plan(["gpt-tiny", "--seq-len", "64", "--micro-batch", "1", "--json", "--sequence-parallel", str(n)]) == 0
-        out = json.loads(capsys.readouterr().out)
-        assert out["batch"]["sequence_parallel"] == n
-        rows[n] = {o["option"]: o["device_bytes"] for o in out["options"]}
-    z3 = [k for k in rows[1] if k.startswith("ZeRO-3")][0]
-    assert rows[2][z3]["activations"] * 2 == rows[1][z3]["activations"]
-    assert rows[2][z3]["params"] == rows[1][z3]["params"]  # ZeRO still partitions over the whole world
-    with pytest.raises(SystemExit) as e:
-        plan(["gpt-tiny", "--seq-len", "64", "--sequence-parallel", "3"])
-    assert e.value.code == 2
-    assert "--sequence-parallel 3 does not divide the sequence length 64" in capsys.readouterr().err
+@pytest.mark.multiproc
+def test_hf_llama_sp_export_loads_in_transformers_as_the_one_rank_export(work, hf_llama, hf_runs):
+    """checkpoint.export of the SP run is a plain transformers checkpoint: the same files, tensor
+    names and config as the 1-rank run's export (no SP attention or layout in it), loaded by
+    AutoModelForCausalLM.from_pretrained with the same loss on a fixed row; that loss is the
+    trained weights', not the initial ones'."""
+    import numpy as np
+    import torch
+    base_exp, sp_exp = (d / "export" for d in hf_runs)
+    tokens = np.fromfile(hf_llama[-1], dtype=np.uint16)[: SEQ_LEN + 1].astype(np.int64)
+    row = torch.from_numpy(tokens)
+    (base_loss, _), (sp_loss, sp_model) = _hf_loss(base_exp, row), _hf_loss(sp_exp, row)
+    init_loss, _ = _hf_loss(work["dir"] / "llama", row)
+    assert abs(base_loss - sp_loss) < TOL, (base_loss, sp_loss)
+    assert abs(init_loss - sp_loss) > 100 * TOL, (init_loss, sp_loss)
+    assert sp_model.config._attn_implementation == "sdpa"
+    assert sorted(p.name for p in sp_exp.iterdir()) == sorted(p.name for p in base_exp.iterdir())
+    cfg_sp, cfg_base = (json.loads((e / "config.json").read_text()) for e in (sp_exp, base_exp))
+    assert cfg_sp == cfg_base and "zerotrain_ulysses" not in json.dumps(cfg_sp), cfg_sp
+    from safetensors import safe_open
+    shapes = [{k: f.get_slice(k).get_shape() for k in f.keys()}
+              for f in (safe_open(str(e / "model.safetensors"), framework="pt") for e in (sp_exp, base_exp))]
+    assert shapes[0] == shapes[1], shapes

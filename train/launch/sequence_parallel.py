@@ -65,9 +65,10 @@ def check(cfg: RunConfig, spec, seq_len: int | None, ds) -> None:
     if seq_len is None or seq_len % n:
         raise ConfigError(f"{flag} does not divide data.seq_len {seq_len}: each rank holds seq_len / {n} tokens; "
                           f"choose a data.seq_len that is a multiple of {n}")
-    if spec.family == "hf" and cfg.data.packing:
-        raise ConfigError(f"{flag} with data.packing on an hf: model is not supported (its document mask is made "
-                          f"per slice); set data.packing false, or use the built-in GPT")
+    packed = "data.packing" if cfg.data.packing else "data.document_mask" if cfg.data.document_mask else None
+    if spec.family == "hf" and packed:  # the hf: attention under SP is causal over the whole row, no mask
+        raise ConfigError(f"{flag} with {packed} on an hf: model is not supported (its document mask is made "
+                          f"per slice); set {packed} false, or use the built-in GPT")
     heads, kv_heads = _heads(cfg, spec)
     for what, h in (("attention heads", heads), ("key/value heads", kv_heads)):
         if h % n:
