@@ -360,7 +360,7 @@ def validate_ds(path: Path, train_args: list[str], cuda: bool) -> dict:
     from models import resolve as resolve_model
     from train.args import parse_train_args
     from train.config import load_config
-    from train.dsconfig import load_ds_setup
+    from train.strategy.ds_config import load_ds_setup
     targs = parse_train_args(train_args)
     cfg = load_config(targs.config, targs.overrides)
     batch = cfg.train.batch(1)

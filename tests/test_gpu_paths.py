@@ -17,7 +17,7 @@ from helpers import REPO
 from train.launch import device_env
 from train.training import hardware
 from train.config import load_config
-from train.dsconfig import load_ds_setup
+from train.strategy.ds_config import load_ds_setup
 from train.errors import ConfigError
 
 SHIPPED = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json"))
@@ -143,9 +143,11 @@ def test_the_deepspeed_launchers_node_ranks_reach_accelerate(monkeypatch):
 
 
 def _ds(tmp_path, name):
+    """The Strategy of a shipped JSON (train/strategy/), resolved as a GPU run would."""
+    from train.strategy import for_setup
     cfg = load_config(None)
-    return load_ds_setup(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100, cuda=True,
-                           hidden_size=64)
+    return for_setup(load_ds_setup(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100, cuda=True,
+                                   hidden_size=64))
 
 
 def test_channels_last_is_for_vision_under_ddp_on_cuda(tmp_path):
@@ -164,9 +166,9 @@ def test_channels_last_is_for_vision_under_ddp_on_cuda(tmp_path):
 
 def test_compile_is_refused_under_zero3(tmp_path):
     cfg = load_config(None, [("train.compile", "true")])
-    hardware.check_compile(cfg, _ds(tmp_path, "zero2"))
+    _ds(tmp_path, "zero2").check_run(cfg)
     with pytest.raises(ConfigError, match="train.compile with ZeRO-3"):
-        hardware.check_compile(cfg, _ds(tmp_path, "zero3"))
+        _ds(tmp_path, "zero3").check_run(cfg)
 
 
 def test_image_decoding_gets_worker_processes_by_default(monkeypatch):

@@ -19,7 +19,8 @@ GiB = 2 ** 30
 
 
 def _ds(stage):
-    return SimpleNamespace(is_deepspeed=stage is not None, stage=stage)
+    """The key host_settings reads of a Strategy (train/strategy/): "ddp" or the ZeRO stage."""
+    return SimpleNamespace(malloc_key="ddp" if stage is None else stage)
 
 
 def _budget(n):

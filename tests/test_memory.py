@@ -42,7 +42,7 @@ def test_probe_fires_once_before_the_optimizer_step():
     model = torch.nn.Linear(10, 10)
     opt = torch.optim.AdamW(model.parameters())
     _adam_step(model, opt)
-    probe = StepProbe(model, opt, is_deepspeed=False)
+    probe = StepProbe(model, opt, step_target=opt)
     probe.arm()
     _adam_step(model, opt)
     assert not probe.armed and probe.result.device["grads"] == 110 * 4 and probe.result.optimizer_state_ready

@@ -17,7 +17,7 @@ def test_the_wheel_carries_ds_configs_and_finds_them(tmp_path):
     (wheel,) = wheels.glob("zerotrain-*.whl")
     subprocess.run([*pip, "install", "-q", "--no-deps", "--target", str(site), str(wheel)], check=True,
                    capture_output=True, timeout=300)
-    code = ("import train.paths as p, train.dsconfig as d\n"
+    code = ("import train.paths as p, train.strategy.ds_config as d\n"
             "from train.launch.distributed import resolve_ds_config_path\n"
             "assert p.__file__.startswith(%r), p.__file__\n"
             "default = resolve_ds_config_path(None, 'python')\n"

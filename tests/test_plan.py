@@ -47,7 +47,7 @@ def test_zero_paper_mixed_precision_model_states():
 
 
 def test_fp32_gradient_accumulation_under_bf16():
-    # The shipped bf16 JSONs accumulate in fp32 (train/dsconfig.py): 4 bytes per held gradient element;
+    # The shipped bf16 JSONs accumulate in fp32 (train/strategy/ds_config.py): 4 bytes per held gradient element;
     # ZeRO-1 becomes DeepSpeed's BF16_Optimizer with fp32 accumulators for every parameter
     # (+ the bf16 gradients backward writes before they are added in).
     assert strategy("zero2").grad_accum_fp32 and not strategy("zero0").grad_accum_fp32

@@ -60,7 +60,7 @@ def budget(mib: float, kind: str = "cuda"):
 
 def refusal(run, world: int, mib: float, ds: str = "zero3", kind: str = "cuda") -> str:
     """The memory check's one line for the run under ds_configs/<ds>.json."""
-    from train.dsconfig import load_ds_setup
+    from train.strategy.ds_config import load_ds_setup
     from train.plan import memory_check
     cfg, spec, data = run
     batch = cfg.train.batch(world // cfg.distributed.sequence_parallel)
@@ -88,7 +88,7 @@ def following(run, n: int):
 
 
 def test_the_check_names_the_smallest_sequence_parallel_that_fits_and_following_it_runs(long_run):
-    from train.dsconfig import load_ds_setup
+    from train.strategy.ds_config import load_ds_setup
     from train.plan import memory_check
     run = long_run()
     a1, _ = hand(1)

@@ -26,18 +26,19 @@ def test_sequence_parallel_must_be_a_whole_number_at_least_one():
 
 
 def _sp_check(tmp_path, n: int, *overrides, ds_json: str = "ds_configs/zero3.json"):
-    """train/launch/sequence_parallel.check on a real config, model spec and DeepSpeed setup."""
+    """train/launch/sequence_parallel.check on a real config, model spec and strategy."""
     from models import resolve as resolve_model
     from train.config import load_config
-    from train.dsconfig import load_ds_setup
     from train.launch import sequence_parallel as sp_
+    from train.strategy import for_setup
+    from train.strategy.ds_config import load_ds_setup
     pairs = [("model.name", "gpt-tiny"), ("data.seq_len", "64"), ("distributed.sequence_parallel", str(n)),
              *[tuple(o.split("=", 1)) for o in overrides]]
     cfg = load_config(None, pairs)
     spec = resolve_model(cfg.model)
     batch = cfg.train.batch(1)
     ds = load_ds_setup(ds_json, cfg, sp_.engine_batch(batch, n), 10, cuda=False, hidden_size=spec.hidden_size or 64)
-    sp_.check(cfg, spec, cfg.data.seq_len, ds)
+    sp_.check(cfg, spec, cfg.data.seq_len, for_setup(ds))
 
 
 @pytest.mark.parametrize("n, overrides, ds_json, message", [
@@ -72,8 +73,11 @@ def test_hf_attention_sp_cannot_wrap_is_refused(tmp_path):
     spec = ModelSpec(config=cfg.model, family="hf", hf_config={"num_attention_heads": 4, "num_key_value_heads": 2,
                                                                "_attn_implementation": "flash_attention_2"})
 
-    class Zero3:
-        is_deepspeed, path = True, "zero3.json"
+    class Zero3:  # a ZeRO strategy accepts sequence parallelism (train/strategy/zero.py)
+        path = "zero3.json"
+
+        def check_sequence_parallel(self, flag):
+            pass
     with pytest.raises(ConfigError, match='uses attn_implementation "flash_attention_2", which the Ulysses'):
         sp_.check(cfg, spec, 64, Zero3())
 
@@ -92,8 +96,11 @@ def test_hf_packed_rows_under_sp_are_refused(pairs, flag):
     cfg = load_config(None, [("model.name", "hf:/x"), ("distributed.sequence_parallel", "2"), *pairs])
     spec = ModelSpec(config=cfg.model, family="hf", hf_config={"num_attention_heads": 4, "num_key_value_heads": 2})
 
-    class Zero3:
-        is_deepspeed, path = True, "zero3.json"
+    class Zero3:  # a ZeRO strategy accepts sequence parallelism (train/strategy/zero.py)
+        path = "zero3.json"
+
+        def check_sequence_parallel(self, flag):
+            pass
     with pytest.raises(ConfigError, match=f"distributed.sequence_parallel 2 with {flag} on an hf: model is not "
                                           f"supported .*; set {flag} false, or use the built-in GPT"):
         sp_.check(cfg, spec, 64, Zero3())

@@ -9,6 +9,8 @@ function is still a dependency: hiding a cycle that way is what this test forbid
 from __future__ import annotations
 
 import ast
+import re
+import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,9 +24,11 @@ LAYERS = [
     ("entry points", ("train.main", "train.cli")),
     ("commands", ("train.commands",)),
     ("training", ("train.training", "train.args")),
+    ("planner", ("train.plan",)),
+    ("strategy", ("train.strategy",)),
     ("components", ("train.checkpoint", "train.observe", "train.launch", "train.plan", "train.data", "train.optim",
                     "models")),
-    ("config", ("train.config", "train.dsconfig", "train.errors", "train.paths", "train.cli_args", "models.config",
+    ("config", ("train.config", "train.strategy.ds_config", "train.errors", "train.paths", "train.cli_args", "models.config",
                 "models.errors", "train.testhooks", "train.process_group")),
 ]
 
@@ -39,9 +43,14 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, known: set[str]) -> set[str]:
+    """The modules `path` imports: import statements, and any string naming a known module (an
+    `importlib.import_module("train.x")`, a `sys.modules.get("train.x")`, a dispatch table's
+    entry): a dependency hidden in a string is still a dependency."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in known:
+            out.add(node.value)
+        elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.add(node.module)
@@ -178,3 +187,51 @@ def test_every_production_function_fits_on_a_screen():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+def test_the_layering_sees_imports_hidden_in_strings(tmp_path):
+    """`sys.modules.get("train.launch.distributed")` in a bottom-layer module was an upward
+    dependency the layering could not see."""
+    f = tmp_path / "m.py"
+    f.write_text('import sys, importlib\nsys.modules.get("train.launch.distributed")\n'
+                 'importlib.import_module("train.plan.estimate")\n')
+    assert _imports(f, {"train.launch.distributed", "train.plan.estimate", "train.cli"}) == {
+        "train.launch.distributed", "train.plan.estimate"}
+
+
+# Asking which backend or ZeRO stage runs is train/strategy/'s job (one object per backend owns what
+# differs). Outside it at most MAX_BACKEND_TESTS such tests remain, each with a "backend-test:"
+# comment on its line saying why it cannot ask the strategy.
+BACKEND_TEST = re.compile(r"is_deepspeed|is_zero3|zero_stage|\bstage\s*(==|!=|>=|<=|<|>|in\b)|backend\s*(==|!=)")
+MAX_BACKEND_TESTS = 5
+
+
+def _backend_tests(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, code, has a "backend-test:" comment) for each line whose code, strings and comments
+    removed, tests the backend or the ZeRO stage."""
+    code, why = {}, set()
+    with open(path, "rb") as f:
+        for tok in tokenize.tokenize(f.readline):
+            if tok.type == tokenize.COMMENT and "backend-test:" in tok.string:
+                why.add(tok.start[0])
+            elif tok.type not in (tokenize.COMMENT, tokenize.STRING, tokenize.ENCODING):
+                code[tok.start[0]] = code.get(tok.start[0], "") + " " + tok.string
+    return [(n, text.strip(), n in why) for n, text in sorted(code.items()) if BACKEND_TEST.search(text)]
+
+
+def test_only_the_strategy_package_asks_which_backend_runs():
+    found = []
+    for name, path in sorted(_modules().items()):
+        if name.startswith("train.strategy"):
+            continue
+        found += [(f"{path.relative_to(REPO)}:{n}", text, ok) for n, text, ok in _backend_tests(path)]
+    undocumented = [f"{where}: {text}" for where, text, ok in found if not ok]
+    assert not undocumented, f"say why with a 'backend-test:' comment, or ask the Strategy: {undocumented}"
+    assert len(found) <= MAX_BACKEND_TESTS, [f"{where}: {text}" for where, text, _ in found]
+
+
+def test_the_backend_test_count_sees_code_not_text(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('x = "is_deepspeed"  # is_zero3\nif ds.stage == 3:  # backend-test: a reason\n    pass\n'
+                 'y = ds.is_deepspeed\n')
+    assert [(n, ok) for n, _, ok in _backend_tests(f)] == [(2, True), (4, False)]

@@ -7,7 +7,7 @@
               ordinarily give the same logits at T=1024
   buffers     buffers of models built under bf16 zero.Init (ResNet-18 BatchNorm statistics, a
               local Llama's) equal an ordinary construction, dtype included
-  accumulate  DeepSpeed engines with the shipped bf16 JSONs (ZeRO-1/2/3, as train/dsconfig.py
+  accumulate  DeepSpeed engines with the shipped bf16 JSONs (ZeRO-1/2/3, as train/strategy/ds_config.py
               resolves them) keep every one of 64 micro-batch gradients; with bf16 accumulation
               they lose the small ones
 """
@@ -30,7 +30,7 @@ from models.gpt import GPT, preset  # noqa: E402
 from models.vision import gathering_inits  # noqa: E402
 from train.config import ModelConfig, load_config  # noqa: E402
 from train.data import DataBundle  # noqa: E402
-from train.dsconfig import load_ds_setup  # noqa: E402
+from train.strategy.ds_config import load_ds_setup  # noqa: E402
 
 deepspeed.init_distributed(dist_backend="gloo")
 RANK, WORLD = torch.distributed.get_rank(), torch.distributed.get_world_size()

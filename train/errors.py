@@ -46,6 +46,17 @@ def user_errors(debug: bool = False):
         sys.exit(1)
 
 
+_PEERS = None
+
+
+def report_peers_with(peers) -> None:
+    """Called by train/launch/distributed.py when a launch imports it (a bad flag never imports torch
+    for this): `peers` has report_user_error, peer_user_error and explain_peer_failure, which
+    user_errors uses to tell the other ranks, and to name a rank that died."""
+    global _PEERS
+    _PEERS = peers
+
+
 def _distributed():
-    """train.launch.distributed once a launch imported it (a bad flag never imports torch for this)."""
-    return sys.modules.get("train.launch.distributed")
+    """The peers registered by report_peers_with, or None in a process that launched nothing."""
+    return _PEERS

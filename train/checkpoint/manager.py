@@ -23,9 +23,9 @@ import torch
 
 from models.lora import base_name, is_adapter
 from train import testhooks
-from train.checkpoint import adapter, engine_state
+from train.checkpoint import adapter
 from train.checkpoint import files as ckpt_files
-from train.checkpoint.holders import MOMENTS, make_holder, persistent_buffers
+from train.checkpoint.layout import MOMENTS, persistent_buffers
 from train.checkpoint.state import TrainState
 from train.errors import CheckpointError, ConfigError
 
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from models.workload import Workload
     from train.config import Batch, CheckpointConfig
     from train.data.sampler import GlobalBatchSampler
-    from train.dsconfig import DSSetup
 
 
 
@@ -79,7 +78,7 @@ class Checkpointer:
     acc              the Accelerator: device (collectives), unwrap_model, DDP's fp16 GradScaler
     model            what accelerate.prepare returned (a DeepSpeed engine: counters, loss scale)
     raw_optimizer    the torch optimizer (holders read and write its moments)
-    ds               the resolved strategy (backend, ZeRO stage, precision)
+    strategy         the backend (train/strategy/): the holder of this rank's tensors, the engine's state
     workload         family, model_config and tied names: the metadata of saves and exports
     sampler          the data order (global batch, samples, seed): saved, and checked on resume
     batch            micro x accum x world: the engine's micro-step count, and messages
@@ -89,7 +88,7 @@ class Checkpointer:
     """
 
     def __init__(self, *, cfg: CheckpointConfig, run_dir: Path, rank: int, world: int, acc: Accelerator,
-                 model: torch.nn.Module, raw_optimizer: torch.optim.Optimizer, ds: DSSetup, workload: Workload,
+                 model: torch.nn.Module, raw_optimizer: torch.optim.Optimizer, strategy, workload: Workload,
                  sampler: GlobalBatchSampler, batch: Batch, model_name: str, log: Callable[[dict, int], None],
                  resolved_config: dict | None):
         self.cfg = cfg
@@ -97,7 +96,7 @@ class Checkpointer:
         self.export_dir = Path(run_dir) / "export"
         self.rank, self.world = rank, world
         self.is_main = self.rank == 0
-        self.acc, self.model, self.raw_optimizer, self.ds = acc, model, raw_optimizer, ds
+        self.acc, self.model, self.raw_optimizer, self.strategy = acc, model, raw_optimizer, strategy
         self.workload, self.sampler, self.batch, self.model_name = workload, sampler, batch, model_name
         self.log, self.resolved_config = log, resolved_config
         self._holder = None
@@ -108,7 +107,7 @@ class Checkpointer:
     @property
     def holder(self):
         if self._holder is None:
-            self._holder = make_holder(self.model, self.raw_model, self.raw_optimizer, self.ds, self.rank, self.world)
+            self._holder = self.strategy.make_holder(self.raw_model, self.rank, self.world)
         return self._holder
 
     @property
@@ -262,12 +261,12 @@ class Checkpointer:
             ckpt_files.remove_tree(d)
 
     def _meta(self, state) -> dict:
-        h, ds, wl, sampler = self.holder, self.ds, self.workload, self.sampler
+        h, wl, sampler = self.holder, self.workload, self.sampler
         return {
             "format": ckpt_files.FORMAT, "version": ckpt_files.VERSION, "step": state.step,
             "train_state": state.to_dict(),
             "world_size": self.world, "holder": h.name,
-            "strategy": {"backend": ds.backend, "zero_stage": ds.stage, "precision": ds.precision},
+            "strategy": self.strategy.record(),
             "params": {s.name: {"shape": list(s.shape), "trainable": s.trainable,
                                 **({"optimizer_step": h.step_of(s)} if s.trainable else {})}
                        for s in h.slots if self._saved(s)},
@@ -280,8 +279,7 @@ class Checkpointer:
             "data": {"global_batch": sampler.global_batch, "num_samples": sampler.num_samples,
                      "steps_per_epoch": sampler.steps_per_epoch, "seed": sampler.seed,
                      **({"mixture": sampler.plan.record()} if getattr(sampler, "plan", None) else {})},
-            "engine": engine_state.engine_counters(self.model, self.ds),
-            "loss_scaler": engine_state.scaler_state(self.model, self.acc, self.ds),
+            "engine": None, "loss_scaler": None, **self.strategy.engine_state(),
             "config": self.resolved_config,
         }
 
@@ -384,7 +382,7 @@ class Checkpointer:
         """The saved TrainState; DeepSpeed's step counters and the loss scale set to match it."""
         known = TrainState.__dataclass_fields__
         st = TrainState(**{k: v for k, v in meta["train_state"].items() if k in known})
-        engine_state.restore(meta, st, self.model, self.acc, self.ds, self.batch.accum)
+        self.strategy.load_engine_state(meta, st.step, st.samples_seen, st.skipped_steps, self.batch.accum)
         return st
 
     def on_fit_start(self):

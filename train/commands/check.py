@@ -66,7 +66,7 @@ def ssh_not_needed(acc: dict | None) -> str | None:
 
 def run_checks(args) -> list[str]:
     from train.config import load_config
-    from train.dsconfig import load_ds_setup
+    from train.strategy.ds_config import load_ds_setup
     ok = []
     hosts = None
     if args.hostfile:

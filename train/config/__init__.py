@@ -3,7 +3,7 @@
 Order of precedence: dataclass defaults < run file (``--config run.yaml``) < dotted
 CLI overrides (``--optim.lr 3e-4``). Unknown keys, wrong types and impossible values
 fail with a ConfigError naming the key. DeepSpeed/ZeRO/precision settings are *not*
-here: they live in the DeepSpeed JSON (``distributed.ds_config``), see train/dsconfig.py.
+here: they live in the DeepSpeed JSON (``distributed.ds_config``), see train/strategy/ds_config.py.
 
 schema.py (+ data_section.py) the sections, loader.py the strict loading, batch.py the batch
 arithmetic; the names other modules use are re-exported here.

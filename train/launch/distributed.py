@@ -22,13 +22,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from train import paths, process_group
+from train import errors, paths, process_group
 from train.config import Batch
-from train.dsconfig import DSSetup, read_ds_json
 from train.errors import ConfigError
+from train.strategy.ds_config import read_ds_json
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -170,24 +171,17 @@ def default_ds_config() -> tuple[str, str]:
     return "zero2_fp32.json", "ZeRO-2, fp32: no GPU here, and CPUs emulate bf16 ~7x slower"
 
 
-def check_accelerate_precision(ds: DSSetup):
-    """`accelerate launch` exports the YAML's mixed_precision; it must agree with the JSON."""
-    mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    if mp and mp != "no" and mp != ds.accelerate_mixed_precision:
-        raise ConfigError(f"the accelerate config sets mixed_precision: {mp} but {ds.path} selects "
-                          f"{ds.precision}; precision comes from the DeepSpeed JSON: remove mixed_precision "
-                          f"from the accelerate YAML or make them agree")
-
-
-def build_accelerator(ds: DSSetup, batch: Batch, timeout_s: int, log_with: str | None = None):
+def build_accelerator(precision: str, batch: Batch, timeout_s: int, log_with: str | None = None,
+                      handlers: tuple = (), **backend):
+    """The Accelerator for one backend: `handlers` and `backend` (a DeepSpeedPlugin, or cpu=)
+    come from the strategy (train/strategy/); the rest is the same for every backend."""
     from accelerate import Accelerator
-    from accelerate.utils import (DataLoaderConfiguration, DeepSpeedPlugin, DistributedDataParallelKwargs,
-                                  GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs)
+    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs
 
     cuda = torch.cuda.is_available()
     pg = InitProcessGroupKwargs(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     common = dict(
-        mixed_precision=ds.accelerate_mixed_precision,
+        mixed_precision={"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[precision],
         # Our batch sampler yields *global* micro-batches (world x micro samples, the same
         # order for any world size); Accelerate hands each rank its own slice.
         # non_blocking: batches are copied from pinned memory (build.py) while the GPU works.
@@ -198,13 +192,7 @@ def build_accelerator(ds: DSSetup, batch: Batch, timeout_s: int, log_with: str |
     )
     _PEERS["timeout_s"] = timeout_s
     with rendezvous_errors(timeout_s):  # the process group (and its TCP store) is created here
-        if ds.is_deepspeed:
-            plugin = DeepSpeedPlugin(hf_ds_config=ds.resolved, zero3_init_flag=ds.stage == 3)
-            return Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[pg], **common)
-        handlers = [pg, DistributedDataParallelKwargs(**ds.ddp_kwargs)]
-        if ds.grad_scaler:  # fp16: the JSON's loss-scale settings (train/dsconfig.grad_scaler_args)
-            handlers.append(GradScalerKwargs(**ds.grad_scaler))
-        return Accelerator(cpu=not cuda, kwargs_handlers=handlers, **common)
+        return Accelerator(kwargs_handlers=[pg, *handlers], **common, **backend)
 
 
 def init_process_group(timeout_s: int):
@@ -455,3 +443,8 @@ def rendezvous_errors(timeout_s: int):
                               f"{addr}:{port} (wrong master address, firewall, or GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME "
                               f"naming the wrong interface); world size {world}") from None
         raise
+
+
+# user_errors (train/errors.py) tells the other ranks of a user error, and names a peer that died.
+errors.report_peers_with(SimpleNamespace(report_user_error=report_user_error, peer_user_error=peer_user_error,
+                                         explain_peer_failure=explain_peer_failure))

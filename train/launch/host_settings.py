@@ -29,10 +29,6 @@ GLIBC_GROWTH = {"ddp": 1.02, 0: 1.05, 1: 1.05, 2: 1.05, 3: 1.50}
 COMPACT_COST = {"ddp": 1.01, 0: 0.11, 1: 0.11, 2: 0.11, 3: 0.62}
 
 
-def _key(ds):
-    return "ddp" if not ds.is_deepspeed else ds.stage
-
-
 @dataclass
 class HostSettings:
     malloc: str               # "compact" | "glibc"
@@ -52,7 +48,7 @@ class HostSettings:
         return f"host: compact malloc on ({self.why}){cost}"
 
 
-def decide(cfg, ds, cuda: bool, planned=None, budget=None) -> HostSettings:
+def decide(cfg, strategy, cuda: bool, planned=None, budget=None) -> HostSettings:
     """The run's host settings. `planned`/`budget`: the memory check's Estimate and Budget
     (None when the check is off: then auto keeps glibc's default)."""
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE")
@@ -60,10 +56,10 @@ def decide(cfg, ds, cuda: bool, planned=None, budget=None) -> HostSettings:
     if cuda:
         return HostSettings("glibc", "a GPU run: the device memory is not malloc's", thp)
     if choice != "auto":
-        return _settings(choice, f"train.host_malloc {choice}", ds, thp)
+        return _settings(choice, f"train.host_malloc {choice}", strategy, thp)
     if planned is None or budget is None:
         return HostSettings("glibc", "train.host_malloc auto without a memory check", thp)
-    growth = GLIBC_GROWTH[_key(ds)]
+    growth = GLIBC_GROWTH[strategy.malloc_key]
     grown = planned.device_total * growth
     room = (1 - cfg.distributed.memory_margin) * budget.bytes
     if grown <= room:
@@ -71,11 +67,11 @@ def decide(cfg, ds, cuda: bool, planned=None, budget=None) -> HostSettings:
     from train.observe.report import human_bytes as hb
     why = (f"the memory check: the plan {hb(planned.device_total)} x glibc's growth {growth:g} = {hb(grown)} "
            f"would leave less than the {cfg.distributed.memory_margin:.0%} margin of {hb(budget.bytes)}")
-    return _settings("compact", why, ds, thp)
+    return _settings("compact", why, strategy, thp)
 
 
-def _settings(malloc: str, why: str, ds, thp) -> HostSettings:
-    return HostSettings(malloc, why, thp, COMPACT_COST[_key(ds)] if malloc == "compact" else None)
+def _settings(malloc: str, why: str, strategy, thp) -> HostSettings:
+    return HostSettings(malloc, why, thp, COMPACT_COST[strategy.malloc_key] if malloc == "compact" else None)
 
 
 def apply(settings: HostSettings) -> HostSettings:

@@ -50,8 +50,9 @@ def engine_batch(batch: Batch, n: int) -> Batch:
     return Batch(micro=batch.micro, accum=batch.accum, world=batch.world * n)
 
 
-def check(cfg: RunConfig, spec, seq_len: int | None, ds) -> None:
-    """Every combination SP cannot run, refused before anything is built (one line each)."""
+def check(cfg: RunConfig, spec, seq_len: int | None, strategy) -> None:
+    """Every combination SP cannot run, refused before anything is built (one line each). `strategy`
+    refuses a backend that cannot split sequences (train/strategy/: plain DDP)."""
     n = cfg.distributed.sequence_parallel
     if n == 1:
         return
@@ -59,9 +60,7 @@ def check(cfg: RunConfig, spec, seq_len: int | None, ds) -> None:
     if spec.family not in ("gpt", "hf"):
         raise ConfigError(f"{flag}: sequence parallelism splits a language model's sequence; model.name "
                           f'"{spec.name}" is a {spec.family} model: set distributed.sequence_parallel 1')
-    if not ds.is_deepspeed:
-        raise ConfigError(f"{flag} needs a ZeRO DeepSpeed JSON, not plain DDP ({ds.path}); use e.g. "
-                          f"--ds-config ds_configs/zero3.json or set distributed.sequence_parallel 1")
+    strategy.check_sequence_parallel(flag)
     if seq_len is None or seq_len % n:
         raise ConfigError(f"{flag} does not divide data.seq_len {seq_len}: each rank holds seq_len / {n} tokens; "
                           f"choose a data.seq_len that is a multiple of {n}")

@@ -172,8 +172,10 @@ class StepProbe:
     right before the optimizer step (everything reduced, Adam moments present). Arm it at
     the start of a step after the first, so that the moments exist; it disarms itself."""
 
-    def __init__(self, model, raw_optimizer, is_deepspeed: bool):
-        self.model, self.raw_optimizer, self.is_deepspeed = model, raw_optimizer, is_deepspeed
+    def __init__(self, model, raw_optimizer, step_target):
+        """`step_target`: the optimizer object whose step() ends the step (the strategy's
+        Strategy.step_target: DeepSpeed's ZeRO optimizer, or the torch optimizer)."""
+        self.model, self.raw_optimizer, self.step_target = model, raw_optimizer, step_target
         self.result: ModelStateBytes | None = None
         self._handles = []
 
@@ -189,7 +191,7 @@ class StepProbe:
     def arm(self):
         module = _unwrap(self.model)
         self._handles.append(module.register_forward_pre_hook(lambda mod, args: self._take()))
-        target = self.model.optimizer if self.is_deepspeed else self.raw_optimizer
+        target = self.step_target
         if isinstance(target, torch.optim.Optimizer):
             def pre_hook(opt, args, kwargs):
                 self._take()
@@ -230,14 +232,14 @@ class MemoryReport:
     FIELDS = ("params", "grads", "optimizer", "buffers", "gathered", "model_states", "host", "plan_model_states",
               "plan_host")
 
-    def __init__(self, *, acc, model, raw_optimizer, is_deepspeed: bool, start_step: int, max_steps: int,
+    def __init__(self, *, acc, model, raw_optimizer, step_target, start_step: int, max_steps: int,
                  plan: Estimate | None, log: Callable[[dict, int], None]):
         """`model`/`raw_optimizer` as for StepProbe; `plan`: the planner's estimate for this rank
         (logged as plan/* next to the measurement), None when there is none; `log`: the metrics sink."""
         self.acc, self.plan, self.log = acc, plan, log
         # Step `start_step` from scratch creates the moments; measure the one after it if there is one.
         self.at = start_step + 1 if start_step == 0 and max_steps > 1 else start_step
-        self.probe = StepProbe(model, raw_optimizer, is_deepspeed)
+        self.probe = StepProbe(model, raw_optimizer, step_target)
 
     def before_step(self, step: int):
         if step == self.at:

@@ -31,13 +31,13 @@ def count_params(model) -> tuple[int, int]:
 
 
 def banner(t) -> str:
-    topo, ds, b, data = t.topo, t.ds, t.batch, t.data
+    topo, strategy, b, data = t.topo, t.strategy, t.batch, t.data
     total, trainable = count_params(t.model)
     lines = [
         "zerotrain " + "-" * 60,
         f"  world        {topo.world_size} process(es) on {topo.num_nodes} node(s), launcher {topo.launcher}, "
         f"{topo.device} / {topo.backend}" + _threads_text(t),
-        f"  strategy     {ds.describe()}   [{ds.path}]",
+        f"  strategy     {strategy.describe()}   [{strategy.path}]",
         f"  model        {t.cfg.model.name}: {human(total)} params ({human(trainable)} trainable)" + _lora_text(t),
         f"  data         {data.describe}: "
         + ("an endless stream" if data.stream is not None else f"{len(data.train)} train samples")

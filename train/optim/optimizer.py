@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from train.config import OptimConfig
-from train.dsconfig import DSSetup
 
 
 def _shape(p) -> tuple:
@@ -31,19 +30,25 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, ds: DSSetup):
+def _groups_and_args(model: torch.nn.Module, cfg: OptimConfig):
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         from train.errors import ConfigError
         raise ConfigError("the model has no trainable parameters (model.freeze_backbone with no head?)")
-    kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    if ds.offload_optimizer:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam  # JIT-builds once (~45 s on 2 cores)
-        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
-    # DDP: the fused kernel (CUDA and CPU), which also skips a non-finite step on the device
-    # (found_inf, set by the trainer or the GradScaler) without a host sync. DeepSpeed steps its
-    # own flat partitions with the torch default.
-    return torch.optim.AdamW(groups, fused=True if not ds.is_deepspeed else None, **kw)
+    return groups, dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def adamw(model: torch.nn.Module, cfg: OptimConfig, fused: bool | None):
+    """torch AdamW over the decay / no-decay groups; `fused` as torch takes it (None: its default)."""
+    groups, kw = _groups_and_args(model, cfg)
+    return torch.optim.AdamW(groups, fused=fused, **kw)
+
+
+def cpu_adamw(model: torch.nn.Module, cfg: OptimConfig):
+    """DeepSpeedCPUAdam in AdamW mode: the optimizer ZeRO offload steps on the host."""
+    groups, kw = _groups_and_args(model, cfg)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # JIT-builds once (~45 s on 2 cores)
+    return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
 
 
 def set_lr(optimizer, lr: float):

@@ -331,11 +331,14 @@ def advise(cfg, shape, pb, world: int, device, ds, budget: Budget, run: tuple | 
 
 
 class _ZeroJSON:
-    """What train/launch/sequence_parallel.check reads of a DSSetup, for a ZeRO JSON: the options a
-    sequence-parallel suggestion names are ZeRO ones (sp_fit.first_fit)."""
+    """What train/launch/sequence_parallel.check asks of a Strategy, for a ZeRO JSON: the options a
+    sequence-parallel suggestion names are ZeRO ones (sp_fit.first_fit), which split sequences."""
 
-    is_deepspeed = True
     path = None
+
+    @staticmethod
+    def check_sequence_parallel(flag: str) -> None:
+        pass
 
 
 def sp_runs(cfg, spec, seq_len, world: int):

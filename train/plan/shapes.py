@@ -14,7 +14,7 @@ class ModelShape:
     # numel of every trainable tensor, per optimizer group, in the order DeepSpeed flattens them
     groups: tuple
     gpt: object = None          # models.gpt.GPTConfig for activations; None = parameter count only
-    width: Optional[int] = None  # hidden size: fills the JSON's "auto" ZeRO sizes (train/dsconfig.AUTO_SIZES)
+    width: Optional[int] = None  # hidden size: fills the JSON's "auto" ZeRO sizes (train/strategy/ds_config.AUTO_SIZES)
     frozen: tuple = ()          # numel of parameters without gradients (held, never stepped)
     leaf_block: int = 0         # numel of the largest sparse-MoE block: gathered whole under ZeRO-3 (models/moe.py)
     active_params: Optional[int] = None  # mixture of experts: parameters one token uses (FLOPs); None = all

@@ -41,7 +41,7 @@ class Strategy:
 
 def strategy_from_json(label: str, path: Path, precision: Optional[str] = None,
                        width: Optional[int] = None) -> Strategy:
-    from train.dsconfig import precision_of, read_ds_json
+    from train.strategy.ds_config import precision_of, read_ds_json
     ds = read_ds_json(path)
     prec = precision or precision_of(path, ds)
     if "ddp" in ds:
@@ -53,7 +53,7 @@ def strategy_from_json(label: str, path: Path, precision: Optional[str] = None,
 
 
 def strategy_from_setup(ds) -> Strategy:
-    """From train.dsconfig.DSSetup (the trainer's resolved JSON: no "auto" left)."""
+    """From train.strategy.ds_config.DSSetup (the trainer's resolved JSON: no "auto" left)."""
     if not ds.is_deepspeed:
         return Strategy(ds.describe(), ds.path, "ddp", None, ds.precision,
                         bucket_view=bool(ds.ddp_kwargs.get("gradient_as_bucket_view", False)),
@@ -63,7 +63,7 @@ def strategy_from_setup(ds) -> Strategy:
 
 
 def _zero_strategy(label, path, precision, zero, data_types=None, width=None) -> Strategy:
-    from train.dsconfig import ACCUM_DTYPES, AUTO_SIZES
+    from train.strategy.ds_config import ACCUM_DTYPES, AUTO_SIZES
 
     def on(block):
         return (zero.get(block) or {}).get("device") not in (None, "none")
@@ -71,14 +71,14 @@ def _zero_strategy(label, path, precision, zero, data_types=None, width=None) ->
     for k, v in list(zero.items()):
         if isinstance(v, str) and v.lower() == "auto":
             if width and k in AUTO_SIZES:
-                zero[k] = AUTO_SIZES[k](width)   # what train/dsconfig.py fills for this model
+                zero[k] = AUTO_SIZES[k](width)   # what train/strategy/ds_config.py fills for this model
             else:
                 zero.pop(k)                      # no width known: DeepSpeed's default stands in
                 notes.append('"auto" ZeRO sizes need the model width: DeepSpeed\'s defaults shown '
                              '(5e8-element buckets; a run sizes them from its model)')
     stage = int(zero.get("stage", 0))
     accum = (data_types or {}).get("grad_accum_dtype")
-    # train/dsconfig.py fills fp32 accumulation for bf16 from stage 1 when the JSON is silent.
+    # train/strategy/ds_config.py fills fp32 accumulation for bf16 from stage 1 when the JSON is silent.
     fp32_accum = (ACCUM_DTYPES.get(str(accum).lower()) == "fp32") if accum else (precision == "bf16" and stage >= 1)
     return Strategy(label, path, "deepspeed", stage, precision, on("offload_optimizer"), on("offload_param"), zero,
                     grad_accum_fp32=fp32_accum and precision != "fp32", notes=tuple(dict.fromkeys(notes)))

@@ -15,16 +15,16 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None) -> Trainer:
     """Returns a ready Trainer. Raises UserError for anything the user can fix."""
     rt = stages.set_up_runtime(cfg)
     data = stages.load_data(cfg, rt)
-    strategy = stages.choose_strategy(cfg, ds_config_cli, rt, data)
-    model = stages.build_model(cfg, rt, data, strategy)
+    dist = stages.choose_strategy(cfg, ds_config_cli, rt, data)
+    model = stages.build_model(cfg, rt, data, dist)
     loaders = stages.make_loaders(cfg, rt, data)
-    prepared = stages.prepare(rt, strategy, model, loaders)
-    record = record_run(cfg, rt, data, strategy, model, loaders)
-    services = stages.start_services(cfg, rt, data, strategy, model, prepared, record)
-    return Trainer(cfg=cfg, resolved_config=record, topo=strategy.topo, ds=strategy.ds, batch=rt.batch,
-                   max_steps=data.max_steps, run_dir=rt.run_dir, acc=strategy.acc, model=prepared.model,
+    prepared = stages.prepare(rt, dist, model, loaders)
+    record = record_run(cfg, rt, data, dist, model, loaders)
+    services = stages.start_services(cfg, rt, data, dist, model, prepared, record)
+    return Trainer(cfg=cfg, resolved_config=record, topo=dist.topo, strategy=dist.strategy, batch=rt.batch,
+                   max_steps=data.max_steps, run_dir=rt.run_dir, acc=dist.acc, model=prepared.model,
                    optimizer=prepared.optimizer, raw_optimizer=model.raw_optimizer, workload=model.workload,
                    data=data.bundle, train_loader=prepared.train_loader, sampler=data.sampler,
                    val_loader=prepared.val_loader, loggers=services.loggers, checkpointer=services.checkpointer,
                    memory_plan=services.memory_plan, state=services.state, elastic=rt.elastic,
-                   seq_parallel=strategy.sp)
+                   seq_parallel=dist.sp)

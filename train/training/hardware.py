@@ -59,25 +59,13 @@ def keep_cpu_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def use_channels_last(cfg: RunConfig, ds, family: str, cuda: bool) -> bool:
-    """model.channels_last: None = vision models under DDP on a GPU. DeepSpeed copies every
-    parameter into its flat (contiguous, NCHW) buffers, which undoes the layout."""
+def use_channels_last(cfg: RunConfig, strategy, family: str, cuda: bool) -> bool:
+    """model.channels_last: None = vision models on a GPU where the strategy keeps the layout."""
     want = cfg.model.channels_last
     if want and family != "vision":
         raise ConfigError(f"model.channels_last is for torchvision models (convolutions); {cfg.model.name} is a "
                           f"{family} model: remove it")
-    if want and ds.is_deepspeed:
-        raise ConfigError(f"model.channels_last: DeepSpeed ({ds.describe()}) keeps parameters in flat contiguous "
-                          f"buffers, which undoes the channels-last layout; use ds_configs/ddp.json or remove it")
-    if want is None:
-        return family == "vision" and cuda and not ds.is_deepspeed
-    return bool(want)
-
-
-def check_compile(cfg: RunConfig, ds) -> None:
-    if cfg.train.compile and ds.is_zero3:
-        raise ConfigError(f"train.compile with ZeRO-3 ({ds.path}): DeepSpeed's parameter gathering hooks break "
-                          f"compiled graphs; use ZeRO-0/1/2 or DDP, or set train.compile false")
+    return strategy.check_channels_last(cfg, want, family, cuda)
 
 
 def cores_per_rank(local_world: int) -> int:

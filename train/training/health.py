@@ -8,9 +8,9 @@ after its cause. A skipped step never touched the weights, so the checkpoint wri
 the last good state. The decision uses the global gradient norm, identical on every rank, so
 all ranks stop together.
 
-DDP and DeepSpeed differ only in fp16 bookkeeping, kept here: DeepSpeed holds the loss scale as
-a Python float and counts its own skipped steps; DDP's GradScaler holds it on the device and
-the skips are counted here.
+The fp16 bookkeeping that differs between backends is the Strategy's (train/strategy/): where
+the loss scale lives, its floor, and whether the engine counts its own skipped steps (DeepSpeed)
+or they are counted here (DDP's GradScaler).
 """
 
 from __future__ import annotations
@@ -20,23 +20,20 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from train.optim import loss_scale
-
 if TYPE_CHECKING:
     from train.checkpoint.state import TrainState
     from train.config import TrainConfig
-    from train.dsconfig import DSSetup
+    from train.strategy import Strategy
 
 
 class Health:
-    def __init__(self, *, train: TrainConfig, ds: DSSetup, acc, model):
-        """`train`: the run config's train section; `acc`, `model`: the Accelerator and what it
-        prepared (a DeepSpeed engine holds the fp16 optimizer, the Accelerator DDP's GradScaler)."""
-        self.train, self.ds, self.acc, self.model = train, ds, acc, model
-        self.fp16 = ds.precision == "fp16"
-        # The scale at which an overflowing fp16 step can no longer lower it (DeepSpeed's
-        # fp16.min_loss_scale; the GradScaler's floor is 1).
-        self.scale_floor = float(ds.resolved.get("fp16", {}).get("min_loss_scale", 1)) if ds.is_deepspeed else 1.0
+    def __init__(self, *, train: TrainConfig, strategy: Strategy, is_main: bool):
+        """`train`: the run config's train section; `strategy`: the backend, bound to its engine
+        (it holds the fp16 loss scale); `is_main`: rank 0 prints the warnings."""
+        self.train, self.strategy, self.is_main = train, strategy, is_main
+        self.fp16 = strategy.precision == "fp16"
+        # The scale at which an overflowing fp16 step can no longer lower it.
+        self.scale_floor = strategy.loss_scale_floor
         self.pending: list = []        # (step, grad norm, fp16 scale) recorded, not yet read
         self.bad_run = 0               # consecutive non-finite steps
         self.last_grad_norm: Optional[float] = None  # read at the last check
@@ -49,11 +46,7 @@ class Health:
     def loss_scale(self):
         """The fp16 loss scale now, without a host read (a float, or a device tensor under DDP);
         None without fp16."""
-        if not self.fp16:
-            return None
-        if self.ds.is_deepspeed:
-            return loss_scale.current(optimizer=self.model.optimizer)
-        return loss_scale.current(scaler=getattr(self.acc, "scaler", None))
+        return self.strategy.loss_scale() if self.fp16 else None
 
     def check(self, state: TrainState) -> bool:
         """Counts the recorded steps that were skipped into `state`; True when the run must stop
@@ -73,14 +66,14 @@ class Health:
         bad = norm is not None and not math.isfinite(norm)
         t = self.train
         if self.fp16:
-            if bad and not self.ds.is_deepspeed:
+            if bad and not self.strategy.counts_skipped_steps():
                 state.skipped_steps += 1  # the GradScaler skipped it (DeepSpeed counts its own)
             self.bad_run = self.bad_run + 1 if (bad and scale is not None and scale <= self.scale_floor) else 0
             if self.bad_run >= t.max_bad_steps:
                 self.diverged_reason = (f"fp16 loss scale collapsed to {scale:g} with {self.bad_run} consecutive "
                                         f"overflowing steps at step {step}; the model's values exceed "
                                         f"fp16's range: use bf16 (set \"bf16\": {{\"enabled\": true}} in "
-                                        f"{self.ds.path}) or lower optim.lr")
+                                        f"{self.strategy.path}) or lower optim.lr")
                 return True
             return False
         if not bad:
@@ -88,7 +81,7 @@ class Health:
             return False
         self.bad_run += 1
         state.skipped_steps += 1
-        if self.acc.is_main_process:
+        if self.is_main:
             print(f"zerotrain: warning: step {step}: non-finite gradient norm ({norm}); step skipped, "
                   f"weights unchanged ({self.bad_run} in a row, {state.skipped_steps} in total)", flush=True)
         if t.nan_policy == "stop" or self.bad_run >= t.max_bad_steps:
@@ -108,8 +101,8 @@ class Health:
             scale = read_numbers([self.loss_scale()])[0]
             if scale is not None:
                 m["loss_scale"] = scale
-            if self.ds.is_deepspeed:
-                state.skipped_steps = int(self.model.skipped_steps)
+            if self.strategy.counts_skipped_steps():
+                state.skipped_steps = self.strategy.engine_skipped_steps()
         m["skipped_steps"] = state.skipped_steps
         return m
 

@@ -15,10 +15,10 @@ from train import paths
 
 if TYPE_CHECKING:
     from train.config import RunConfig
-    from train.training.stages import Loaders, Model, Runtime, RunData, Strategy
+    from train.training.stages import Distributed, Loaders, Model, Runtime, RunData
 
 
-def record_run(cfg: RunConfig, rt: Runtime, data: RunData, strategy: Strategy, model: Model,
+def record_run(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed, model: Model,
                loaders: Loaders) -> dict:
     """config.json's content: the run config with what the build derived filled in, and a
     "resolved" section (strategy, world, versions, memory, host and hardware settings). Rank 0
@@ -36,20 +36,20 @@ def record_run(cfg: RunConfig, rt: Runtime, data: RunData, strategy: Strategy, m
         record["model"]["resolved"] = {**workload.model_config, "moe": workload.moe.info.record()}
     if workload.lora is not None:
         record["model"]["lora"]["resolved"] = workload.lora  # the target modules chosen, where the base comes from
-    record["distributed"]["ds_config"] = strategy.ds.path
-    record["resolved"] = _resolved(cfg, rt, data, strategy, model, loaders)
-    if strategy.acc.is_main_process:
+    record["distributed"]["ds_config"] = dist.strategy.path
+    record["resolved"] = _resolved(cfg, rt, data, dist, model, loaders)
+    if dist.acc.is_main_process:
         (rt.run_dir / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
         if bundle.class_names:  # index -> class name, to read predictions of the trained classifier
             (rt.run_dir / "classes.json").write_text(json.dumps(bundle.class_names, indent=1) + "\n")
     return record
 
 
-def _resolved(cfg: RunConfig, rt: Runtime, data: RunData, strategy: Strategy, model: Model,
+def _resolved(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed, model: Model,
               loaders: Loaders) -> dict:
-    ds, topo, budget = strategy.ds, strategy.topo, strategy.budget
+    strategy, topo, budget = dist.strategy, dist.topo, dist.budget
     out = {
-        "deepspeed_config": ds.resolved, "backend": ds.backend, "zero_stage": ds.stage, "precision": ds.precision,
+        "deepspeed_config": strategy.ds.resolved, **strategy.record(),
         "world_size": topo.world_size, "num_nodes": topo.num_nodes, "launcher": topo.launcher,
         "device": topo.device, "comm_backend": topo.backend,
         "tokens_per_step": rt.batch.global_size * data.bundle.items_per_sample,
@@ -62,11 +62,11 @@ def _resolved(cfg: RunConfig, rt: Runtime, data: RunData, strategy: Strategy, mo
     if budget is not None:
         out["memory_budget"] = {"bytes": budget.bytes, "source": budget.source, "device": budget.device,
                                 "runtime_bytes": budget.runtime}
-    if strategy.planned is not None:
-        out["memory_plan"] = strategy.planned.to_dict()  # the peak the check compared with the budget
-    if strategy.choice is not None:
-        out["auto_ds_config"] = strategy.choice.record()
-    out["host_settings"] = strategy.host.record()
+    if dist.planned is not None:
+        out["memory_plan"] = dist.planned.to_dict()  # the peak the check compared with the budget
+    if dist.choice is not None:
+        out["auto_ds_config"] = dist.choice.record()
+    out["host_settings"] = dist.host.record()
     stream = data.bundle.stream
     out["hardware"] = {"float32_matmul_precision": rt.matmul_precision, "cpu_threads": rt.threads,
                        "channels_last": model.channels_last, "compile": cfg.train.compile,

@@ -5,7 +5,6 @@ train/training/record.py."""
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
 import socket
@@ -17,7 +16,7 @@ import torch
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Subset
 
-from models import build_workload, hidden_size_of, partition_counts, partition_summary
+from models import build_workload, hidden_size_of, partition_summary
 from models import resolve as resolve_model
 from models.moe import make_leaf
 from train import process_group, testhooks
@@ -26,7 +25,8 @@ from train.checkpoint.state import TrainState
 from train.config import RunConfig
 from train.data import build_data
 from train.data.sampler import EvalBatchSampler, GlobalBatchSampler
-from train.dsconfig import DSSetup, load_ds_setup
+from train.strategy import Strategy, for_setup
+from train.strategy.ds_config import load_ds_setup
 from train.errors import ConfigError
 from train.launch import distributed as dist_
 from train.launch import elastic as elastic_
@@ -34,7 +34,6 @@ from train.launch import host_settings, shm_buffers
 from train.launch import sequence_parallel as sp_
 from train.observe import wandb_logger
 from train.observe.metrics import JsonlLogger, Loggers
-from train.optim.optimizer import build_optimizer
 from train.plan import memory_check
 from train.plan.rank_plan import rank_plan
 from train.training import hardware
@@ -164,8 +163,8 @@ def _sampler(cfg: RunConfig, bundle: DataBundle, b: Batch):
 # ---------------------------------------------------------------------------- strategy
 
 @dataclass
-class Strategy:
-    ds: DSSetup
+class Distributed:
+    strategy: Strategy              # the backend: plain DDP or DeepSpeed ZeRO (train/strategy/)
     choice: Optional[memory_check.Choice]    # --ds-config auto: what it chose and why
     acc: Accelerator
     topo: Topology
@@ -175,27 +174,29 @@ class Strategy:
     host: HostSettings              # malloc settings the check asked for
 
 
-def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, data: RunData) -> Strategy:
+def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, data: RunData) -> Distributed:
     """The DeepSpeed JSON (or DDP), the Accelerator, this rank's place, and the memory check
     before the model exists: a plan that does not fit the device memory stops here."""
-    ds, choice, view = _ds_setup(cfg, ds_config_cli, rt, data)
+    strategy, choice, view = _ds_setup(cfg, ds_config_cli, rt, data)
+    ds = strategy.ds
     _sweep_shm_buffers()  # before DeepSpeed creates this job's own
-    acc = dist_.build_accelerator(ds, rt.batch, cfg.distributed.timeout_s, log_with=wandb_logger.log_with(cfg))
+    acc = strategy.build_accelerator(rt.batch, cfg.distributed.timeout_s, log_with=wandb_logger.log_with(cfg))
     hardware.keep_cpu_threads(rt.threads)
     topo = dist_.topology(rt.launcher, "nccl" if rt.cuda else "gloo")
     dist_.check_world(acc, topo)
     sp = sp_.SPRun.join(rt.sp_size, topo.rank, topo.world_size, data.spec.family) if rt.sp_size > 1 else None
     wandb_logger.preflight(acc, cfg)  # W&B online without credentials: every rank stops here
-    _write_rank_info(rt.run_dir, acc, topo, ds)
+    _write_rank_info(rt.run_dir, acc, topo, strategy)
     planned, budget = memory_check.preflight(cfg, data.spec, ds, data.bundle, rt.batch, data.seq_len, rt.world,
                                              acc.is_main_process, view, choice)
     # Compact malloc only where the plan would not fit without it (train/launch/host_settings.py).
-    host = host_settings.apply(host_settings.decide(cfg, ds, rt.cuda, planned, budget))
-    return Strategy(ds=ds, choice=choice, acc=acc, topo=topo, sp=sp, planned=planned, budget=budget, host=host)
+    host = host_settings.apply(host_settings.decide(cfg, strategy, rt.cuda, planned, budget))
+    return Distributed(strategy=strategy, choice=choice, acc=acc, topo=topo, sp=sp, planned=planned, budget=budget,
+                       host=host)
 
 
 def _ds_setup(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, data: RunData):
-    """(DSSetup, --ds-config auto's Choice or None, this rank's memory view) once checked."""
+    """(the Strategy, --ds-config auto's Choice or None, this rank's memory view) once checked."""
     given = ds_config_cli or cfg.distributed.ds_config
     ds_path = dist_.resolve_ds_config_path(given, rt.launcher)
     if not given and rt.launcher != "accelerate" and os.environ.get("RANK", "0") == "0":
@@ -205,10 +206,10 @@ def _ds_setup(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, data: R
     ds_path, choice = memory_check.resolve_auto(ds_path, cfg, data.spec, data.bundle, rt.batch, data.seq_len, rt.world, view)
     ds = load_ds_setup(ds_path, cfg, sp_.engine_batch(rt.batch, rt.sp_size), data.max_steps, cuda=rt.cuda,
                  hidden_size=hidden_size_of(data.spec, data.bundle))
-    sp_.check(cfg, data.spec, data.seq_len, ds)
-    dist_.check_accelerate_precision(ds)
-    hardware.check_compile(cfg, ds)
-    return ds, choice, view
+    strategy = for_setup(ds)
+    sp_.check(cfg, data.spec, data.seq_len, strategy)
+    strategy.check_run(cfg)
+    return strategy, choice, view
 
 
 def _sweep_shm_buffers():
@@ -232,38 +233,30 @@ class Model:
     channels_last: bool
 
 
-def build_model(cfg: RunConfig, rt: Runtime, data: RunData, strategy: Strategy) -> Model:
+def build_model(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed) -> Model:
     """The model, built partitioned under ZeRO-3, and its optimizer: identical initial weights
     on every rank, then a per-rank seed (dropout etc. differ per rank, deterministically)."""
-    ds, acc = strategy.ds, strategy.acc
+    strategy, acc = dist.strategy, dist.acc
     set_seed(cfg.train.seed)
-    workload = build_workload(data.spec, data.bundle, _init_context(ds))
-    if strategy.sp is not None:
-        strategy.sp.attach(workload.model)
-    if ds.is_zero3 and acc.is_main_process:
-        print(f"zerotrain: {partition_summary(workload.model, strategy.topo.world_size)}", flush=True)
-    if workload.moe is not None:  # sparse-MoE blocks: ZeRO-3 leaves before the engine hooks the modules
-        if ds.is_zero3 and not testhooks.fire("no_moe_leaf"):
+    workload = build_workload(data.spec, data.bundle, strategy.init_context())
+    if dist.sp is not None:
+        dist.sp.attach(workload.model)
+    partitioned = strategy.partitions_parameters
+    if partitioned and acc.is_main_process:
+        print(f"zerotrain: {partition_summary(workload.model, dist.topo.world_size)}", flush=True)
+    if workload.moe is not None:  # sparse-MoE blocks: leaves of partitioned parameters before the engine hooks them
+        if partitioned and not testhooks.fire("no_moe_leaf"):
             make_leaf(workload.model, workload.moe.info)
         if acc.is_main_process:
             print(f"zerotrain: {workload.moe.info.banner()}", flush=True)
-    channels_last = hardware.use_channels_last(cfg, ds, workload.family, rt.cuda)
+    channels_last = hardware.use_channels_last(cfg, strategy, workload.family, rt.cuda)
     if channels_last:
         workload.model.to(memory_format=torch.channels_last)
     if cfg.train.compile:
         workload.model.compile()  # in place: parameter names (checkpoints, exports) stay the same
-    raw_optimizer = build_optimizer(workload.model, cfg.optim, ds)
-    set_seed(cfg.train.seed + strategy.topo.rank)
+    raw_optimizer = strategy.build_optimizer(workload.model, cfg.optim)
+    set_seed(cfg.train.seed + dist.topo.rank)
     return Model(workload=workload, raw_optimizer=raw_optimizer, channels_last=channels_last)
-
-
-def _init_context(ds: DSSetup):
-    """Build the model already partitioned under ZeRO-3 (a model larger than one device's
-    memory never exists whole); an ordinary construction otherwise."""
-    if ds.is_zero3:
-        import deepspeed  # deferred: a DDP run never imports DeepSpeed (start-up time)
-        return lambda: deepspeed.zero.Init(config_dict_or_path=ds.resolved)
-    return contextlib.nullcontext
 
 
 # ---------------------------------------------------------------------------- loaders
@@ -304,23 +297,23 @@ class Prepared:
     val_loader: Optional[DataLoader]
 
 
-def prepare(rt: Runtime, strategy: Strategy, model: Model, loaders: Loaders) -> Prepared:
+def prepare(rt: Runtime, dist: Distributed, model: Model, loaders: Loaders) -> Prepared:
     """accelerate.prepare (the DeepSpeed engine or the DDP wrapper), then what each rank
     records once its engine exists."""
-    ds, topo, workload = strategy.ds, strategy.topo, model.workload
-    objects = [workload.model, model.raw_optimizer, loaders.train] + ([loaders.val] if loaders.val is not None else [])
-    prepared, optimizer, train_loader, *val = strategy.acc.prepare(*objects)
+    strategy, topo, workload = dist.strategy, dist.topo, model.workload
+    loader_list = [loaders.train] + ([loaders.val] if loaders.val is not None else [])
+    train_loader, *val = strategy.prepare(dist.acc, workload.model, model.raw_optimizer, *loader_list)
+    prepared, optimizer = strategy.engine, strategy.optimizer
     # The engine exists, so DeepSpeed's CPU shm all-reduce (if used) is set up on every rank:
     # each rank unlinks its /dev/shm buffer's name now (train/launch/shm_buffers.py).
     released = shm_buffers.release_own_buffer(topo.rank, topo.world_size, barrier=torch.distributed.barrier)
     if released is not None:
         _add_rank_info(rt.run_dir, topo, shm_buffer_released=str(released))
-    if ds.is_deepspeed and ds.precision != "fp32":
-        workload.keep_norm_stats_fp32(prepared)  # 16-bit parameters, fp32 BatchNorm statistics
-    if ds.is_zero3:
-        _add_rank_info(rt.run_dir, topo, zero3=partition_counts(workload.model))
-    if strategy.sp is not None:
-        _add_rank_info(rt.run_dir, topo, sequence_parallel=strategy.sp.record())
+    facts = strategy.after_prepare(workload)
+    if facts:
+        _add_rank_info(rt.run_dir, topo, **facts)
+    if dist.sp is not None:
+        _add_rank_info(rt.run_dir, topo, sequence_parallel=dist.sp.record())
     # What the steps will run with, once every library has started (Accelerate sets threads too).
     _add_rank_info(rt.run_dir, topo, torch_threads=torch.get_num_threads(),
                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
@@ -329,13 +322,13 @@ def prepare(rt: Runtime, strategy: Strategy, model: Model, loaders: Loaders) -> 
 
 # ---------------------------------------------------------------------------- ranks/rank<R>.json
 
-def _write_rank_info(run_dir: Path, acc, topo: Topology, ds) -> None:
+def _write_rank_info(run_dir: Path, acc, topo: Topology, strategy: Strategy) -> None:
     """Each rank records who it is: what launchers and tests check sharding/topology against."""
     d = run_dir / "ranks"
     d.mkdir(parents=True, exist_ok=True)
     info = {**topo.__dict__, "hostname": socket.gethostname(), "pid": os.getpid(),
             "accelerate_process_index": acc.process_index, "accelerate_num_processes": acc.num_processes,
-            "distributed_type": str(acc.distributed_type), "strategy": ds.describe(),
+            "distributed_type": str(acc.distributed_type), "strategy": strategy.describe(),
             "process_group_size": process_group.size()}
     (d / f"rank{topo.rank}.json").write_text(json.dumps(info, indent=1) + "\n")
 
@@ -355,16 +348,18 @@ class Services:
     state: TrainState                     # where training starts: restored or fresh
 
 
-def start_services(cfg: RunConfig, rt: Runtime, data: RunData, strategy: Strategy, model: Model, prepared: Prepared,
-             record: dict) -> Services:
+def start_services(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed, model: Model, prepared: Prepared,
+                   record: dict) -> Services:
     """Loggers, the memory plan, the checkpointer, and the state the run starts from: a resumed
     checkpoint (checkpoint.resume) or initial weights (model.init_from) are restored here."""
-    acc, ds, topo, workload = strategy.acc, strategy.ds, strategy.topo, model.workload
+    acc, strategy, topo, workload = dist.acc, dist.strategy, dist.topo, model.workload
     loggers = Loggers([JsonlLogger(rt.run_dir / "metrics.jsonl")] if acc.is_main_process else [])
     # The banner's "model states" and "memory" lines; the plan is compared with mem/* at step 2.
-    memory_plan = rank_plan(workload.model, cfg, ds, rt.batch, topo, workload, data.bundle.seq_len, strategy.budget)
+    memory_plan = rank_plan(workload.model, cfg, strategy.ds, rt.batch, topo, workload, data.bundle.seq_len,
+                            dist.budget)
     checkpointer = Checkpointer(cfg=cfg.checkpoint, run_dir=rt.run_dir, rank=topo.rank, world=topo.world_size, acc=acc,
-                                model=prepared.model, raw_optimizer=model.raw_optimizer, ds=ds, workload=workload,
+                                model=prepared.model, raw_optimizer=model.raw_optimizer, strategy=strategy,
+                                workload=workload,
                                 sampler=data.sampler, batch=rt.batch, model_name=cfg.model.name, log=loggers.log,
                                 resolved_config=record)
     state = _restore(checkpointer, cfg)

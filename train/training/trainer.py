@@ -11,11 +11,9 @@ An optimizer step's loss is the mean over its global batch: of samples, or for l
 data with masked labels (sft) of labelled tokens, counted over every micro-batch and rank before
 the first backward (_token_denominator).
 
-Everything here is the same for DDP and every ZeRO stage; the differences live in the
-Accelerator (train/launch/distributed.py), in Health (where the fp16 loss scale lives, who counts
-skipped steps) and in two places below: DeepSpeed steps and clips inside `backward` where DDP
-steps in _clip_and_step, and DeepSpeed bf16/fp16 keeps the parameters themselves in 16 bits, so
-float inputs are cast to their dtype (input_dtype).
+Nothing here depends on the backend: what differs between DDP and the ZeRO stages (clipping
+and stepping, the fp16 loss scale, the dtype of float inputs) is the Strategy's
+(train/strategy/).
 
 The Trainer's fields are every component it works with, declared in one place; build.py
 assembles them and nothing is attached to a Trainer afterwards.
@@ -57,7 +55,7 @@ if TYPE_CHECKING:
     from train.config import Batch, RunConfig
     from train.data.bundle import DataBundle
     from train.data.sampler import GlobalBatchSampler
-    from train.dsconfig import DSSetup
+    from train.strategy import Strategy
     from train.launch.distributed import Topology
     from train.launch.elastic import ElasticRun
     from train.launch.sequence_parallel import SPRun
@@ -88,7 +86,7 @@ class Trainer:
     cfg: RunConfig                        # the run config, read only
     resolved_config: dict                 # <run_dir>/config.json's content: also the W&B run's config
     topo: Topology                        # this rank, the world size, nodes, launcher, device
-    ds: DSSetup                           # the strategy: DDP or a ZeRO stage, precision, offload
+    strategy: Strategy                    # the backend: DDP or a ZeRO stage (train/strategy/), bound to the engine
     batch: Batch                          # micro x accum x world samples per optimizer step
     max_steps: int
     run_dir: Path
@@ -115,7 +113,7 @@ class Trainer:
     seq_parallel: Optional[SPRun] = None
 
     # -- the loop's own bookkeeping (not passed in)
-    input_dtype: Optional[torch.dtype] = field(init=False)  # DeepSpeed bf16/fp16: float inputs cast to it
+    input_dtype: Optional[torch.dtype] = field(init=False)  # float inputs cast to it (Strategy.input_dtype)
     position: DataPosition = field(init=False)   # moves `state` through the data, yields the batches
     health: Health = field(init=False)           # non-finite steps, fp16 scale collapse: whether to stop
     evaluator: Evaluator = field(init=False)     # val/* metrics (train.eval_every), the closing sample text
@@ -128,10 +126,9 @@ class Trainer:
     _finished: bool = field(init=False, default=False)  # finish() completed: close() reports success to W&B
 
     def __post_init__(self):
-        dtype = next(p for p in self.model.parameters()).dtype if self.ds.is_deepspeed else torch.float32
-        self.input_dtype = None if dtype == torch.float32 else dtype
+        self.input_dtype = self.strategy.input_dtype()
         self.position = DataPosition(self.data, self.sampler, self.train_loader, self.batch.global_size)
-        self.health = Health(train=self.cfg.train, ds=self.ds, acc=self.acc, model=self.model)
+        self.health = Health(train=self.cfg.train, strategy=self.strategy, is_main=self.acc.is_main_process)
         self.evaluator = Evaluator(cfg=self.cfg, acc=self.acc, model=self.model, workload=self.workload, data=self.data,
                                    val_loader=self.val_loader, seq_parallel=self.seq_parallel, cast=self._cast_inputs)
 
@@ -181,7 +178,7 @@ class Trainer:
             self.checkpointer.on_fit_start()  # a resumed run's RNG streams, right before the first step
         # Measured model-state bytes of one early step (mem/* metrics), next to the plan's.
         memory_probe = MemoryReport(acc=self.acc, model=self.model, raw_optimizer=self.raw_optimizer,
-                                    is_deepspeed=self.ds.is_deepspeed, start_step=self.state.step,
+                                    step_target=self.strategy.step_target(), start_step=self.state.step,
                                     max_steps=self.max_steps, log=self.loggers.log,
                                     plan=self.memory_plan.estimate if self.memory_plan else None)
         vote = StopVote(self.acc)
@@ -282,7 +279,9 @@ class Trainer:
                     loss = loss * float("nan")
                 acc.backward(loss)
                 if acc.sync_gradients:
-                    grad_norm = self._clip_and_step()
+                    # Clip, step and zero the gradients (DeepSpeed did the first two inside
+                    # backward): the global norm stays on the device until the next health check.
+                    grad_norm = self.strategy.step(self.cfg.train.grad_clip)
             # _log_window logs the mean over micro-batches and ranks: with a token denominator
             # that mean is the step's normalised loss, sum / global count.
             loss_sum += loss.detach().to(torch.float64)
@@ -304,8 +303,8 @@ class Trainer:
         return self._cast_inputs(b)
 
     def _cast_inputs(self, b: dict) -> dict:
-        """Float inputs in the parameters' dtype: DeepSpeed bf16/fp16 keeps the parameters
-        themselves in half precision."""
+        """Float inputs in the parameters' dtype where the strategy keeps the parameters themselves
+        in 16 bits (DeepSpeed bf16/fp16)."""
         if self.input_dtype is None:
             return b
         return {k: v.to(self.input_dtype) if v.is_floating_point() else v for k, v in b.items()}
@@ -334,26 +333,6 @@ class Trainer:
         if self.acc.num_processes > 1 and process_group.exists():
             torch.distributed.all_reduce(count)
         return (count.clamp(min=1).to(torch.float64) / (self.batch.accum * self.acc.num_processes)).to(torch.float32)
-
-    def _clip_and_step(self):
-        """Returns the global gradient norm as the engine has it (a tensor on the device, or a
-        float): it is read at the next health check, not here."""
-        clip = self.cfg.train.grad_clip
-        if self.ds.is_deepspeed:
-            # The engine already unscaled, clipped and stepped inside backward().
-            norm = self.model.get_global_grad_norm()
-        else:
-            norm = self.acc.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
-            # A non-finite global norm is the same on every rank (gradients are all-reduced
-            # first), so every rank skips together, decided on the device: the fused AdamW
-            # (train/optim/optimizer.py) applies nothing, moments and step count included, when found_inf
-            # is 1. DeepSpeed does the same inside its step. Under fp16 the GradScaler sets
-            # found_inf itself (it also lowers the scale).
-            if norm is not None and self.ds.precision != "fp16":
-                self.raw_optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
 
     # ------------------------------------------------------------------ start / finish / close
     def start(self):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+from train.checkpoint.layout import MOMENTS  # noqa: F401 - the holders read and write these
 
 
 @dataclass
@@ -44,18 +44,6 @@ def even_range(n: int, rank: int, world: int) -> tuple[int, int]:
 def named_unique_params(model) -> list[tuple[str, torch.nn.Parameter]]:
     """Parameters once each (a tied alias is skipped: named_parameters dedupes shared tensors)."""
     return list(model.named_parameters())
-
-
-def persistent_buffers(model) -> list[tuple[str, torch.Tensor]]:
-    """Buffers that belong to the model's state (BatchNorm statistics), not derived ones (RoPE tables)."""
-    out, seen = [], set()
-    for mod_name, mod in model.named_modules():
-        for name, buf in mod.named_buffers(recurse=False):
-            if buf is None or name in mod._non_persistent_buffers_set or id(buf) in seen:
-                continue
-            seen.add(id(buf))
-            out.append((f"{mod_name}.{name}" if mod_name else name, buf))
-    return out
 
 
 def copy_out(t: torch.Tensor) -> torch.Tensor:
@@ -389,13 +377,8 @@ class Zero3Holder(Holder):
             return slot.param.detach().float().cpu().reshape(slot.shape).clone()
 
 
-def make_holder(model, raw_model, raw_optimizer, ds, rank: int, world: int) -> Holder:
-    """`model` is what accelerate.prepare returned (a DeepSpeedEngine under DeepSpeed)."""
-    if not ds.is_deepspeed:
-        return ReplicaHolder(raw_model, raw_optimizer, rank, world)
-    opt = model.optimizer
-    if ds.stage == 3:
-        return Zero3Holder(raw_model, opt, rank, world)
+def for_zero12(raw_model, opt, rank: int, world: int) -> Holder:
+    """ZeRO-0/1/2's holder, by the optimizer class DeepSpeed chose for the stage and precision."""
     if hasattr(opt, "single_partition_of_fp32_groups") or hasattr(opt, "fp32_groups_flat_partition"):
         return FragmentHolder(raw_model, opt, rank, world)
     if hasattr(opt, "fp16_groups") and (hasattr(opt, "fp32_groups_flat") or hasattr(opt, "fp32_groups")):

@@ -1,0 +1,162 @@
+"""What a training backend is to the rest of zerotrain: one object per backend (plain DDP,
+DeepSpeed ZeRO 0-3 with offload) owns everything that differs between them, so no other module
+asks which one runs (tests/test_structure.py counts the places that still do).
+
+A Strategy is made from the run's resolved DeepSpeed JSON (train/strategy/ds_config.py
+`DSSetup`) by `train.strategy.for_setup`, before anything is built. Its life in a run:
+
+    strategy.check_run(cfg)                     the backend's refusals of this run
+    acc = strategy.build_accelerator(...)       the Accelerator and the process group
+    ctx = strategy.init_context()               how the model is constructed (ZeRO-3: partitioned)
+    opt = strategy.build_optimizer(model, ...)  the AdamW this backend steps
+    strategy.prepare(acc, model, opt, loaders)  accelerate.prepare; the strategy keeps the engine
+    strategy.step(clip) / loss_scale() / ...    per step: clip and step, the fp16 scale
+    strategy.make_holder(...) / engine_state()  what a checkpoint reads and writes
+
+The planner's cost model of each backend is train/strategy/cost.py; the DeepSpeed private
+attributes the project reads are train/strategy/internals.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from train.strategy.ds_config import DSSetup
+
+
+class Strategy:
+    """The interface, with what both backends share. Subclasses: DDPStrategy (ddp.py) and
+    ZeroStrategy (zero.py)."""
+
+    #: "ddp" | "deepspeed": the name a checkpoint and config.json record
+    backend: str = ""
+
+    def __init__(self, ds: DSSetup):
+        self.ds = ds
+        # Set by prepare(): the Accelerator, what it prepared, and the torch optimizer inside.
+        self.acc = None
+        self.engine: Optional[torch.nn.Module] = None     # a DeepSpeed engine, a DDP wrapper or the module
+        self.optimizer = None                             # accelerate's optimizer wrapper
+        self.raw_optimizer: Optional[torch.optim.Optimizer] = None
+
+    # ------------------------------------------------------------------ what it is
+    @property
+    def precision(self) -> str:
+        return self.ds.precision
+
+    @property
+    def path(self) -> str:
+        return self.ds.path
+
+    def describe(self) -> str:
+        """One phrase for banners and errors, e.g. "ZeRO-2 (bf16)"."""
+        raise NotImplementedError
+
+    def record(self) -> dict:
+        """What a checkpoint's meta.json and config.json say of the strategy."""
+        return {"backend": self.backend, "zero_stage": None, "precision": self.precision}
+
+    @property
+    def partitions_parameters(self) -> bool:
+        """Parameters split over the ranks (ZeRO-3): the model must be built partitioned, and
+        reading a whole parameter is a gather."""
+        return False
+
+    # ------------------------------------------------------------------ checks and build
+    def check_run(self, cfg) -> None:
+        """Refuses, in one line, what this backend cannot run (raises ConfigError)."""
+        import os
+
+        from train.errors import ConfigError
+        # `accelerate launch` exports the YAML's mixed_precision; it must agree with the JSON.
+        mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
+        if mp and mp != "no" and mp != {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[self.precision]:
+            raise ConfigError(f"the accelerate config sets mixed_precision: {mp} but {self.path} selects "
+                              f"{self.precision}; precision comes from the DeepSpeed JSON: remove mixed_precision "
+                              f"from the accelerate YAML or make them agree")
+
+    def check_sequence_parallel(self, flag: str) -> None:
+        """Refuses distributed.sequence_parallel (`flag`) where the backend cannot split sequences."""
+
+    def check_channels_last(self, cfg, want: Optional[bool], family: str, cuda: bool) -> bool:
+        """model.channels_last resolved: None means vision models on a GPU where the backend keeps
+        the layout."""
+        if want is None:
+            return family == "vision" and cuda
+        return bool(want)
+
+    def build_accelerator(self, batch, timeout_s: int, log_with: Optional[str] = None):
+        raise NotImplementedError
+
+    def init_context(self):
+        """A zero-argument callable giving the context the model is constructed in."""
+        return contextlib.nullcontext
+
+    def build_optimizer(self, model: torch.nn.Module, optim_cfg):
+        raise NotImplementedError
+
+    def prepare(self, acc, model, raw_optimizer, *loaders):
+        """accelerate.prepare(model, optimizer, loaders...); keeps the engine and optimizers.
+        Returns the prepared loaders."""
+        self.acc, self.raw_optimizer = acc, raw_optimizer
+        self.engine, self.optimizer, *prepared = acc.prepare(model, raw_optimizer, *loaders)
+        return prepared
+
+    def after_prepare(self, workload) -> dict:
+        """Adjusts the prepared model where the backend needs it; returns facts for this rank's
+        ranks/rank<R>.json."""
+        return {}
+
+    # ------------------------------------------------------------------ one step
+    def input_dtype(self) -> Optional[torch.dtype]:
+        """The dtype float inputs are cast to (the parameters' own when they are 16-bit); None: keep."""
+        return None
+
+    def step(self, clip: float):
+        """At the accumulation boundary, after backward: clip, step and zero the gradients.
+        Returns the global gradient norm as the engine has it (a device tensor or a float,
+        read later by Health), or None."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ fp16 and counters
+    @property
+    def loss_scale_floor(self) -> float:
+        """The fp16 scale at which an overflowing step can no longer lower it."""
+        return 1.0
+
+    def loss_scale(self):
+        """The fp16 loss scale now, without a host read; None without fp16."""
+        return None
+
+    def counts_skipped_steps(self) -> bool:
+        """True when the engine counts its own skipped fp16 steps (engine_skipped_steps)."""
+        return False
+
+    def engine_skipped_steps(self) -> Optional[int]:
+        return None
+
+    def engine_state(self) -> dict:
+        """The engine's non-tensor state a checkpoint keeps: step counters, the fp16 scaler."""
+        return {}
+
+    def load_engine_state(self, saved: dict, step: int, samples: int, skipped: int, accum: int) -> None:
+        """Sets the engine's state from engine_state()'s record (or, for records that lack it,
+        from the TrainState's step counts)."""
+
+    # ------------------------------------------------------------------ checkpoints and memory
+    def make_holder(self, raw_model, rank: int, world: int):
+        """The object that reads and writes this rank's parameters and optimizer moments."""
+        raise NotImplementedError
+
+    def step_target(self):
+        """The optimizer object whose step() the memory probe hooks."""
+        return self.raw_optimizer
+
+    @property
+    def malloc_key(self):
+        """The key of this backend in train/launch/host_settings.py's measured tables."""
+        raise NotImplementedError

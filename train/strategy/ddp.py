@@ -1,0 +1,83 @@
+"""Plain PyTorch DDP (a ds_configs JSON with a "ddp" block): Accelerate's DDP wrapper, torch's
+fused AdamW, and torch's GradScaler under fp16."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from train.errors import ConfigError
+from train.strategy.base import Strategy
+
+
+class DDPStrategy(Strategy):
+    backend = "ddp"
+
+    def describe(self) -> str:
+        return f"DDP ({self.precision})"
+
+    # ------------------------------------------------------------------ checks and build
+    def check_sequence_parallel(self, flag: str) -> None:
+        raise ConfigError(f"{flag} needs a ZeRO DeepSpeed JSON, not plain DDP ({self.path}); use e.g. "
+                          f"--ds-config ds_configs/zero3.json or set distributed.sequence_parallel 1")
+
+    def build_accelerator(self, batch, timeout_s: int, log_with: Optional[str] = None):
+        from accelerate.utils import DistributedDataParallelKwargs, GradScalerKwargs
+
+        from train.launch.distributed import build_accelerator
+        handlers = [DistributedDataParallelKwargs(**self.ds.ddp_kwargs)]
+        if self.ds.grad_scaler:  # fp16: the JSON's loss-scale settings (train/strategy/ds_config.grad_scaler_args)
+            handlers.append(GradScalerKwargs(**self.ds.grad_scaler))
+        return build_accelerator(self.precision, batch, timeout_s, log_with, tuple(handlers),
+                                 cpu=not torch.cuda.is_available())
+
+    def build_optimizer(self, model, optim_cfg):
+        from train.optim.optimizer import adamw
+        # The fused kernel (CUDA and CPU), which also skips a non-finite step on the device
+        # (found_inf, set by step() or the GradScaler) without a host sync.
+        return adamw(model, optim_cfg, fused=True)
+
+    # ------------------------------------------------------------------ one step
+    def step(self, clip: float):
+        norm = self.acc.clip_grad_norm_(self.engine.parameters(), clip if clip > 0 else float("inf"))
+        # A non-finite global norm is the same on every rank (gradients are all-reduced first),
+        # so every rank skips together, decided on the device: the fused AdamW
+        # (train/optim/optimizer.py) applies nothing, moments and step count included, when
+        # found_inf is 1. Under fp16 the GradScaler sets found_inf itself (it also lowers the scale).
+        if norm is not None and self.precision != "fp16":
+            self.raw_optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # ------------------------------------------------------------------ fp16
+    def loss_scale(self):
+        if self.precision != "fp16":
+            return None
+        from train.optim import loss_scale
+        return loss_scale.current(scaler=getattr(self.acc, "scaler", None))
+
+    def engine_state(self) -> dict:
+        sc = getattr(self.acc, "scaler", None)
+        if self.precision != "fp16" or sc is None:
+            return {}
+        return {"loss_scaler": {"kind": "torch", **{k: float(v) for k, v in sc.state_dict().items()}}}
+
+    def load_engine_state(self, saved: dict, step: int, samples: int, skipped: int, accum: int) -> None:
+        s = saved.get("loss_scaler")
+        if not s or self.precision != "fp16" or s.get("kind") != "torch" or getattr(self.acc, "scaler", None) is None:
+            return
+        state = {k: v for k, v in s.items() if k != "kind"}
+        state["_growth_tracker"] = int(state.get("_growth_tracker", 0))
+        state["growth_interval"] = int(state.get("growth_interval", 2000))
+        self.acc.scaler.load_state_dict(state)
+
+    # ------------------------------------------------------------------ checkpoints and memory
+    def make_holder(self, raw_model, rank: int, world: int):
+        from train.strategy.holders import ReplicaHolder
+        return ReplicaHolder(raw_model, self.raw_optimizer, rank, world)
+
+    @property
+    def malloc_key(self):
+        return "ddp"

@@ -1,0 +1,144 @@
+"""DeepSpeed ZeRO, stages 0-3, with optimizer / parameter offload (a ds_configs JSON with
+"zero_optimization"): the engine clips, steps and keeps its own fp16 loss scale and counters;
+ZeRO-3 builds the model partitioned."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from train.errors import ConfigError
+from train.strategy.base import Strategy
+
+
+class ZeroStrategy(Strategy):
+    backend = "deepspeed"
+
+    @property
+    def stage(self) -> int:
+        return self.ds.stage
+
+    def describe(self) -> str:
+        parts = [f"ZeRO-{self.stage}"]
+        if self.ds.offload_optimizer:
+            parts.append(f"optimizer offload ({self.ds.offload_optimizer})")
+        if self.ds.offload_param:
+            parts.append(f"param offload ({self.ds.offload_param})")
+        return " + ".join(parts) + f" ({self.precision})"
+
+    def record(self) -> dict:
+        return {"backend": self.backend, "zero_stage": self.stage, "precision": self.precision}
+
+    @property
+    def partitions_parameters(self) -> bool:
+        return self.stage == 3
+
+    # ------------------------------------------------------------------ checks and build
+    def check_run(self, cfg) -> None:
+        super().check_run(cfg)
+        if cfg.train.compile and self.partitions_parameters:
+            raise ConfigError(f"train.compile with ZeRO-3 ({self.path}): DeepSpeed's parameter gathering hooks break "
+                              f"compiled graphs; use ZeRO-0/1/2 or DDP, or set train.compile false")
+
+    def check_channels_last(self, cfg, want: Optional[bool], family: str, cuda: bool) -> bool:
+        """DeepSpeed copies every parameter into its flat (contiguous, NCHW) buffers, which undoes
+        the layout."""
+        if want:
+            raise ConfigError(f"model.channels_last: DeepSpeed ({self.describe()}) keeps parameters in flat "
+                              f"contiguous buffers, which undoes the channels-last layout; use ds_configs/ddp.json "
+                              f"or remove it")
+        return False
+
+    def build_accelerator(self, batch, timeout_s: int, log_with: Optional[str] = None):
+        from accelerate.utils import DeepSpeedPlugin
+
+        from train.launch.distributed import build_accelerator
+        plugin = DeepSpeedPlugin(hf_ds_config=self.ds.resolved, zero3_init_flag=self.partitions_parameters)
+        return build_accelerator(self.precision, batch, timeout_s, log_with, deepspeed_plugin=plugin)
+
+    def init_context(self):
+        """Build the model already partitioned under ZeRO-3 (a model larger than one device's
+        memory never exists whole); an ordinary construction otherwise."""
+        if not self.partitions_parameters:
+            return super().init_context()
+        import deepspeed  # deferred: a DDP run never imports DeepSpeed (start-up time)
+        return lambda: deepspeed.zero.Init(config_dict_or_path=self.ds.resolved)
+
+    def build_optimizer(self, model, optim_cfg):
+        from train.optim.optimizer import adamw, cpu_adamw
+        if self.ds.offload_optimizer:
+            return cpu_adamw(model, optim_cfg)
+        return adamw(model, optim_cfg, fused=None)  # DeepSpeed steps its own flat partitions: torch's default
+
+    def after_prepare(self, workload) -> dict:
+        facts = {}
+        if self.precision != "fp32":
+            workload.keep_norm_stats_fp32(self.engine)  # 16-bit parameters, fp32 BatchNorm statistics
+        if self.partitions_parameters:
+            from models import partition_counts
+            facts["zero3"] = partition_counts(workload.model)
+        return facts
+
+    # ------------------------------------------------------------------ one step
+    def input_dtype(self) -> Optional[torch.dtype]:
+        """DeepSpeed bf16/fp16 keeps the parameters themselves in 16 bits."""
+        dtype = next(p for p in self.engine.parameters()).dtype
+        return None if dtype == torch.float32 else dtype
+
+    def step(self, clip: float):
+        # The engine already unscaled, clipped and stepped inside backward().
+        norm = self.engine.get_global_grad_norm()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # ------------------------------------------------------------------ fp16 and counters
+    @property
+    def loss_scale_floor(self) -> float:
+        return float(self.ds.resolved.get("fp16", {}).get("min_loss_scale", 1))
+
+    def loss_scale(self):
+        if self.precision != "fp16":
+            return None
+        from train.optim import loss_scale
+        return loss_scale.current(optimizer=self.engine.optimizer)
+
+    def counts_skipped_steps(self) -> bool:
+        return True
+
+    def engine_skipped_steps(self) -> Optional[int]:
+        return int(self.engine.skipped_steps)
+
+    def engine_state(self) -> dict:
+        from train.strategy.internals import COUNTERS
+        out = {"engine": {k: int(getattr(self.engine, k)) for k in COUNTERS if hasattr(self.engine, k)}}
+        if self.precision == "fp16":
+            from train.optim import loss_scale
+            out["loss_scaler"] = {"kind": "deepspeed", **loss_scale.state(self.engine.optimizer)}
+        return out
+
+    def load_engine_state(self, saved: dict, step: int, samples: int, skipped: int, accum: int) -> None:
+        counters = saved.get("engine") or {}
+        self.engine.global_steps = counters.get("global_steps", step)
+        self.engine.global_samples = counters.get("global_samples", samples)
+        self.engine.skipped_steps = counters.get("skipped_steps", skipped)
+        self.engine.micro_steps = step * accum
+        s = saved.get("loss_scaler")
+        if s and self.precision == "fp16" and s.get("kind") == "deepspeed":
+            from train.optim import loss_scale
+            loss_scale.restore(self.engine.optimizer, s)
+
+    # ------------------------------------------------------------------ checkpoints and memory
+    def make_holder(self, raw_model, rank: int, world: int):
+        from train.strategy.holders import Zero3Holder, for_zero12
+        opt = self.engine.optimizer
+        if self.partitions_parameters:
+            return Zero3Holder(raw_model, opt, rank, world)
+        return for_zero12(raw_model, opt, rank, world)
+
+    def step_target(self):
+        return self.engine.optimizer
+
+    @property
+    def malloc_key(self):
+        return self.stage
