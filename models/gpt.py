@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from models.sequence_parallel import heads_to_seq, seq_to_heads
+from models.ulysses import heads_to_seq, seq_to_heads
 
 
 @dataclass
@@ -264,7 +264,7 @@ class Attention(nn.Module):
         # by sqrt(2L) to keep the residual stream's variance ~constant with depth.
         self.proj = Linear(cfg.d_model, cfg.d_model, cfg.init_std / math.sqrt(2 * cfg.n_layer))
         self.resid_drop = nn.Dropout(cfg.dropout)
-        self.seq_parallel = None  # models/sequence_parallel.py SeqParallel: x is this rank's slice
+        self.seq_parallel = None  # models/ulysses.py SeqParallel: x is this rank's slice
 
     def forward(self, x, cos, sin, mask=None):  # x (B, T, D), mask None or (B, 1, T, T) additive -> (B, T, D)
         B, T, _ = x.shape
@@ -336,7 +336,7 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             # Same Parameter object: optimisers/ZeRO see it once, and counts dedupe it.
             self.lm_head.weight = self.tok_emb.weight
-        self.seq_parallel = None  # models/sequence_parallel.py: idx is this rank's slice of each sequence
+        self.seq_parallel = None  # models/ulysses.py: idx is this rank's slice of each sequence
 
     def forward(self, idx: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:  # idx (B, T) int64 -> logits (B, T, V)

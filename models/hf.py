@@ -7,7 +7,7 @@ an HfDeepSpeedConfig alive, so `from_pretrained` builds the model inside
 deepspeed.zero.Init and loads the weights one partition at a time: the model never
 exists whole on one device.
 
-Exports: train/checkpoint/export.py writes the weights (same names as `save_pretrained`) and
+Exports: train/checkpoint/consolidate.py writes the weights (same names as `save_pretrained`) and
 calls `save_hf_config` here for config.json, generation config and tokenizer files, so
 `AutoModelForCausalLM.from_pretrained(<run_dir>/export)` just works.
 """

@@ -1,5 +1,5 @@
 """Resumable checkpoints: save / load (resume) / init_from / prune, and the live export
-(train/checkpoint/export.py). Layout and guarantees: docs/checkpoints.md.
+(train/checkpoint/consolidate.py). Layout and guarantees: docs/checkpoints.md.
 
 Every rank writes the part of the state it owns (no rank gathers the model or the
 optimizer), as safetensors pieces keyed by parameter name and element range, so a
@@ -425,8 +425,8 @@ class Checkpointer:
 
     def export(self, out_dir: str | Path | None = None) -> str:
         """Consolidated weights (HF layout; a LoRA run's adapter) from the live state
-        (train/checkpoint/export.py): a collective, every rank calls it."""
-        from train.checkpoint.export import export_adapter, export_weights
+        (train/checkpoint/consolidate.py): a collective, every rank calls it."""
+        from train.checkpoint.consolidate import export_adapter, export_weights
         t0 = time.perf_counter()
         out = Path(out_dir) if out_dir else self.export_dir
         dtype = self.cfg.export_dtype

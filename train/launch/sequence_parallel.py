@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism, the run side (distributed.sequence_parallel, issue 29).
 
-zerotrain's own all-to-all around attention (models/sequence_parallel.py), not Accelerate's
+zerotrain's own all-to-all around attention (models/ulysses.py), not Accelerate's
 `ParallelismConfig(sp_backend="deepspeed")` nor DeepSpeed's UlyssesSPDataLoaderAdapter, because
 (docs/long_context.md): Accelerate's path needs an HF model (`model.config`), hands DeepSpeed an
 mpu that averages gradients over world/N ranks, and its data adapter gives each SP rank a
@@ -114,11 +114,11 @@ class SPRun:
         return {"size": self.size, "rank": self.rank, "ranks": list(self.ranks)}
 
     def model_side(self):
-        from models.sequence_parallel import SeqParallel
+        from models.ulysses import SeqParallel
         return SeqParallel(group=self.group, size=self.size, rank=self.rank)
 
     def attach(self, model) -> None:
-        from models.sequence_parallel import attach
+        from models.ulysses import attach
         if attach(model, self.model_side()) == 0:
             raise ConfigError(f"distributed.sequence_parallel {self.size}: {type(model).__name__} has no "
                               f"sequence-parallel attention; set distributed.sequence_parallel 1")
@@ -126,7 +126,7 @@ class SPRun:
     @contextlib.contextmanager
     def detached(self, model):
         """Evaluation and sampling see whole rows on every rank: SP off inside, back on after."""
-        from models.sequence_parallel import attach
+        from models.ulysses import attach
         attach(model, None)
         try:
             yield

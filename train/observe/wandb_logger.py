@@ -49,7 +49,7 @@ LOGIN_HINT = "`wandb login` or WANDB_API_KEY to log online"
 
 
 @dataclass(frozen=True)
-class Choice:
+class WandbMode:
     """What W&B will do and why (the why goes into the start-up line)."""
     mode: str         # online | offline | disabled
     reason: str       # e.g. "WANDB_MODE=offline", "credentials from ~/.netrc", "auto: no W&B credentials; ..."
@@ -135,32 +135,32 @@ def installed() -> bool:
 
 
 def choose(configured: Optional[str], env: Optional[Mapping[str, str]] = None, cwd: Optional[Path] = None,
-           have_wandb: Optional[bool] = None) -> Choice:
+           have_wandb: Optional[bool] = None) -> WandbMode:
     """The mode W&B runs in (module docstring: the precedence)."""
     env = os.environ if env is None else env
     if configured not in (None, "auto"):
-        return Choice(configured, f"logging.wandb.mode {configured}", True)
+        return WandbMode(configured, f"logging.wandb.mode {configured}", True)
     disabled = env.get("WANDB_DISABLED", "").strip()
     if disabled.lower() in _TRUE:
-        return Choice("disabled", f"WANDB_DISABLED={disabled}", True)
+        return WandbMode("disabled", f"WANDB_DISABLED={disabled}", True)
     raw = env.get("WANDB_MODE", "").strip()
     if raw:
         mode = _WANDB_ALIASES.get(raw.lower(), raw.lower())
         if mode not in MODES:
             raise ConfigError(f'environment variable WANDB_MODE="{raw}" is not online, offline or disabled; '
                               f"fix or unset it, or set --logging.wandb.mode")
-        return Choice(mode, f"WANDB_MODE={raw}", True)
+        return WandbMode(mode, f"WANDB_MODE={raw}", True)
     settings, origin = _settings(env, cwd)
     mode = settings.get("mode", "").strip().lower()
     mode = _WANDB_ALIASES.get(mode, mode)
     if mode in ("offline", "disabled"):  # `wandb offline` / `wandb disabled`; "online" is just the default
-        return Choice(mode, f"mode = {mode} in {origin['mode']}", True)
+        return WandbMode(mode, f"mode = {mode} in {origin['mode']}", True)
     if not (installed() if have_wandb is None else have_wandb):
-        return Choice("disabled", "the wandb package is not installed", False)
+        return WandbMode("disabled", "the wandb package is not installed", False)
     source = credential_source(env, cwd)
     if source:
-        return Choice("online", f"credentials from {source}", False)
-    return Choice("offline", f"auto: no W&B credentials; {LOGIN_HINT}", False)
+        return WandbMode("online", f"credentials from {source}", False)
+    return WandbMode("offline", f"auto: no W&B credentials; {LOGIN_HINT}", False)
 
 
 def resolve_mode(configured: Optional[str], env: Optional[Mapping[str, str]] = None) -> str:

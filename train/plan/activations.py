@@ -36,7 +36,7 @@ def activation_bytes(cfg, batch: BatchShape, elem: int) -> int:
 def sp_exchange_bytes(cfg, batch: BatchShape, elem: int) -> int:
     """Ulysses' all-to-all buffers at their peak, transient in forward (and again for the gradients
     in backward): q, k and v of one layer each as a contiguous send copy and a receive buffer
-    (models/sequence_parallel.py), 2 x (D + 2 kv) elements per local token; 0 without SP."""
+    (models/ulysses.py), 2 x (D + 2 kv) elements per local token; 0 without SP."""
     if batch.sequence_parallel <= 1:
         return 0
     tokens = batch.micro * (batch.seq_len or cfg.seq_len) // batch.sequence_parallel

@@ -172,6 +172,7 @@ class Distributed:
     planned: Optional[Estimate]     # the memory check's plan (None: check off)
     budget: Optional[Budget]        # the memory every rank agreed on
     host: HostSettings              # malloc settings the check asked for
+    rank_facts: dict                # this rank's ranks/rank<R>.json, written once by prepare()
 
 
 def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, data: RunData) -> Distributed:
@@ -186,13 +187,13 @@ def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, d
     dist_.check_world(acc, topo)
     sp = sp_.SPRun.join(rt.sp_size, topo.rank, topo.world_size, data.spec.family) if rt.sp_size > 1 else None
     wandb_logger.preflight(acc, cfg)  # W&B online without credentials: every rank stops here
-    _write_rank_info(rt.run_dir, acc, topo, strategy)
+    rank_facts = _rank_facts(acc, topo, strategy)
     planned, budget = memory_check.preflight(cfg, data.spec, ds, data.bundle, rt.batch, data.seq_len, rt.world,
                                              acc.is_main_process, view, choice)
     # Compact malloc only where the plan would not fit without it (train/launch/host_settings.py).
     host = host_settings.apply(host_settings.decide(cfg, strategy, rt.cuda, planned, budget))
     return Distributed(strategy=strategy, choice=choice, acc=acc, topo=topo, sp=sp, planned=planned, budget=budget,
-                       host=host)
+                       host=host, rank_facts=rank_facts)
 
 
 def _ds_setup(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, data: RunData):
@@ -307,35 +308,33 @@ def prepare(rt: Runtime, dist: Distributed, model: Model, loaders: Loaders) -> P
     # The engine exists, so DeepSpeed's CPU shm all-reduce (if used) is set up on every rank:
     # each rank unlinks its /dev/shm buffer's name now (train/launch/shm_buffers.py).
     released = shm_buffers.release_own_buffer(topo.rank, topo.world_size, barrier=torch.distributed.barrier)
+    facts = dist.rank_facts
     if released is not None:
-        _add_rank_info(rt.run_dir, topo, shm_buffer_released=str(released))
-    facts = strategy.after_prepare(workload)
-    if facts:
-        _add_rank_info(rt.run_dir, topo, **facts)
+        facts["shm_buffer_released"] = str(released)
+    facts.update(strategy.after_prepare(workload))
     if dist.sp is not None:
-        _add_rank_info(rt.run_dir, topo, sequence_parallel=dist.sp.record())
+        facts["sequence_parallel"] = dist.sp.record()
     # What the steps will run with, once every library has started (Accelerate sets threads too).
-    _add_rank_info(rt.run_dir, topo, torch_threads=torch.get_num_threads(),
-                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
+    facts.update(torch_threads=torch.get_num_threads(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
+    _write_rank_info(rt.run_dir, topo, facts)
     return Prepared(model=prepared, optimizer=optimizer, train_loader=train_loader, val_loader=val[0] if val else None)
 
 
 # ---------------------------------------------------------------------------- ranks/rank<R>.json
 
-def _write_rank_info(run_dir: Path, acc, topo: Topology, strategy: Strategy) -> None:
-    """Each rank records who it is: what launchers and tests check sharding/topology against."""
-    d = run_dir / "ranks"
-    d.mkdir(parents=True, exist_ok=True)
-    info = {**topo.__dict__, "hostname": socket.gethostname(), "pid": os.getpid(),
+def _rank_facts(acc, topo: Topology, strategy: Strategy) -> dict:
+    """Who this rank is: what launchers and tests check sharding and topology against
+    (ranks/rank<R>.json; prepare() adds what the engine decided and writes it once)."""
+    return {**topo.__dict__, "hostname": socket.gethostname(), "pid": os.getpid(),
             "accelerate_process_index": acc.process_index, "accelerate_num_processes": acc.num_processes,
             "distributed_type": str(acc.distributed_type), "strategy": strategy.describe(),
             "process_group_size": process_group.size()}
-    (d / f"rank{topo.rank}.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
-def _add_rank_info(run_dir: Path, topo: Topology, **more) -> None:
-    path = run_dir / "ranks" / f"rank{topo.rank}.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **more}, indent=1) + "\n")
+def _write_rank_info(run_dir: Path, topo: Topology, facts: dict) -> None:
+    d = run_dir / "ranks"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"rank{topo.rank}.json").write_text(json.dumps(facts, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------------- services
