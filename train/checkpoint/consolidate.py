@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from train.checkpoint import adapter
-from train.checkpoint.layout import persistent_buffers
+from train.checkpoint.files import persistent_buffers
 from train.checkpoint.weights import EXPORT_DTYPES, write_weights
 
 

@@ -32,6 +32,22 @@ import torch
 from train.errors import CheckpointError
 from train.process_group import exists as process_group_exists
 
+# The AdamW moments a checkpoint keeps per parameter (the strategy's holders read and write them).
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def persistent_buffers(model) -> list[tuple[str, torch.Tensor]]:
+    """Buffers that belong to the model's state (BatchNorm statistics), not derived ones (RoPE tables)."""
+    out, seen = [], set()
+    for mod_name, mod in model.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is None or name in mod._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append((f"{mod_name}.{name}" if mod_name else name, buf))
+    return out
+
+
 FORMAT = "zerotrain-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from train.checkpoint import files as ckpt_files
-from train.checkpoint.layout import MOMENTS
+from train.checkpoint.files import MOMENTS
 from train.checkpoint.safe_unpickle import restricted_load, torch_load_restricted
 from train.errors import CheckpointError
 

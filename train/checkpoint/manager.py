@@ -25,7 +25,7 @@ from models.lora import base_name, is_adapter
 from train import testhooks
 from train.checkpoint import adapter
 from train.checkpoint import files as ckpt_files
-from train.checkpoint.layout import MOMENTS, persistent_buffers
+from train.checkpoint.files import MOMENTS, persistent_buffers
 from train.checkpoint.state import TrainState
 from train.errors import CheckpointError, ConfigError
 

@@ -110,7 +110,7 @@ class _RunModel:
         model = self.workload.model
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # tied: once
         self.trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        from train.checkpoint.layout import persistent_buffers
+        from train.checkpoint.files import persistent_buffers
         self.buffers = {n: tuple(b.shape) for n, b in persistent_buffers(model)}
         from train.optim.optimizer import param_groups
         names = {id(p): n for n, p in model.named_parameters()}

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from train.checkpoint.layout import MOMENTS  # noqa: F401 - the holders read and write these
+from train.checkpoint.files import MOMENTS  # noqa: F401 - the holders read and write these
 
 
 @dataclass
