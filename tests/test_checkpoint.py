@@ -399,3 +399,57 @@ def test_max_shard_size_is_validated():
     assert CheckpointConfig(max_shard_size="500MB").max_shard_size == "500MB"
     with pytest.raises(ConfigError, match="max_shard_size"):
         CheckpointConfig(max_shard_size="lots")
+
+
+def test_version_1_meta_is_read_as_the_engine_component():
+    """A checkpoint of format version 1 kept the engine's counters and fp16 scaler at meta.json's
+    top level; version 2 keeps {name: state} of the registered components. Both give the "engine"
+    component the same record (a launched v1 -> v2 resume: the closing note of issue 36)."""
+    from train.checkpoint.files import VERSION, component_states
+    counters = {"global_steps": 4, "global_samples": 32, "skipped_steps": 1}
+    scaler = {"kind": "deepspeed", "cur_scale": 1024.0, "cur_iter": 4, "last_overflow_iter": 2, "cur_hysteresis": 2}
+    v1 = {"version": 1, "train_state": {"step": 4}, "engine": counters, "loss_scaler": scaler}
+    v2 = {"version": 2, "train_state": {"step": 4}, "state": {"engine": {"counters": counters, "loss_scaler": scaler}}}
+    assert VERSION == 2
+    assert component_states(v1) == component_states(v2) == {"engine": {"counters": counters, "loss_scaler": scaler}}
+    assert component_states({"version": 1, "engine": None, "loss_scaler": None}) == {
+        "engine": {"counters": None, "loss_scaler": None}}  # DDP without fp16: nothing, as before
+
+
+def test_registered_components_are_saved_and_restored_by_name(tmp_path):
+    """The Checkpointer keeps {name: state_dict()} of what is registered and hands each its record
+    back after the TrainState, without knowing what the component is."""
+    from train.checkpoint.manager import Checkpointer
+    from train.checkpoint.state import TrainState
+
+    class Counter:
+        def __init__(self):
+            self.n, self.at = 0, None
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, state, at):
+            self.n, self.at = state.get("n", -1), at.step
+
+    engine = SimpleNamespace(state_dict=lambda: {"counters": {"global_steps": 3}}, loaded=[])
+    engine.load_state_dict = lambda state, at: engine.loaded.append((state, at.step))
+    c = Checkpointer.__new__(Checkpointer)
+    c.components = {}
+    c.register("engine", engine)
+    mine = Counter()
+    mine.n = 5
+    c.register("counter", mine)
+    with pytest.raises(ValueError, match="counter"):
+        c.register("counter", Counter())
+    saved = {name: comp.state_dict() for name, comp in c.components.items()}
+    assert saved == {"engine": {"counters": {"global_steps": 3}}, "counter": {"n": 5}}
+    mine.n = 0
+    st = c._restore_counters({"train_state": {**TrainState(step=3).to_dict(), "unknown_later_field": 1},
+                              "state": saved})
+    assert st == TrainState(step=3) and (mine.n, mine.at) == (5, 3)
+    assert engine.loaded == [({"counters": {"global_steps": 3}}, 3)]
+    fresh = Counter()  # registered after the checkpoint was written: gets {} and keeps its start
+    c.components = {"counter": fresh}
+    c._restore_counters({"train_state": TrainState(step=3).to_dict(), "state": {"engine": {}}})
+    assert fresh.n == -1 and fresh.at == 3

@@ -49,7 +49,10 @@ def persistent_buffers(model) -> list[tuple[str, torch.Tensor]]:
 
 
 FORMAT = "zerotrain-checkpoint"
-VERSION = 1
+# 2: meta.json keeps registered components' state as {"state": {name: state_dict}}; version 1
+# had the engine's counters and fp16 scaler at its top level ("engine", "loss_scaler"), which
+# component_states() still reads.
+VERSION = 2
 MANIFEST = "manifest.json"
 META = "meta.json"
 LATEST = "latest"
@@ -178,6 +181,15 @@ def read_manifest(ckpt: Path) -> dict:
         raise CheckpointError(f"{ckpt} was written by a newer zerotrain (format version {m['version']} > {VERSION}); "
                               f"upgrade zerotrain to load it")
     return m
+
+
+def component_states(meta: dict) -> dict:
+    """{component name: its saved state} of a meta.json: its "state" section (version 2), or the
+    same records where version 1 (and `zerotrain import` before version 2) kept them: the
+    strategy's engine counters and fp16 loss scaler at the top level."""
+    if "state" in meta:
+        return meta["state"] or {}
+    return {"engine": {"counters": meta.get("engine"), "loss_scaler": meta.get("loss_scaler")}}
 
 
 def check_file(ckpt: Path, name: str, rec: dict) -> str | None:

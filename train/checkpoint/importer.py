@@ -56,7 +56,7 @@ class Imported:
 _MODEL_FILE = re.compile(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")
 
 
-def is_deepspeed_dir(p: Path) -> bool:
+def holds_deepspeed_files(p: Path) -> bool:
     return p.is_dir() and any(_MODEL_FILE.fullmatch(f.name) for f in p.iterdir())
 
 
@@ -64,14 +64,14 @@ def find_deepspeed_step_dir(src: str | Path) -> Path | None:
     """A `global_stepN` directory, or a save_checkpoint root (its `latest` tag, else the newest
     global_step*); None when `src` holds no DeepSpeed checkpoint."""
     p = Path(src)
-    if is_deepspeed_dir(p):
+    if holds_deepspeed_files(p):
         return p
     if not p.is_dir():
         return None
     latest = p / "latest"
-    if latest.is_file() and is_deepspeed_dir(p / latest.read_text().strip()):
+    if latest.is_file() and holds_deepspeed_files(p / latest.read_text().strip()):
         return p / latest.read_text().strip()
-    steps = sorted((d for d in p.iterdir() if is_deepspeed_dir(d)),
+    steps = sorted((d for d in p.iterdir() if holds_deepspeed_files(d)),
                    key=lambda d: int(m.group(1)) if (m := re.search(r"(\d+)$", d.name)) else -1)
     return steps[-1] if steps else None
 
@@ -100,12 +100,13 @@ def read_deepspeed(step_dir: Path, optimizer_order=None) -> Imported:
         optim = [restricted_load(f) for f in _natural(optim_files)]
     osd = [o["optimizer_state_dict"] for o in optim]
     stage = int(osd[0]["zero_stage"])
+    by_group = partitions_by_group(osd)
     world = osd[0]["partition_count"]
     world = max(world) if isinstance(world, list) else int(world)
     if world != len(optim_files):
         raise CheckpointError(f"{step_dir}: the checkpoint was written by {world} ranks but has {len(optim_files)} "
                               f"*_optim_states.pt files (a rank's file is missing)")
-    full, moments, base = _merge_partitions(z, zms, osd, stage, world)
+    full, moments, base = _merge_partitions(z, zms, osd, by_group, world)
     tied = {a: s for a, s in zms[0].shared_params}
     buffers = dict(zms[0].buffers)
     for d in moments.values():
@@ -118,7 +119,7 @@ def read_deepspeed(step_dir: Path, optimizer_order=None) -> Imported:
     for g, shapes in enumerate(zms[0].param_shapes):
         # ZeRO-1/2: one optimizer state per parameter group; ZeRO-3 keeps one per sub-group
         # (sub_group_size splits groups), all stepped together: their common count.
-        st = group_steps[g] if stage <= 2 else max(group_steps, default=0)
+        st = group_steps[g] if by_group else max(group_steps, default=0)
         for name in shapes:
             steps[name] = st
     ms = restricted_load(model_files[0])
@@ -132,12 +133,19 @@ def read_deepspeed(step_dir: Path, optimizer_order=None) -> Imported:
                     skipped_steps=int(ms.get("skipped_steps", 0) or 0), notes=notes)
 
 
-def _merge_partitions(z, zms, osd: list, stage: int, world: int) -> tuple[dict, dict, list]:
+def partitions_by_group(osd: list) -> bool:
+    """Whether a DeepSpeed checkpoint's ranks hold one flat fp32 partition per parameter group
+    (ZeRO-1/2, `single_partition_of_fp32_groups`) rather than per sub-group (ZeRO-3,
+    `fp32_flat_groups`): read from the foreign checkpoint's own record of its stage."""
+    return int(osd[0]["zero_stage"]) < 3
+
+
+def _merge_partitions(z, zms, osd: list, by_group: bool, world: int) -> tuple[dict, dict, list]:
     """(whole fp32 weights by name, whole moments by kind and name, each rank's base optimizer
     state): zero_to_fp32 (`z`) reassembles the ranks' flat fp32 partitions, and the moment
     partitions, which have exactly their layout."""
     paddings = osd[0].get("param_alignment_paddings")
-    if stage <= 2:
+    if by_group:
         base = [o["base_optimizer_state"] for o in osd]
         groups = [o["single_partition_of_fp32_groups"] for o in osd]
     else:
@@ -146,7 +154,7 @@ def _merge_partitions(z, zms, osd: list, stage: int, world: int) -> tuple[dict, 
     ngroups = len(groups[0])
 
     def merge(flat):
-        if stage <= 2:
+        if by_group:
             sd = z._get_fp32_state_dict_from_zero2_checkpoint(world, flat, zms, flat is not groups, paddings)
         else:
             sd = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat, zms, flat is not groups)

@@ -8,7 +8,11 @@ DDP. A save goes to `.tmp-step_X`, every file is fsynced, rank 0 writes the mani
 (sizes + sha256) last, renames the directory into place, then moves `latest` and prunes.
 
 The Checkpointer is handed the run's pieces it reads (never the trainer) and changes nothing
-outside itself: a resume returns the restored TrainState, which the trainer then starts from.
+outside itself but its registered components: a resume returns the restored TrainState, which
+the trainer then starts from. A component with state to resume (train/checkpoint/state.py
+`Stateful`: state_dict() / load_state_dict()) is registered by name (`register`); meta.json keeps
+`{"state": {name: its state_dict()}}`, and a resume hands each its record back. The strategy is
+registered as "engine" (its counters and fp16 loss scale).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from train import testhooks
 from train.checkpoint import adapter
 from train.checkpoint import files as ckpt_files
 from train.checkpoint.files import MOMENTS, persistent_buffers
-from train.checkpoint.state import TrainState
+from train.checkpoint.state import Stateful, TrainState
 from train.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -78,10 +82,11 @@ class Checkpointer:
     acc              the Accelerator: device (collectives), unwrap_model, DDP's fp16 GradScaler
     model            what accelerate.prepare returned (a DeepSpeed engine: counters, loss scale)
     raw_optimizer    the torch optimizer (holders read and write its moments)
-    strategy         the backend (train/strategy/): the holder of this rank's tensors, the engine's state
+    strategy         the backend (train/strategy/): the holder of this rank's tensors; registered as
+                     the "engine" component (its counters and fp16 loss scale)
     workload         family, model_config and tied names: the metadata of saves and exports
     sampler          the data order (global batch, samples, seed): saved, and checked on resume
-    batch            micro x accum x world: the engine's micro-step count, and messages
+    batch            micro x accum x world: for messages
     model_name       model.name, for messages
     log              the metrics sink (checkpoint/save_s, checkpoint/bytes)
     resolved_config  config.json's content, kept in every checkpoint's metadata
@@ -103,6 +108,15 @@ class Checkpointer:
         self._pending_rng = None
         self._last_saved: Path | None = None
         self.resumed_from: Path | None = None  # the checkpoint load() restored, if any
+        self.components: dict[str, Stateful] = {}
+        self.register("engine", strategy)
+
+    def register(self, name: str, component: Stateful) -> None:
+        """Keep `component`'s state_dict() in every checkpoint under `name`, and hand it back on
+        resume (load_state_dict, in registration order, after the TrainState is restored)."""
+        if name in self.components:
+            raise ValueError(f"a checkpoint component named {name!r} is already registered")
+        self.components[name] = component
 
     @property
     def holder(self):
@@ -279,7 +293,7 @@ class Checkpointer:
             "data": {"global_batch": sampler.global_batch, "num_samples": sampler.num_samples,
                      "steps_per_epoch": sampler.steps_per_epoch, "seed": sampler.seed,
                      **({"mixture": sampler.plan.record()} if getattr(sampler, "plan", None) else {})},
-            "engine": None, "loss_scaler": None, **self.strategy.engine_state(),
+            "state": {name: c.state_dict() for name, c in self.components.items()},
             "config": self.resolved_config,
         }
 
@@ -379,10 +393,13 @@ class Checkpointer:
         h.finish_load()
 
     def _restore_counters(self, meta: dict) -> TrainState:
-        """The saved TrainState; DeepSpeed's step counters and the loss scale set to match it."""
+        """The saved TrainState, then every registered component's state (the engine's step
+        counters and loss scale, ...): a component the checkpoint has no record of gets {}."""
         known = TrainState.__dataclass_fields__
         st = TrainState(**{k: v for k, v in meta["train_state"].items() if k in known})
-        self.strategy.load_engine_state(meta, st.step, st.samples_seen, st.skipped_steps, self.batch.accum)
+        saved = ckpt_files.component_states(meta)
+        for name, component in self.components.items():
+            component.load_state_dict(saved.get(name) or {}, st)
         return st
 
     def on_fit_start(self):

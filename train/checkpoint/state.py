@@ -4,7 +4,7 @@ checkpoint; the trainer advances it)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
 
 
 @dataclass
@@ -23,3 +23,20 @@ class TrainState:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+class Stateful(Protocol):
+    """A component with state to resume. The Checkpointer (train/checkpoint/manager.py) keeps
+    `{name: obj.state_dict()}` of every registered component in meta.json's "state" and hands each
+    its record back on resume, after the TrainState (`at`) is restored: a record from another
+    backend, an older zerotrain or an import may lack what the component keeps, and `at` (the
+    step and samples the run continues from) is what it then derives it from. Registering one
+    (`Checkpointer.register(name, obj)`) is all a new component needs."""
+
+    def state_dict(self) -> dict:
+        """Plain JSON (numbers, strings, lists, dicts): meta.json is JSON, nothing is pickled."""
+        ...
+
+    def load_state_dict(self, state: dict, at: TrainState) -> None:
+        """Restores from state_dict()'s record; `state` is {} when the checkpoint has none."""
+        ...

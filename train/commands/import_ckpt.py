@@ -177,9 +177,10 @@ class _RunModel:
                 "model": {"family": wl.family, "config": wl.model_config, "tied": [list(x) for x in wl.tied]},
                 "data": {"global_batch": gb, "num_samples": n, "steps_per_epoch": steps_per_epoch,
                          "seed": cfg.train.seed},
-                "engine": {"global_steps": imp.global_steps, "global_samples": samples,
-                           "skipped_steps": imp.skipped_steps},
-                "loss_scaler": None, "config": None}
+                # The "engine" component's record (train/strategy/ Strategy.state_dict): the source's counters.
+                "state": {"engine": {"counters": {"global_steps": imp.global_steps, "global_samples": samples,
+                                                  "skipped_steps": imp.skipped_steps}}},
+                "config": None}
 
 
 def _rename_ties(imp, run: _RunModel):

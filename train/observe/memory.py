@@ -114,37 +114,35 @@ def measure(model, raw_optimizer, accelerator_is_cpu: bool | None = None) -> Mod
     if accelerator_is_cpu is None:
         accelerator_is_cpu = not torch.cuda.is_available()
     c = _Counter(accelerator_is_cpu)
-    zero = getattr(model, "optimizer", None) if hasattr(model, "zero_optimization_stage") else None
+    import train.strategy.internals as internals  # every DeepSpeed attribute read, named there
+    zero = internals.zero_optimizer(model)
     # Which structures DeepSpeed placed on its offload device (CPU/NVMe).
-    off_opt = bool(getattr(zero, "cpu_offload", False) or getattr(zero, "offload_optimizer", False))
-    off_param = bool(getattr(zero, "offload_param", False))
+    off_opt, off_param = internals.offloads(zero)
     params = [p for p in _unwrap(model).parameters()]
+    parted = [p for p in params if internals.has_local_partition(p)]
 
     # -- parameters: the working copy forward uses (whole, a flat buffer, or a ZeRO-3 partition)
-    c.add("params", "zero3.ds_tensor", [p.ds_tensor for p in params if hasattr(p, "ds_tensor")], off_param)
+    c.add("params", "zero3.ds_tensor", [internals.local_partition(p) for p in parted], off_param)
     # A partitioned ZeRO-3 parameter whole at this moment is a transient working copy, not a model
     # state: from step 2 on (its trace recorded) DeepSpeed's pre-forward hook on the model prefetches
     # the first modules' parameters (partitioned_param_coordinator.py, _fetch_sub_module_impl), so
     # the embedding is gathered (INFLIGHT) when the probe's own pre-forward hook runs. The planner
     # counts gathered parameters in the backward's working set, not in the parameters.
-    c.add("gathered", "zero3.gathered", [p.data for p in params if hasattr(p, "ds_tensor")
-                                         and not getattr(p, "ds_persist", False)])
+    c.add("gathered", "zero3.gathered", [p.data for p in parted if not internals.is_persistent(p)])
     c.add("params", "module.parameters", [p.data for p in params])  # whole: DDP, ZeRO-0/1/2, ZeRO-3 persistent
-    for name in ("bit16_groups_flat", "fp16_groups_flat"):
-        c.add("params", name, getattr(zero, name, None))
-    c.add("params", "fp16_partitioned_groups_flat", getattr(zero, "fp16_partitioned_groups_flat", None), off_param)
+    for name in internals.PARAM_FLATS:
+        c.add("params", name, internals.probe(zero, name))
+    c.add("params", internals.LP_PARTITIONS, internals.probe(zero, internals.LP_PARTITIONS), off_param)
 
     # -- gradients: wherever the engine keeps them between backward and step
     c.add("grads", "param.grad", [p.grad for p in params if p.grad is not None])
-    c.add("grads", "param.grad_accum", [getattr(p, "grad_accum", None) for p in params])
-    for name in ("averaged_gradients", "grads_in_partition", "all_grad_tensors",
-                 "fp32_groups_gradients_flat"):  # the last: BF16_Optimizer's fp32 accumulators
-        c.add("grads", name, getattr(zero, name, None))
-    c.add("grads", "grad_partitions_flat_buffer", getattr(zero, "grad_partitions_flat_buffer", None), off_opt)
-    masters = [getattr(zero, n, None) for n in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
-                                                "fp32_groups_flat")]
+    c.add("grads", "param.grad_accum", [internals.grad_accumulator(p) for p in params])
+    for name in internals.GRAD_STORES:
+        c.add("grads", name, internals.probe(zero, name))
+    c.add("grads", internals.GRAD_PARTITION_BUFFER, internals.probe(zero, internals.GRAD_PARTITION_BUFFER), off_opt)
+    masters = [internals.probe(zero, n) for n in internals.MASTER_FLATS]
     c.add("grads", "fp32_master.grad", _grads(masters), off_opt)
-    c.add("grads", "accumulated_grads_in_cpu", getattr(zero, "accumulated_grads_in_cpu", None), off_opt)
+    c.add("grads", internals.CPU_GRADS, internals.probe(zero, internals.CPU_GRADS), off_opt)
 
     # -- optimizer states: fp32 master weights (ZeRO paper: part of the 12 bytes/param) + moments
     master_params = [p for g in raw_optimizer.param_groups for p in g["params"]]
@@ -159,7 +157,7 @@ def measure(model, raw_optimizer, accelerator_is_cpu: bool | None = None) -> Mod
     # -- buffers: everything else the ZeRO optimizer object holds (reduce buckets, staging)
     if zero is not None:
         for name, value in sorted(vars(zero).items()):
-            if name in ("optimizer", "module", "param_names"):
+            if name in internals.NOT_BUFFERS:
                 continue
             c.add("buffers", f"zero.{name}", value, off_opt and "cpu" in name)
     return c.out

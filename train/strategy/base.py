@@ -11,7 +11,9 @@ A Strategy is made from the run's resolved DeepSpeed JSON (train/strategy/ds_con
     opt = strategy.build_optimizer(model, ...)  the AdamW this backend steps
     strategy.prepare(acc, model, opt, loaders)  accelerate.prepare; the strategy keeps the engine
     strategy.step(clip) / loss_scale() / ...    per step: clip and step, the fp16 scale
-    strategy.make_holder(...) / engine_state()  what a checkpoint reads and writes
+    strategy.make_holder(...)                   what a checkpoint reads and writes: the tensors,
+    strategy.state_dict() / load_state_dict()   and the engine's counters and fp16 scaler (the
+                                                checkpoint's "engine" component, a Stateful)
 
 The planner's cost model of each backend is train/strategy/cost.py; the DeepSpeed private
 attributes the project reads are train/strategy/internals.py.
@@ -139,13 +141,14 @@ class Strategy:
     def engine_skipped_steps(self) -> Optional[int]:
         return None
 
-    def engine_state(self) -> dict:
-        """The engine's non-tensor state a checkpoint keeps: step counters, the fp16 scaler."""
+    def state_dict(self) -> dict:
+        """The engine's non-tensor state a checkpoint keeps (train/checkpoint/state.py Stateful):
+        {"counters": the step counters, "loss_scaler": the fp16 scaler}, each where the backend has it."""
         return {}
 
-    def load_engine_state(self, saved: dict, step: int, samples: int, skipped: int, accum: int) -> None:
-        """Sets the engine's state from engine_state()'s record (or, for records that lack it,
-        from the TrainState's step counts)."""
+    def load_state_dict(self, state: dict, at) -> None:
+        """Sets the engine's state from state_dict()'s record; what the record lacks (a checkpoint
+        of another backend) follows from the TrainState `at` the run resumes at."""
 
     # ------------------------------------------------------------------ checkpoints and memory
     def make_holder(self, raw_model, rank: int, world: int):

@@ -58,14 +58,14 @@ class DDPStrategy(Strategy):
         from train.optim import loss_scale
         return loss_scale.current(scaler=getattr(self.acc, "scaler", None))
 
-    def engine_state(self) -> dict:
+    def state_dict(self) -> dict:
         sc = getattr(self.acc, "scaler", None)
         if self.precision != "fp16" or sc is None:
             return {}
         return {"loss_scaler": {"kind": "torch", **{k: float(v) for k, v in sc.state_dict().items()}}}
 
-    def load_engine_state(self, saved: dict, step: int, samples: int, skipped: int, accum: int) -> None:
-        s = saved.get("loss_scaler")
+    def load_state_dict(self, state: dict, at) -> None:
+        s = state.get("loss_scaler")
         if not s or self.precision != "fp16" or s.get("kind") != "torch" or getattr(self.acc, "scaler", None) is None:
             return
         state = {k: v for k, v in s.items() if k != "kind"}

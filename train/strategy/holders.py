@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from train.checkpoint.files import MOMENTS  # noqa: F401 - the holders read and write these
+import train.strategy.internals as internals
 
 
 @dataclass
@@ -177,11 +178,11 @@ class MasterCopyHolder(Holder):
         super().__init__()
         self.opt = ds_optimizer
         self.where = {}  # id(param) -> (tensor the optimizer steps, element offset in it)
-        flats = getattr(ds_optimizer, "fp32_groups_flat", None)
-        for i, group in enumerate(ds_optimizer.fp16_groups):
+        flats, per_param = internals.master_copies(ds_optimizer)
+        for i, group in enumerate(internals.lp_groups(ds_optimizer)):
             off = 0
             for j, p in enumerate(group):
-                self.where[id(p)] = (flats[i], off) if flats else (ds_optimizer.fp32_groups[i][j], 0)
+                self.where[id(p)] = (flats[i], off) if flats else (per_param[i][j], 0)
                 off += p.numel()
         for name, p in named_unique_params(model):
             if id(p) in self.where:
@@ -237,17 +238,15 @@ class FragmentHolder(Holder):
     def __init__(self, model, ds_optimizer, rank: int, world: int):
         super().__init__()
         self.opt = ds_optimizer
-        groups = getattr(ds_optimizer, "bit16_groups", None) or ds_optimizer.bf16_groups
-        self.flats = getattr(ds_optimizer, "single_partition_of_fp32_groups", None) \
-            or ds_optimizer.fp32_groups_flat_partition
+        groups = internals.bit16_groups(ds_optimizer)
+        self.flats = internals.fp32_partitions(ds_optimizer)
         self.group_of = {id(p): i for i, g in enumerate(groups) for p in g}
         for name, p in named_unique_params(model):
             if id(p) not in self.group_of:
                 self.slots.append(_LowPrecisionOnly.slot(name, p, rank, world))
                 continue
-            m = p._hp_mapping
-            rng = (m.lp_fragment_address.start, m.lp_fragment_address.start + m.lp_fragment_address.numel) \
-                if m is not None else (0, 0)
+            m = internals.hp_mapping(p)
+            rng = internals.lp_fragment_range(m) if m is not None else (0, 0)
             self.slots.append(Slot(name, p, tuple(p.shape), p.numel(), True, rng, rng))
 
     def _moment(self, slot, kind):
@@ -257,15 +256,15 @@ class FragmentHolder(Holder):
         state = self._state(slot)
         if not state:
             return None
-        addr = slot.param._hp_mapping.get_hp_fragment_address()
-        return state[kind].narrow(0, addr.start, addr.numel)
+        start, numel = internals.hp_fragment_range(internals.hp_mapping(slot.param))
+        return state[kind].narrow(0, start, numel)
 
     def read(self, slot, kind):
         a, b = slot.save
         if not slot.trainable:
             return copy_out(slot.param.detach().reshape(-1)[a:b])
         if kind == "param":
-            return copy_out(slot.param._hp_mapping.hp_fragment)
+            return copy_out(internals.hp_fragment(internals.hp_mapping(slot.param)))
         t = self._moment(slot, kind)
         return copy_out(t) if t is not None else torch.zeros(b - a)
 
@@ -274,7 +273,7 @@ class FragmentHolder(Holder):
             a, b = slot.need
             slot.param.data.view(-1)[a:b].copy_(values)
             return
-        target = slot.param._hp_mapping.hp_fragment if kind == "param" else self._moment(slot, kind)
+        target = internals.hp_fragment(internals.hp_mapping(slot.param)) if kind == "param" else self._moment(slot, kind)
         target.data.copy_(values.view_as(target))
 
     def _state(self, slot):
@@ -288,7 +287,7 @@ class FragmentHolder(Holder):
 
     def finish_load(self):
         # Each rank casts its fp32 partition into the low-precision weights, then all-gather.
-        self.opt.update_lp_params()
+        internals.update_lp_params(self.opt)
 
     def full_param(self, slot):
         if not slot.trainable:
@@ -307,24 +306,24 @@ class Zero3Holder(Holder):
         super().__init__()
         self.opt = ds_optimizer
         self.sub_group = {}
-        for p in (q for g in ds_optimizer.fp16_groups for q in g):
-            self.sub_group[id(p)] = ds_optimizer.grad_position[ds_optimizer.get_param_id(p)][0]
+        for p in (q for g in internals.lp_groups(ds_optimizer) for q in g):
+            self.sub_group[id(p)] = internals.sub_group(ds_optimizer, p)
         for name, p in named_unique_params(model):
-            n, part = p.ds_numel, p.partition_numel()
-            r = ds_optimizer._get_param_partition_rank(p) if id(p) in self.sub_group else rank
+            n, part = internals.full_numel(p), internals.partition_numel(p)
+            r = internals.partition_rank(ds_optimizer, p) if id(p) in self.sub_group else rank
             start = min(n, r * part)
             rng = (start, min(n, start + part))
-            self.slots.append(Slot(name, p, tuple(p.ds_shape), n, id(p) in self.sub_group, rng, rng))
+            self.slots.append(Slot(name, p, internals.full_shape(p), n, id(p) in self.sub_group, rng, rng))
 
     def _has_state(self, slot) -> bool:
-        flat = self.opt.fp32_partitioned_groups_flat[self.sub_group[id(slot.param)]]
+        flat = internals.fp32_sub_groups(self.opt)[self.sub_group[id(slot.param)]]
         return bool(self.opt.optimizer.state.get(flat))
 
     def read(self, slot, kind):
         from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
         a, b = slot.save
         if not slot.trainable:
-            return copy_out(slot.param.ds_tensor[:b - a])
+            return copy_out(internals.local_partition(slot.param)[:b - a])
         if kind == "param":
             return copy_out(safe_get_local_fp32_param(slot.param)[:b - a])
         if not self._has_state(slot):
@@ -337,7 +336,7 @@ class Zero3Holder(Holder):
         a, b = slot.need
         p = slot.param
         if not slot.trainable:
-            p.ds_tensor.data[:b - a].copy_(values)
+            internals.local_partition(p).data[:b - a].copy_(values)
             return
         # The setters take the whole (padded) local partition; keep the padding as it is.
         if kind == "param":
@@ -350,23 +349,21 @@ class Zero3Holder(Holder):
             safe_set_local_optimizer_state(p, local, kind)
 
     def _state(self, slot):
-        return self.opt.optimizer.state.get(self.opt.fp32_partitioned_groups_flat[self.sub_group[id(slot.param)]])
+        return self.opt.optimizer.state.get(internals.fp32_sub_groups(self.opt)[self.sub_group[id(slot.param)]])
 
     def begin_load(self):
-        self.opt.checkpoint_event_prologue()  # every parameter partitioned, as DeepSpeed's own load does
+        internals.partition_all(self.opt)  # every parameter partitioned, as DeepSpeed's own load does
 
     def prepare_moments(self):
         base = self.opt.optimizer
-        for flat in self.opt.fp32_partitioned_groups_flat:
+        for flat in internals.fp32_sub_groups(self.opt):
             if not base.state.get(flat):
                 base.state[flat] = new_adam_state(base, flat)
 
     def finish_load(self):
         # fp32 partitions -> low-precision partitions (what a step does), then re-gather the
         # parameters ZeRO-3 keeps whole ("persistent": smaller than the persistence threshold).
-        for i in range(len(self.opt.fp16_partitioned_groups_flat)):
-            self.opt._reassign_or_swap_out_partitioned_parameters(i)
-        self.opt.checkpoint_event_epilogue()
+        internals.refresh_lp_partitions(self.opt)
 
     def full_param(self, slot):
         if slot.trainable:
@@ -379,8 +376,8 @@ class Zero3Holder(Holder):
 
 def for_zero12(raw_model, opt, rank: int, world: int) -> Holder:
     """ZeRO-0/1/2's holder, by the optimizer class DeepSpeed chose for the stage and precision."""
-    if hasattr(opt, "single_partition_of_fp32_groups") or hasattr(opt, "fp32_groups_flat_partition"):
+    if internals.has_fp32_partitions(opt):
         return FragmentHolder(raw_model, opt, rank, world)
-    if hasattr(opt, "fp16_groups") and (hasattr(opt, "fp32_groups_flat") or hasattr(opt, "fp32_groups")):
+    if internals.has_master_copies(opt):
         return MasterCopyHolder(raw_model, opt, rank, world)
     return ReplicaHolder(raw_model, opt, rank, world)  # ZeRO-0 fp32: the torch optimizer itself

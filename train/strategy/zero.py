@@ -107,23 +107,29 @@ class ZeroStrategy(Strategy):
         return True
 
     def engine_skipped_steps(self) -> Optional[int]:
-        return int(self.engine.skipped_steps)
+        import train.strategy.internals as internals
+        return internals.skipped_steps(self.engine)
 
-    def engine_state(self) -> dict:
-        from train.strategy.internals import COUNTERS
-        out = {"engine": {k: int(getattr(self.engine, k)) for k in COUNTERS if hasattr(self.engine, k)}}
+    def state_dict(self) -> dict:
+        import train.strategy.internals as internals
+        out = {"counters": internals.engine_counters(self.engine)}
         if self.precision == "fp16":
             from train.optim import loss_scale
             out["loss_scaler"] = {"kind": "deepspeed", **loss_scale.state(self.engine.optimizer)}
         return out
 
-    def load_engine_state(self, saved: dict, step: int, samples: int, skipped: int, accum: int) -> None:
-        counters = saved.get("engine") or {}
-        self.engine.global_steps = counters.get("global_steps", step)
-        self.engine.global_samples = counters.get("global_samples", samples)
-        self.engine.skipped_steps = counters.get("skipped_steps", skipped)
-        self.engine.micro_steps = step * accum
-        s = saved.get("loss_scaler")
+    def load_state_dict(self, state: dict, at) -> None:
+        """The engine's counters as saved; for a record without them (another backend's, an
+        import's), from the TrainState `at`. micro_steps is always the step's: the engine's
+        accumulation boundary counts from it, with this run's accumulation."""
+        import train.strategy.internals as internals
+        counters = state.get("counters") or {}
+        accum = int(self.ds.resolved["gradient_accumulation_steps"])
+        internals.set_engine_counters(self.engine, global_steps=counters.get("global_steps", at.step),
+                                      global_samples=counters.get("global_samples", at.samples_seen),
+                                      skipped_steps=counters.get("skipped_steps", at.skipped_steps),
+                                      micro_steps=at.step * accum)
+        s = state.get("loss_scaler")
         if s and self.precision == "fp16" and s.get("kind") == "deepspeed":
             from train.optim import loss_scale
             loss_scale.restore(self.engine.optimizer, s)
