@@ -65,7 +65,7 @@ def frontier(tmp_path_factory):
     from models import gpt_config
     from train.plan.estimate import Device, estimate
     from train.plan.shapes import BatchShape, gpt_shape
-    from train.plan.strategy import strategy_from_json
+    from train.strategy.option import Option
     work = tmp_path_factory.mktemp("frontier")
     family = fp32_family(work / "fp32")
     out = {"family": family, "work": work}
@@ -80,7 +80,7 @@ def frontier(tmp_path_factory):
     cfg = frontier_config()
     shape = gpt_shape("frontier", gpt_config(cfg.model, vocab_size=256))
     batch, device = BatchShape(1, 64), Device("cpu", runtime)
-    peak = {name: estimate(shape, strategy_from_json(name, Path(family) / f"{name}.json", None, shape.width), 2,
+    peak = {name: estimate(shape, Option.from_json(name, Path(family) / f"{name}.json", None, shape.width), 2,
                            batch, device=device).device_total for name in ("ddp", "zero3")}
     assert peak["zero3"] / 0.9 < 0.95 * peak["ddp"], f"DDP and ZeRO-3 are too close on this machine: {peak}"
     out["cap"] = cap = int((peak["ddp"] + peak["zero3"] / 0.9) / 2)
@@ -210,7 +210,7 @@ def test_auto_and_the_check_pick_by_the_plan(tmp_path):
     with pytest.raises(memory_check.DoesNotFit, match=r"ZeRO-3 is the fastest option that fits .*--ds-config auto"):
         memory_check.check(cfg, spec, ds, data, batch, 64, 2, budget(3.6))
     est, warning = memory_check.check(cfg, spec, ds, data, batch, 64, 2, budget(8))
-    assert warning is None and est.strategy.backend == "ddp"
+    assert warning is None and est.option.backend == "ddp"
     with pytest.raises(Exception, match="not a directory"):
         memory_check.auto_dir("auto:/nonexistent")
 
@@ -295,7 +295,8 @@ def test_the_check_and_auto_measure_the_budget_once_at_the_same_point(monkeypatc
     from train.plan import estimate as est
     from train.plan import memory_check
     from train.plan.shapes import BatchShape, count_shape
-    from train.plan.strategy import strategy_from_json
+    from train.strategy import cost
+    from train.strategy.option import Option
     views = iter([(3 * GiB, "first view", None, 300 * 2 ** 20), (3 * GiB, "second view", None, 345 * 2 ** 20)])
     monkeypatch.setattr(memory_check, "local_budget", lambda: next(views))
     cfg = frontier_config()
@@ -304,8 +305,8 @@ def test_the_check_and_auto_measure_the_budget_once_at_the_same_point(monkeypatc
     assert memory_check.agreed_budget(view).runtime == 300 * 2 ** 20
     shape = count_shape(10 ** 6)
     device = est.Device("cpu", 300 * 2 ** 20)
-    ddp, z3 = (est.estimate(shape, strategy_from_json(n, est.paths.DS_CONFIGS / f"{n}.json", "fp32"), 2,
+    ddp, z3 = (est.estimate(shape, Option.from_json(n, est.paths.DS_CONFIGS / f"{n}.json", "fp32"), 2,
                             BatchShape(1, None), device=device) for n in ("ddp", "zero3"))
-    assert ddp.runtime == device.runtime + est.STARTUP["ddp"] and z3.runtime == device.runtime + est.STARTUP["deepspeed"]
+    assert ddp.runtime == device.runtime + cost.STARTUP["ddp"] and z3.runtime == device.runtime + cost.STARTUP["deepspeed"]
     cfg.distributed.memory_check = False
     assert memory_check.measure(cfg, "ds_configs/zero3.json") is None   # neither path runs: nothing measured

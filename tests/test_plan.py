@@ -15,7 +15,8 @@ from train.plan import estimate as plan
 from train.plan.activations import activation_bytes
 from train.plan.estimate import Cluster, estimate, make_plan
 from train.plan.shapes import BatchShape, count_shape, gpt_shape
-from train.plan.strategy import strategy_from_json
+from train.strategy import cost
+from train.strategy.option import Option
 
 PSI, N = 1_000_000_000, 8           # 1e9 is a multiple of 2N: no flat-buffer padding
 OPTIONS = dict(plan.OPTIONS)
@@ -23,7 +24,7 @@ OPTIONS = dict(plan.OPTIONS)
 
 def strategy(name: str, precision: str = "bf16", accum_dtype: str | None = None):
     label = {v: k for k, v in plan.OPTIONS}.get(f"{name}.json", name)
-    s = strategy_from_json(label, paths.DS_CONFIGS / f"{name}.json", precision)
+    s = Option.from_json(label, paths.DS_CONFIGS / f"{name}.json", precision)
     if accum_dtype is not None:
         s = dataclasses.replace(s, grad_accum_fp32=accum_dtype == "fp32")
     return s
@@ -94,8 +95,8 @@ def test_gpt_shapes_match_the_real_model():
 
 def test_zero12_partition_holds_whole_straddling_tensors():
     # One group of tensors [10, 6], N=2: padded to 16, partitions [0,8) and [8,16).
-    assert plan._zero12_partition([(10, 6)], 2, 0) == (8, 10)
-    assert plan._zero12_partition([(10, 6)], 2, 1) == (8, 16)
+    assert cost._zero12_partition([(10, 6)], 2, 0) == (8, 10)
+    assert cost._zero12_partition([(10, 6)], 2, 1) == (8, 16)
 
 
 def test_zero3_keeps_small_tensors_whole():
@@ -174,7 +175,7 @@ def test_recommendation_moves_from_ddp_to_zero_to_offload_as_memory_shrinks():
 
     def pick(gib, devices=8):
         p = make_plan(shape, Cluster(1, devices, int(gib * 2**30), 512 * 2**30), batch)
-        return p.recommended.strategy.label if p.recommended else None
+        return p.recommended.option.label if p.recommended else None
 
     # 8 devices, bf16 with fp32 accumulation: DDP 16Ψ (+ autocast copies) -> ZeRO-1 2Ψ+6Ψ+12Ψ/N
     # -> ZeRO-2 2Ψ+16Ψ/N -> ZeRO-3 18Ψ/N -> offloaded.

@@ -15,7 +15,7 @@ agrees on (train/launch/device_memory.py: the tightest over all ranks).
 
 The two agree by construction: the budget is measured once per rank at the same point (before
 the process group and the Accelerator exist; each option's own start-up growth is the
-planner's, train/plan/estimate.py STARTUP), so an option gets one estimate whichever path asks;
+planner's, train/strategy/cost.py STARTUP), so an option gets one estimate whichever path asks;
 an option "fits" for both only with the margin (`fits`), and every message that applies the
 margin states it; the check's advice is the option auto would choose among the same JSONs
 (`advise`), so it never points to one that auto then refuses.
@@ -156,7 +156,7 @@ class Choice:
         nf, budget = self.next_faster, self.budget
         return {"ds_config": self.path, "option": self.label, "predicted_peak_bytes": self.estimate.device_total,
                 "budget_bytes": budget.bytes, "budget_source": budget.source, "margin": self.margin,
-                "next_faster": None if nf is None else {"option": nf.strategy.label, "ds_config": nf.strategy.path,
+                "next_faster": None if nf is None else {"option": nf.option.label, "ds_config": nf.option.path,
                                                         "predicted_peak_bytes": nf.device_total}}
 
 
@@ -164,13 +164,13 @@ def _rows(shape, batch, world: int, device, configs: Path, precision: str | None
     """Estimates for the OPTIONS found in `configs`, in their own precision or `precision`; under
     sequence parallelism the ZeRO ones only (a run refuses SP under plain DDP)."""
     from train.plan.estimate import OPTIONS, estimate
-    from train.plan.strategy import strategy_from_json
+    from train.strategy.option import Option
     rows = []
     for label, fname in OPTIONS:
         path = configs / fname
         if path.is_file():
-            s = strategy_from_json(label, path, precision, shape.width)
-            if s.backend == "ddp" and batch.sequence_parallel > 1:
+            s = Option.from_json(label, path, precision, shape.width)
+            if batch.sequence_parallel > 1 and not s.splits_sequences:
                 continue  # sequence parallelism needs ZeRO (train/launch/sequence_parallel.py)
             rows.append(estimate(shape, s, world, batch, device=device))
     return rows
@@ -187,11 +187,11 @@ def choose(ds_config: str, cfg, spec, data, batch, seq_len, world: int, budget: 
     for i, e in enumerate(rows):
         if fits(e, budget, margin):
             nf = rows[i - 1] if i else None
-            line = (f"--ds-config auto: {e.strategy.label} ({e.strategy.path}): predicted peak per rank "
+            line = (f"--ds-config auto: {e.option.label} ({e.option.path}): predicted peak per rank "
                     f"{with_margin(e, budget, margin)}, {budget.source}"
-                    + (f"; the faster {nf.strategy.label} would need {hb(nf.device_total)}" if nf else
+                    + (f"; the faster {nf.option.label} would need {hb(nf.device_total)}" if nf else
                        "; it is the fastest option"))
-            return Choice(e.strategy.path, e.strategy.label, e, nf, line, budget, margin)
+            return Choice(e.option.path, e.option.label, e, nf, line, budget, margin)
 
     def sp(before):  # auto, given the flag, chooses the fastest option that fits with it: the one named
         fit = sp_fit(cfg, spec, seq_len, world, budget, before,
@@ -201,12 +201,12 @@ def choose(ds_config: str, cfg, spec, data, batch, seq_len, world: int, budget: 
     if tight is not None:  # fits, but not with the margin: say so, and what would run it
         raise DoesNotFit(f"--ds-config auto: no option fits {hb(budget.bytes)} ({budget.source}) with the "
                          f"{margin:.0%} distributed.memory_margin: the fastest that fits without it, "
-                         f"{tight.strategy.label}, needs {with_margin(tight, budget, margin)}; "
-                         f"{_tight_fix(tight, budget, ds_config, f'--ds-config {_rel(tight.strategy.path)}')}"
+                         f"{tight.option.label}, needs {with_margin(tight, budget, margin)}; "
+                         f"{_tight_fix(tight, budget, ds_config, f'--ds-config {_rel(tight.option.path)}')}"
                          f"{sp(tight.activations)}")
     least = min(rows, key=lambda r: r.device_total)
     raise DoesNotFit(f"--ds-config auto: no option fits {hb(budget.bytes)} ({budget.source}): the smallest, "
-                     f"{least.strategy.label}, needs "
+                     f"{least.option.label}, needs "
                      f"{hb(least.device_total)} per rank ({_why(least)}){sp(least.activations)}; {_advice(cfg)}")
 
 
@@ -266,10 +266,10 @@ def check(cfg, spec, ds, data, batch, seq_len, world: int, budget: Budget):
     """The plan for the chosen strategy against the budget: (its Estimate, None) when it fits
     with the margin, (Estimate, a warning line) when it fits without, DoesNotFit otherwise."""
     from train.plan.estimate import estimate
-    from train.plan.strategy import strategy_from_setup
+    from train.strategy.option import Option
     shape = model_shape(spec, data)
     pb, device = _plan_batch(cfg, batch, seq_len), _device(budget)
-    e = estimate(shape, strategy_from_setup(ds), world, pb, device=device)  # the largest rank
+    e = estimate(shape, Option.from_setup(ds), world, pb, device=device)  # the largest rank
     margin = cfg.distributed.memory_margin
     if fits(e, budget, margin):
         return e, None
@@ -289,43 +289,44 @@ def advise(cfg, shape, pb, world: int, device, ds, budget: Budget, run: tuple | 
     and `run` (spec, seq_len, activations per rank) is given: the sequence-parallel size that
     would fit (sp_fit), this run's own JSON preferred."""
     from train.plan.estimate import OPTIONS, estimate
-    from train.plan.strategy import strategy_from_json, strategy_from_setup
+    from train.strategy.option import Option
     margin = cfg.distributed.memory_margin
     here = Path(ds.path).parent if ds.path else None
     if here is not None and sum((here / f).is_file() for _, f in OPTIONS) > 1:
         rows_at = lambda b: _rows(shape, b, world, device, here)  # noqa: E731  auto:<here> sees these very rows
         rows, auto = rows_at(pb), _auto_flag(here)
-        how = lambda r: f"--ds-config {_rel(r.strategy.path)}"  # noqa: E731
+        how = lambda r: f"--ds-config {_rel(r.option.path)}"  # noqa: E731
     else:
         rows_at = lambda b: _rows(shape, b, world, device, paths.DS_CONFIGS, ds.precision)  # noqa: E731
         rows = rows_at(pb)
-        same = all(strategy_from_json(r.strategy.label, Path(r.strategy.path)).precision == ds.precision for r in rows)
+        same = all(Option.from_json(r.option.label, Path(r.option.path)).precision == ds.precision for r in rows)
         auto = "auto" if same else None
 
         def how(r):
-            if strategy_from_json(r.strategy.label, Path(r.strategy.path)).precision == ds.precision:
-                return f"--ds-config {_rel(r.strategy.path)}"
-            return (f"a {r.strategy.label} JSON with this run's {ds.precision} (like ds_configs/"
-                    f"{Path(r.strategy.path).name} with "
+            if Option.from_json(r.option.label, Path(r.option.path)).precision == ds.precision:
+                return f"--ds-config {_rel(r.option.path)}"
+            return (f"a {r.option.label} JSON with this run's {ds.precision} (like ds_configs/"
+                    f"{Path(r.option.path).name} with "
                     f"{'bf16 and fp16 disabled' if ds.precision == 'fp32' else ds.precision + ' enabled'})")
     auto_hint = (f", or --ds-config {auto}" if auto else
                  ", or --ds-config auto:DIR with such copies of every shipped JSON in DIR")
     best = next((r for r in rows if fits(r, budget, margin)), None)
     if best is not None:
-        return (f"{best.strategy.label} is the fastest option that fits with the {margin:.0%} margin "
+        return (f"{best.option.label} is the fastest option that fits with the {margin:.0%} margin "
                 f"({with_margin(best, budget, margin)}): use {how(best)}{auto_hint}")
     sp = ""
     if run is not None:  # this run's own JSON first (a ZeRO one), then the fastest of the same JSONs
-        own = strategy_from_setup(ds) if ds.is_deepspeed else None
+        own = Option.from_setup(ds)
+        own = own if own.splits_sequences else None
         spec, seq_len, before = run
         fit = sp_fit(cfg, spec, seq_len, world, budget, before, lambda trial, b: (
             [estimate(shape, own, world, _plan_batch(trial, b, seq_len), device=device)] if own else [])
             + rows_at(_plan_batch(trial, b, seq_len)))
-        sp = sp_clause(fit, cfg, budget, lambda r: "" if r.strategy is own else f" with {how(r)}")
+        sp = sp_clause(fit, cfg, budget, lambda r: "" if r.option is own else f" with {how(r)}")
     tight = next((r for r in rows if r.device_total <= budget.bytes), None)
     if tight is not None:
         return (f"no option fits with the {margin:.0%} distributed.memory_margin: the fastest that fits without it, "
-                f"{tight.strategy.label}, needs {with_margin(tight, budget, margin)}; "
+                f"{tight.option.label}, needs {with_margin(tight, budget, margin)}; "
                 f"{_tight_fix(tight, budget, auto, how(tight))}{sp}")
     return f"no option fits{sp}; {_advice(cfg)}"
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional
 
 from train.plan.estimate import CUDA, Device, Estimate, estimate
 from train.plan.shapes import BatchShape, module_shape
-from train.plan.strategy import strategy_from_setup
+from train.strategy.option import Option
 
 if TYPE_CHECKING:
     from train.launch.device_memory import Budget
@@ -20,7 +20,7 @@ def banner_estimate(model, cfg, ds, batch, world: int, gpt=None, seq_len: Option
     """One line for the start-up banner (and the numbers) for the strategy in use."""
     from train.observe.report import human_bytes
     shape = module_shape(model, cfg.model.name, gpt, width)
-    e = estimate(shape, strategy_from_setup(ds), world,
+    e = estimate(shape, Option.from_setup(ds), world,
                  BatchShape(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing,
                             sequence_parallel=cfg.distributed.sequence_parallel,
                             document_mask=cfg.data.packing or cfg.data.document_mask), rank, device)
