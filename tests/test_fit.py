@@ -265,7 +265,7 @@ def test_advice_and_auto_agree_under_a_cap_inside_the_margin(tmp_path):
         memory_check.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, tight)
     # Before: the check called ZeRO-3 "the fastest option that fits" (ignoring the margin), auto refused it.
     assert "is the fastest option that fits" not in str(refused.value), refused.value
-    rows = memory_check._rows(memory_check.model_shape(spec, data), memory_check._plan_batch(cfg, batch, 64), 2,
+    rows = memory_check._rows(memory_check.model_shape(spec, data), memory_check.plan_batch(cfg, batch, 64), 2,
                               memory_check._device(tight), Path(family))
     arithmetic = memory_check.with_margin(rows[3], tight, 0.1)
     assert arithmetic.startswith(f"{memory_check.hb(z3)} + 10% margin (") \

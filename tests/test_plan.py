@@ -234,3 +234,32 @@ def test_cli_errors_say_what_to_fix(argv, words, capsys):
 def test_plan_is_a_zerotrain_command():
     from train.cli import COMMANDS
     assert COMMANDS["plan"][:2] == ("train.commands.plan", "main")
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "hf-llama", "hf-llama+lora", "linear"])
+def test_the_runs_memory_plan_sizes_the_model_the_run_builds(model, tmp_path):
+    """The run's one memory plan (train/plan/memory_plan.py) is sized before the model exists, from
+    the model on the meta device: the same tensors, in the same optimizer groups, frozen and
+    trained, as the model build_workload then makes (what the banner and plan/* speak of)."""
+    from helpers import save_tiny
+    from models import build_workload, resolve
+    from train.config import load_config
+    from train.data import build_data
+    from train.plan.memory_check import model_shape
+    from train.plan.shapes import module_shape
+    name, _, lora = model.partition("+")
+    over = [("model.lora.r", "4")] if lora else []
+    if name == "hf-llama":
+        name = f"hf:{save_tiny('llama', tmp_path / 'llama', 256)}"
+    over += ([("data.kind", "regression"), ("data.num_samples", "64"), ("data.num_features", "5")]
+             if name == "linear" else [("data.seq_len", "32"), ("data.max_bytes", "20000")])
+    cfg = load_config(None, [("model.name", name), *over])
+    spec = resolve(cfg.model)
+    data = build_data(cfg.data, 32 if spec.family != "linear" else None, 0)
+    built = build_workload(spec, data)
+    meta = model_shape(spec, data)
+    # The width only fills a JSON file's "auto" sizes (Option.from_json); a run's plan prices its
+    # resolved JSON (Option.from_setup), whose sizes came from the same hidden_size_of as the meta width.
+    assert dataclasses.replace(meta, width=None) == dataclasses.replace(
+        module_shape(built.model, spec.name, meta.gpt, built.hidden_size), width=None)
+    assert meta.tensors and (meta.frozen != ()) == ("lora" in model)  # LoRA: the base is frozen, the adapters trained

@@ -4,8 +4,8 @@ Both ask train/plan/estimate.py for the peak of a rank (runtime + model states +
 of the backward and optimizer-step working sets) and compare it with the budget every rank
 agrees on (train/launch/device_memory.py: the tightest over all ranks).
 
-* The check (distributed.memory_check): a run whose plan exceeds the budget stops before any
-  model exists, with one line naming the limit, what the chosen strategy needs and what to use
+* The check (distributed.memory_check, made with the run's memory plan: train/plan/memory_plan.py):
+  a run whose plan exceeds the budget stops before any model exists, with one line naming the limit, what the chosen strategy needs and what to use
   instead; one that fits only without the margin gets a warning. Without it the kernel kills
   the rank mid-run (exit 137) with no word of why.
 * `--ds-config auto` (or `auto:<dir>`: choose among the JSONs of another directory, e.g. fp32
@@ -101,7 +101,8 @@ def model_shape(spec, data):
     return module_shape(model, spec.name, gpt, width)
 
 
-def _plan_batch(cfg, batch, seq_len):
+def plan_batch(cfg, batch, seq_len):
+    """The planner's view of one rank's micro-batch in this run."""
     from train.plan.shapes import BatchShape
     return BatchShape(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing,
                       sequence_parallel=cfg.distributed.sequence_parallel,
@@ -150,6 +151,7 @@ class Choice:
     line: str
     budget: Budget
     margin: float
+    shape: object = None   # the model's ModelShape auto chose with: the run's memory plan reuses it (memory_plan.py)
 
     def record(self) -> dict:
         """What config.json keeps of the choice."""
@@ -181,7 +183,7 @@ def choose(ds_config: str, cfg, spec, data, batch, seq_len, world: int, budget: 
     configs = auto_dir(ds_config)
     margin = cfg.distributed.memory_margin
     shape, device = model_shape(spec, data), _device(budget)
-    rows = _rows(shape, _plan_batch(cfg, batch, seq_len), world, device, configs)
+    rows = _rows(shape, plan_batch(cfg, batch, seq_len), world, device, configs)
     if not rows:
         raise ConfigError(f"--ds-config {ds_config}: {configs} holds none of ddp.json, zero1.json, ... zero3_offload.json")
     for i, e in enumerate(rows):
@@ -191,11 +193,11 @@ def choose(ds_config: str, cfg, spec, data, batch, seq_len, world: int, budget: 
                     f"{with_margin(e, budget, margin)}, {budget.source}"
                     + (f"; the faster {nf.option.label} would need {hb(nf.device_total)}" if nf else
                        "; it is the fastest option"))
-            return Choice(e.option.path, e.option.label, e, nf, line, budget, margin)
+            return Choice(e.option.path, e.option.label, e, nf, line, budget, margin, shape)
 
     def sp(before):  # auto, given the flag, chooses the fastest option that fits with it: the one named
         fit = sp_fit(cfg, spec, seq_len, world, budget, before,
-                     lambda trial, b: _rows(shape, _plan_batch(trial, b, seq_len), world, device, configs))
+                     lambda trial, b: _rows(shape, plan_batch(trial, b, seq_len), world, device, configs))
         return sp_clause(fit, cfg, budget)
     tight = next((r for r in rows if r.device_total <= budget.bytes), None)
     if tight is not None:  # fits, but not with the margin: say so, and what would run it
@@ -231,27 +233,6 @@ def resolve_auto(ds_path: str, cfg, spec, data, batch, seq_len, world: int,
     return choice.path, choice
 
 
-def preflight(cfg, spec, ds, data, batch, seq_len, world: int, is_main: bool, view: dict | None = None,
-              choice: Choice | None = None):
-    """The memory check before the model exists (distributed.memory_check): (the Estimate it
-    compared, the agreed Budget), or (None, None) when it is off. `view`: this rank's measure(),
-    taken before the Accelerator (the budget auto chose with, `choice.budget`, when it ran).
-    Raises DoesNotFit; prints the warning of a tight fit. A model the planner cannot size trains
-    unchecked, with a note. Collective."""
-    if not cfg.distributed.memory_check:
-        return None, None
-    budget = choice.budget if choice is not None else agreed_budget(view)
-    try:
-        planned, warning = check(cfg, spec, ds, data, batch, seq_len, world, budget)
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the planner is advisory for models it does not know
-        planned, warning = None, f"note: memory check skipped, the planner cannot size this model ({e})"
-    if warning and is_main:
-        print(f"zerotrain: {warning}", flush=True)
-    return planned, budget
-
-
 def _advice(cfg) -> str:
     tips = []
     if not cfg.model.activation_checkpointing:
@@ -262,13 +243,15 @@ def _advice(cfg) -> str:
     return "try " + ", ".join(tips)
 
 
-def check(cfg, spec, ds, data, batch, seq_len, world: int, budget: Budget):
+def check(cfg, spec, ds, data, batch, seq_len, world: int, budget: Budget, shape=None):
     """The plan for the chosen strategy against the budget: (its Estimate, None) when it fits
-    with the margin, (Estimate, a warning line) when it fits without, DoesNotFit otherwise."""
+    with the margin, (Estimate, a warning line) when it fits without, DoesNotFit otherwise.
+    `shape`: the model's (model_shape), when the caller has it (the run's memory plan,
+    train/plan/memory_plan.py, which calls this before the model exists)."""
     from train.plan.estimate import estimate
     from train.strategy.option import Option
-    shape = model_shape(spec, data)
-    pb, device = _plan_batch(cfg, batch, seq_len), _device(budget)
+    shape = shape if shape is not None else model_shape(spec, data)
+    pb, device = plan_batch(cfg, batch, seq_len), _device(budget)
     e = estimate(shape, Option.from_setup(ds), world, pb, device=device)  # the largest rank
     margin = cfg.distributed.memory_margin
     if fits(e, budget, margin):
@@ -320,8 +303,8 @@ def advise(cfg, shape, pb, world: int, device, ds, budget: Budget, run: tuple | 
         own = own if own.splits_sequences else None
         spec, seq_len, before = run
         fit = sp_fit(cfg, spec, seq_len, world, budget, before, lambda trial, b: (
-            [estimate(shape, own, world, _plan_batch(trial, b, seq_len), device=device)] if own else [])
-            + rows_at(_plan_batch(trial, b, seq_len)))
+            [estimate(shape, own, world, plan_batch(trial, b, seq_len), device=device)] if own else [])
+            + rows_at(plan_batch(trial, b, seq_len)))
         sp = sp_clause(fit, cfg, budget, lambda r: "" if r.option is own else f" with {how(r)}")
     tight = next((r for r in rows if r.device_total <= budget.bytes), None)
     if tight is not None:
