@@ -310,3 +310,36 @@ def test_the_check_and_auto_measure_the_budget_once_at_the_same_point(monkeypatc
     assert ddp.runtime == device.runtime + cost.STARTUP["ddp"] and z3.runtime == device.runtime + cost.STARTUP["deepspeed"]
     cfg.distributed.memory_check = False
     assert memory_check.measure(cfg, "ds_configs/zero3.json") is None   # neither path runs: nothing measured
+
+
+def test_one_memory_plan_serves_the_check_the_banner_and_the_report(tmp_path, capsys):
+    """In-process: the run's memory plan (train/plan/memory_plan.py), made once before the model
+    exists, holds the estimate the check compared with the budget (the largest rank's, under
+    ZeRO-2 the rank holding the most straddling gradients) and this rank's (the banner, plan/*),
+    from one sizing of the model; with the check off, no budget and nothing checked, the same
+    rank's estimate on a bare device."""
+    from models import resolve as resolve_model
+    from train.data import build_data
+    from train.plan import memory_check, memory_plan
+    from train.plan.estimate import Device, estimate
+    from train.strategy.ds_config import load_ds_setup
+    from train.strategy.option import Option
+    family = fp32_family(tmp_path / "fp32")
+    cfg = frontier_config()
+    spec, data, batch = resolve_model(cfg.model), build_data(cfg.data, 64, cfg.train.seed), cfg.train.batch(4)
+    ds = load_ds_setup(str(Path(family) / "zero2.json"), cfg, batch, 3, cuda=False, hidden_size=1024)
+    view = {"bytes": 8 * GiB, "source": "a test budget", "cgroup": None, "host": "h", "runtime": int(0.4 * GiB)}
+    shape, pb = memory_check.model_shape(spec, data), memory_check.plan_batch(cfg, batch, 64)
+    ranks = [estimate(shape, Option.from_setup(ds), 4, pb, k, Device("cpu", view["runtime"])) for k in range(4)]
+    assert len({e.grads for e in ranks}) > 1  # ZeRO-2: ranks hold different straddling gradients
+    for rank in range(4):
+        plan = memory_plan.make(cfg, spec, ds, data, batch, 64, 4, rank, "cpu", True, view)
+        assert plan.budget.bytes == 8 * GiB and plan.estimate.to_dict() == ranks[rank].to_dict()
+        assert plan.checked.device_total == max(e.device_total for e in ranks)
+        assert plan.checked.to_dict() == memory_check.check(cfg, spec, ds, data, batch, 64, 4, plan.budget)[0].to_dict()
+        assert plan.text == memory_plan.banner_text(plan.estimate) and "incl. the runtime" in plan.text
+    cfg.distributed.memory_check = False
+    off = memory_plan.make(cfg, spec, ds, data, batch, 64, 4, 1, "cpu", True)
+    assert off.budget is None and off.checked is None
+    assert off.estimate.to_dict() == estimate(shape, Option.from_setup(ds), 4, pb, 1, Device("cpu", 0)).to_dict()
+    assert capsys.readouterr().out == ""  # fits with the margin: no warning, no note

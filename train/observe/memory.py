@@ -231,9 +231,10 @@ class MemoryReport:
 
     def __init__(self, *, acc, model, raw_optimizer, step_target, start_step: int, max_steps: int,
                  plan, log: Callable[[dict, int], None]):
-        """`model`/`raw_optimizer` as for StepProbe; `plan`: the planner's estimate for this rank
-        (logged as plan/* next to the measurement; read by attribute, as the planner sits above this
-        module: train/plan/estimate.py Estimate), None when there is none; `log`: the metrics sink."""
+        """`model`/`raw_optimizer` as for StepProbe; `plan`: this rank's estimate in the run's one
+        memory plan (train/plan/memory_plan.py MemoryPlan.estimate, made before the model existed),
+        logged as plan/* next to the measurement, None when there is none; read by attribute, as the
+        planner sits above this module. `log`: the metrics sink."""
         self.acc, self.plan, self.log = acc, plan, log
         # Step `start_step` from scratch creates the moments; measure the one after it if there is one.
         self.at = start_step + 1 if start_step == 0 and max_steps > 1 else start_step
