@@ -65,7 +65,7 @@ def frontier(tmp_path_factory):
     from models import gpt_config
     from train.plan.estimate import Device, estimate
     from train.plan.shapes import BatchShape, gpt_shape
-    from train.plan.strategy import strategy_from_json
+    from train.strategy.option import Option
     work = tmp_path_factory.mktemp("frontier")
     family = fp32_family(work / "fp32")
     out = {"family": family, "work": work}
@@ -80,7 +80,7 @@ def frontier(tmp_path_factory):
     cfg = frontier_config()
     shape = gpt_shape("frontier", gpt_config(cfg.model, vocab_size=256))
     batch, device = BatchShape(1, 64), Device("cpu", runtime)
-    peak = {name: estimate(shape, strategy_from_json(name, Path(family) / f"{name}.json", None, shape.width), 2,
+    peak = {name: estimate(shape, Option.from_json(name, Path(family) / f"{name}.json", None, shape.width), 2,
                            batch, device=device).device_total for name in ("ddp", "zero3")}
     assert peak["zero3"] / 0.9 < 0.95 * peak["ddp"], f"DDP and ZeRO-3 are too close on this machine: {peak}"
     out["cap"] = cap = int((peak["ddp"] + peak["zero3"] / 0.9) / 2)
@@ -210,7 +210,7 @@ def test_auto_and_the_check_pick_by_the_plan(tmp_path):
     with pytest.raises(memory_check.DoesNotFit, match=r"ZeRO-3 is the fastest option that fits .*--ds-config auto"):
         memory_check.check(cfg, spec, ds, data, batch, 64, 2, budget(3.6))
     est, warning = memory_check.check(cfg, spec, ds, data, batch, 64, 2, budget(8))
-    assert warning is None and est.strategy.backend == "ddp"
+    assert warning is None and est.option.backend == "ddp"
     with pytest.raises(Exception, match="not a directory"):
         memory_check.auto_dir("auto:/nonexistent")
 
@@ -265,7 +265,7 @@ def test_advice_and_auto_agree_under_a_cap_inside_the_margin(tmp_path):
         memory_check.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, tight)
     # Before: the check called ZeRO-3 "the fastest option that fits" (ignoring the margin), auto refused it.
     assert "is the fastest option that fits" not in str(refused.value), refused.value
-    rows = memory_check._rows(memory_check.model_shape(spec, data), memory_check._plan_batch(cfg, batch, 64), 2,
+    rows = memory_check._rows(memory_check.model_shape(spec, data), memory_check.plan_batch(cfg, batch, 64), 2,
                               memory_check._device(tight), Path(family))
     arithmetic = memory_check.with_margin(rows[3], tight, 0.1)
     assert arithmetic.startswith(f"{memory_check.hb(z3)} + 10% margin (") \
@@ -295,7 +295,8 @@ def test_the_check_and_auto_measure_the_budget_once_at_the_same_point(monkeypatc
     from train.plan import estimate as est
     from train.plan import memory_check
     from train.plan.shapes import BatchShape, count_shape
-    from train.plan.strategy import strategy_from_json
+    from train.strategy import cost
+    from train.strategy.option import Option
     views = iter([(3 * GiB, "first view", None, 300 * 2 ** 20), (3 * GiB, "second view", None, 345 * 2 ** 20)])
     monkeypatch.setattr(memory_check, "local_budget", lambda: next(views))
     cfg = frontier_config()
@@ -304,8 +305,41 @@ def test_the_check_and_auto_measure_the_budget_once_at_the_same_point(monkeypatc
     assert memory_check.agreed_budget(view).runtime == 300 * 2 ** 20
     shape = count_shape(10 ** 6)
     device = est.Device("cpu", 300 * 2 ** 20)
-    ddp, z3 = (est.estimate(shape, strategy_from_json(n, est.paths.DS_CONFIGS / f"{n}.json", "fp32"), 2,
+    ddp, z3 = (est.estimate(shape, Option.from_json(n, est.paths.DS_CONFIGS / f"{n}.json", "fp32"), 2,
                             BatchShape(1, None), device=device) for n in ("ddp", "zero3"))
-    assert ddp.runtime == device.runtime + est.STARTUP["ddp"] and z3.runtime == device.runtime + est.STARTUP["deepspeed"]
+    assert ddp.runtime == device.runtime + cost.STARTUP["ddp"] and z3.runtime == device.runtime + cost.STARTUP["deepspeed"]
     cfg.distributed.memory_check = False
     assert memory_check.measure(cfg, "ds_configs/zero3.json") is None   # neither path runs: nothing measured
+
+
+def test_one_memory_plan_serves_the_check_the_banner_and_the_report(tmp_path, capsys):
+    """In-process: the run's memory plan (train/plan/memory_plan.py), made once before the model
+    exists, holds the estimate the check compared with the budget (the largest rank's, under
+    ZeRO-2 the rank holding the most straddling gradients) and this rank's (the banner, plan/*),
+    from one sizing of the model; with the check off, no budget and nothing checked, the same
+    rank's estimate on a bare device."""
+    from models import resolve as resolve_model
+    from train.data import build_data
+    from train.plan import memory_check, memory_plan
+    from train.plan.estimate import Device, estimate
+    from train.strategy.ds_config import load_ds_setup
+    from train.strategy.option import Option
+    family = fp32_family(tmp_path / "fp32")
+    cfg = frontier_config()
+    spec, data, batch = resolve_model(cfg.model), build_data(cfg.data, 64, cfg.train.seed), cfg.train.batch(4)
+    ds = load_ds_setup(str(Path(family) / "zero2.json"), cfg, batch, 3, cuda=False, hidden_size=1024)
+    view = {"bytes": 8 * GiB, "source": "a test budget", "cgroup": None, "host": "h", "runtime": int(0.4 * GiB)}
+    shape, pb = memory_check.model_shape(spec, data), memory_check.plan_batch(cfg, batch, 64)
+    ranks = [estimate(shape, Option.from_setup(ds), 4, pb, k, Device("cpu", view["runtime"])) for k in range(4)]
+    assert len({e.grads for e in ranks}) > 1  # ZeRO-2: ranks hold different straddling gradients
+    for rank in range(4):
+        plan = memory_plan.make(cfg, spec, ds, data, batch, 64, 4, rank, "cpu", True, view)
+        assert plan.budget.bytes == 8 * GiB and plan.estimate.to_dict() == ranks[rank].to_dict()
+        assert plan.checked.device_total == max(e.device_total for e in ranks)
+        assert plan.checked.to_dict() == memory_check.check(cfg, spec, ds, data, batch, 64, 4, plan.budget)[0].to_dict()
+        assert plan.text == memory_plan.banner_text(plan.estimate) and "incl. the runtime" in plan.text
+    cfg.distributed.memory_check = False
+    off = memory_plan.make(cfg, spec, ds, data, batch, 64, 4, 1, "cpu", True)
+    assert off.budget is None and off.checked is None
+    assert off.estimate.to_dict() == estimate(shape, Option.from_setup(ds), 4, pb, 1, Device("cpu", 0)).to_dict()
+    assert capsys.readouterr().out == ""  # fits with the margin: no warning, no note

@@ -278,7 +278,7 @@ def test_planner_counts_total_and_active_parameters_and_the_gathered_block(tmp_p
     from train.plan.estimate import estimate
     from train.plan.memory_check import model_shape
     from train.plan.shapes import BatchShape
-    from train.plan.strategy import strategy_from_json
+    from train.strategy.option import Option
     from models import resolve
     from models.config import ModelConfig
     d = save_tiny_moe(tmp_path / "m")
@@ -289,7 +289,7 @@ def test_planner_counts_total_and_active_parameters_and_the_gathered_block(tmp_p
     small = ds_variant(tmp_path, "zero3", "z3_small_live", bf16={"enabled": False},
                        zero_optimization={"stage": 3, "stage3_max_live_parameters": 1000,
                                           "stage3_param_persistence_threshold": 0})
-    e = estimate(shape, strategy_from_json("z3", Path(small)), 2, BatchShape(1, SEQ), rank=0)
+    e = estimate(shape, Option.from_json("z3", Path(small)), 2, BatchShape(1, SEQ), rank=0)
     largest = max(shape.tensors)
     assert e.backward_work == 4 * shape.leaf_block + 4 * largest  # fp32: the block, not 1000 elements
     run = tmp_path / "run.yaml"

@@ -147,13 +147,13 @@ def test_plot_series_keep_the_continued_training_after_a_resume(tmp_path):
 def test_memory_line_puts_the_planned_peak_against_the_budget():
     from types import SimpleNamespace as NS
     budget = NS(bytes=8 * 2**30, source="the memory cgroup limit of /sys/fs/cgroup/job")
-    from train.plan.rank_plan import RankPlan
-    t = RankPlan(budget, NS(device_total=3 * 2**30), "")
+    from train.plan.memory_plan import MemoryPlan
+    t = MemoryPlan(budget, None, NS(device_total=3 * 2**30), "")
     assert report._memory_text(t) == ("estimated peak 3.00 GiB of 8.00 GiB per rank (38%): "
                                       "the memory cgroup limit of /sys/fs/cgroup/job")
-    assert report._memory_text(RankPlan(budget, None, "")) == \
+    assert report._memory_text(MemoryPlan(budget, None, None, "")) == \
         "budget 8.00 GiB per rank: the memory cgroup limit of /sys/fs/cgroup/job"
-    assert report._memory_text(RankPlan(None, None, "")) == "budget not checked (distributed.memory_check false)"
+    assert report._memory_text(MemoryPlan(None, None, None, "")) == "budget not checked (distributed.memory_check false)"
 
 
 def test_progress_line_and_durations():

@@ -15,7 +15,8 @@ from train.plan import estimate as plan
 from train.plan.activations import activation_bytes
 from train.plan.estimate import Cluster, estimate, make_plan
 from train.plan.shapes import BatchShape, count_shape, gpt_shape
-from train.plan.strategy import strategy_from_json
+from train.strategy import cost
+from train.strategy.option import Option
 
 PSI, N = 1_000_000_000, 8           # 1e9 is a multiple of 2N: no flat-buffer padding
 OPTIONS = dict(plan.OPTIONS)
@@ -23,7 +24,7 @@ OPTIONS = dict(plan.OPTIONS)
 
 def strategy(name: str, precision: str = "bf16", accum_dtype: str | None = None):
     label = {v: k for k, v in plan.OPTIONS}.get(f"{name}.json", name)
-    s = strategy_from_json(label, paths.DS_CONFIGS / f"{name}.json", precision)
+    s = Option.from_json(label, paths.DS_CONFIGS / f"{name}.json", precision)
     if accum_dtype is not None:
         s = dataclasses.replace(s, grad_accum_fp32=accum_dtype == "fp32")
     return s
@@ -94,8 +95,8 @@ def test_gpt_shapes_match_the_real_model():
 
 def test_zero12_partition_holds_whole_straddling_tensors():
     # One group of tensors [10, 6], N=2: padded to 16, partitions [0,8) and [8,16).
-    assert plan._zero12_partition([(10, 6)], 2, 0) == (8, 10)
-    assert plan._zero12_partition([(10, 6)], 2, 1) == (8, 16)
+    assert cost._zero12_partition([(10, 6)], 2, 0) == (8, 10)
+    assert cost._zero12_partition([(10, 6)], 2, 1) == (8, 16)
 
 
 def test_zero3_keeps_small_tensors_whole():
@@ -174,7 +175,7 @@ def test_recommendation_moves_from_ddp_to_zero_to_offload_as_memory_shrinks():
 
     def pick(gib, devices=8):
         p = make_plan(shape, Cluster(1, devices, int(gib * 2**30), 512 * 2**30), batch)
-        return p.recommended.strategy.label if p.recommended else None
+        return p.recommended.option.label if p.recommended else None
 
     # 8 devices, bf16 with fp32 accumulation: DDP 16Ψ (+ autocast copies) -> ZeRO-1 2Ψ+6Ψ+12Ψ/N
     # -> ZeRO-2 2Ψ+16Ψ/N -> ZeRO-3 18Ψ/N -> offloaded.
@@ -233,3 +234,32 @@ def test_cli_errors_say_what_to_fix(argv, words, capsys):
 def test_plan_is_a_zerotrain_command():
     from train.cli import COMMANDS
     assert COMMANDS["plan"][:2] == ("train.commands.plan", "main")
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "hf-llama", "hf-llama+lora", "linear"])
+def test_the_runs_memory_plan_sizes_the_model_the_run_builds(model, tmp_path):
+    """The run's one memory plan (train/plan/memory_plan.py) is sized before the model exists, from
+    the model on the meta device: the same tensors, in the same optimizer groups, frozen and
+    trained, as the model build_workload then makes (what the banner and plan/* speak of)."""
+    from helpers import save_tiny
+    from models import build_workload, resolve
+    from train.config import load_config
+    from train.data import build_data
+    from train.plan.memory_check import model_shape
+    from train.plan.shapes import module_shape
+    name, _, lora = model.partition("+")
+    over = [("model.lora.r", "4")] if lora else []
+    if name == "hf-llama":
+        name = f"hf:{save_tiny('llama', tmp_path / 'llama', 256)}"
+    over += ([("data.kind", "regression"), ("data.num_samples", "64"), ("data.num_features", "5")]
+             if name == "linear" else [("data.seq_len", "32"), ("data.max_bytes", "20000")])
+    cfg = load_config(None, [("model.name", name), *over])
+    spec = resolve(cfg.model)
+    data = build_data(cfg.data, 32 if spec.family != "linear" else None, 0)
+    built = build_workload(spec, data)
+    meta = model_shape(spec, data)
+    # The width only fills a JSON file's "auto" sizes (Option.from_json); a run's plan prices its
+    # resolved JSON (Option.from_setup), whose sizes came from the same hidden_size_of as the meta width.
+    assert dataclasses.replace(meta, width=None) == dataclasses.replace(
+        module_shape(built.model, spec.name, meta.gpt, built.hidden_size), width=None)
+    assert meta.tensors and (meta.frozen != ()) == ("lora" in model)  # LoRA: the base is frozen, the adapters trained

@@ -160,9 +160,9 @@ def test_no_size_is_named_when_the_model_states_do_not_fit(long_run):
     with 60 MiB no option holds its states and buffers, whatever the activations; with 100 MiB SP 2 fits."""
     from train.plan import memory_check
     cfg, spec, data = run = long_run()
-    rows = memory_check._rows(memory_check.model_shape(spec, data), memory_check._plan_batch(cfg, cfg.train.batch(4), T),
+    rows = memory_check._rows(memory_check.model_shape(spec, data), memory_check.plan_batch(cfg, cfg.train.batch(4), T),
                               4, memory_check._device(budget(60, "cpu")), memory_check.paths.DS_CONFIGS)
-    assert min(r.device_total - r.work for r in rows if r.strategy.backend != "ddp") > MARGIN * 60 * MiB
+    assert min(r.device_total - r.work for r in rows if r.option.backend != "ddp") > MARGIN * 60 * MiB
     for line in (refusal(run, 4, 60, kind="cpu"), auto(run, 4, 60, kind="cpu")):
         assert "no option fits" in line and "sequence_parallel" not in line, line
     for line in (refusal(run, 4, 100, kind="cpu"), auto(run, 4, 100, kind="cpu")):

@@ -26,7 +26,7 @@ LAYERS = [
     ("training", ("train.training", "train.args")),
     ("planner", ("train.plan",)),
     ("strategy", ("train.strategy",)),
-    ("components", ("train.checkpoint", "train.observe", "train.launch", "train.plan", "train.data", "train.optim",
+    ("components", ("train.checkpoint", "train.observe", "train.launch", "train.data", "train.optim",
                     "models")),
     ("config", ("train.config", "train.strategy.ds_config", "train.strategy.internals", "train.errors", "train.paths",
                 "train.cli_args", "models.config", "models.errors", "train.testhooks", "train.process_group")),

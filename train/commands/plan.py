@@ -57,7 +57,7 @@ def render(plan: Plan) -> str:
             + (f", {c.cpu_mem / GiB:.0f} GiB CPU/node" if c.cpu_mem else "")
             + f"\n  batch: micro {b.micro} x seq {b.seq_len} x accum {b.accum}, activation checkpointing "
             + ("on" if b.checkpointing else "off") + (", document mask" if b.document_mask else "")
-            + f", {plan.rows[0].strategy.precision}"
+            + f", {plan.rows[0].option.precision}"
             + (f", sequence parallel {b.sequence_parallel} ({b.seq_len // b.sequence_parallel} tokens of a row per "
                f"rank; ZeRO only: DDP is refused with it)" if b.sequence_parallel > 1 else "")
             + (f"\n  device: CPU (host RAM); runtime (libraries) {dev.runtime / GiB:.2f} GiB per rank"
@@ -68,7 +68,7 @@ def render(plan: Plan) -> str:
     usable = (1 - plan.safety) * c.device_mem
     for r in plan.rows:
         fit = "NO" if not r.fits else ("yes" if r.device_total <= usable else "tight")
-        table.append((r.strategy.label, _gib(r.params), _gib(r.grads), _gib(r.optimizer), _gib(r.buffers),
+        table.append((r.option.label, _gib(r.params), _gib(r.grads), _gib(r.optimizer), _gib(r.buffers),
                       _gib(r.activations), _gib(r.backward_work), _gib(r.step_work), _gib(r.device_total),
                       _gib(r.host * c.devices_per_node) if r.host else "-",
                       f"{r.comm:.1f}x" if r.comm is not None else "-", fit))
@@ -80,7 +80,7 @@ def render(plan: Plan) -> str:
             lines.append("  " + "  ".join("-" * w for w in widths))
     if plan.recommended:
         r = plan.recommended
-        lines.append(f"\nrecommended: {r.strategy.label}  (--ds-config {_rel(r.strategy.path)}): the fastest option "
+        lines.append(f"\nrecommended: {r.option.label}  (--ds-config {_rel(r.option.path)}): the fastest option "
                      f"whose {r.device_total / GiB:.2f} GiB fits in {usable / GiB:.2f} GiB ({plan.safety:.0%} headroom)")
     else:
         sp = plan.sp_fit.clause("--sequence-parallel", f"{plan.sp_fit.estimate.device_total / GiB:.2f} GiB") + "; " \

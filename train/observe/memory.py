@@ -12,8 +12,8 @@ as "gathered", outside the model states: the planner counts it in the backward's
 The snapshot is taken right before the optimizer step of the second step: gradients are
 fully reduced into whatever DeepSpeed keeps them in, the lazily created Adam moments exist
 (made by step 1), and the step's own transient fp32 gradient copy is not yet made. That is
-the moment the ZeRO paper's model-state accounting describes, and what train/plan/estimate.py
-estimates.
+the moment the ZeRO paper's model-state accounting describes, and what the planner's cost model
+(train/strategy/cost.py) estimates.
 
 "Host" bytes are those of offloaded structures (optimizer / parameter offload). On a GPU
 machine that is also any tensor found on the CPU; on a CPU-only machine everything is on
@@ -23,12 +23,9 @@ the CPU, so the engine's own offload flags decide.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
-
-if TYPE_CHECKING:
-    from train.plan.estimate import Estimate
 
 CATEGORIES = ("params", "grads", "optimizer", "buffers", "gathered")
 
@@ -231,9 +228,11 @@ class MemoryReport:
               "plan_host")
 
     def __init__(self, *, acc, model, raw_optimizer, step_target, start_step: int, max_steps: int,
-                 plan: Estimate | None, log: Callable[[dict, int], None]):
-        """`model`/`raw_optimizer` as for StepProbe; `plan`: the planner's estimate for this rank
-        (logged as plan/* next to the measurement), None when there is none; `log`: the metrics sink."""
+                 plan, log: Callable[[dict, int], None]):
+        """`model`/`raw_optimizer` as for StepProbe; `plan`: this rank's estimate in the run's one
+        memory plan (train/plan/memory_plan.py MemoryPlan.estimate, made before the model existed),
+        logged as plan/* next to the measurement, None when there is none; read by attribute, as the
+        planner sits above this module. `log`: the metrics sink."""
         self.acc, self.plan, self.log = acc, plan, log
         # Step `start_step` from scratch creates the moments; measure the one after it if there is one.
         self.at = start_step + 1 if start_step == 0 and max_steps > 1 else start_step

@@ -49,7 +49,7 @@ def banner(t) -> str:
         + f", lr {t.cfg.optim.lr:g} "
         f"{t.cfg.optim.schedule}, warmup {t.cfg.optim.warmup_steps}",
     ]
-    if t.memory_plan is not None:  # the planner's view of this rank (train/plan/rank_plan.py RankPlan)
+    if t.memory_plan is not None:  # the run's memory plan (train/plan/memory_plan.py MemoryPlan)
         if t.memory_plan.text:
             lines.append(f"  model states {t.memory_plan.text} per rank (estimated)")
         lines.append(f"  memory       {_memory_text(t.memory_plan)}")
@@ -79,7 +79,7 @@ def _lora_text(t) -> str:
 
 
 def _memory_text(memory_plan) -> str:
-    """The planner's peak per rank (`memory_plan`: a RankPlan) against the memory check's budget
+    """The planner's peak per rank (`memory_plan`: a MemoryPlan) against the memory check's budget
     (train/plan/memory_check.py)."""
     budget = memory_plan.budget
     if budget is None:

@@ -4,8 +4,8 @@ Both ask train/plan/estimate.py for the peak of a rank (runtime + model states +
 of the backward and optimizer-step working sets) and compare it with the budget every rank
 agrees on (train/launch/device_memory.py: the tightest over all ranks).
 
-* The check (distributed.memory_check): a run whose plan exceeds the budget stops before any
-  model exists, with one line naming the limit, what the chosen strategy needs and what to use
+* The check (distributed.memory_check, made with the run's memory plan: train/plan/memory_plan.py):
+  a run whose plan exceeds the budget stops before any model exists, with one line naming the limit, what the chosen strategy needs and what to use
   instead; one that fits only without the margin gets a warning. Without it the kernel kills
   the rank mid-run (exit 137) with no word of why.
 * `--ds-config auto` (or `auto:<dir>`: choose among the JSONs of another directory, e.g. fp32
@@ -15,7 +15,7 @@ agrees on (train/launch/device_memory.py: the tightest over all ranks).
 
 The two agree by construction: the budget is measured once per rank at the same point (before
 the process group and the Accelerator exist; each option's own start-up growth is the
-planner's, train/plan/estimate.py STARTUP), so an option gets one estimate whichever path asks;
+planner's, train/strategy/cost.py STARTUP), so an option gets one estimate whichever path asks;
 an option "fits" for both only with the margin (`fits`), and every message that applies the
 margin states it; the check's advice is the option auto would choose among the same JSONs
 (`advise`), so it never points to one that auto then refuses.
@@ -101,7 +101,8 @@ def model_shape(spec, data):
     return module_shape(model, spec.name, gpt, width)
 
 
-def _plan_batch(cfg, batch, seq_len):
+def plan_batch(cfg, batch, seq_len):
+    """The planner's view of one rank's micro-batch in this run."""
     from train.plan.shapes import BatchShape
     return BatchShape(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing,
                       sequence_parallel=cfg.distributed.sequence_parallel,
@@ -150,13 +151,14 @@ class Choice:
     line: str
     budget: Budget
     margin: float
+    shape: object = None   # the model's ModelShape auto chose with: the run's memory plan reuses it (memory_plan.py)
 
     def record(self) -> dict:
         """What config.json keeps of the choice."""
         nf, budget = self.next_faster, self.budget
         return {"ds_config": self.path, "option": self.label, "predicted_peak_bytes": self.estimate.device_total,
                 "budget_bytes": budget.bytes, "budget_source": budget.source, "margin": self.margin,
-                "next_faster": None if nf is None else {"option": nf.strategy.label, "ds_config": nf.strategy.path,
+                "next_faster": None if nf is None else {"option": nf.option.label, "ds_config": nf.option.path,
                                                         "predicted_peak_bytes": nf.device_total}}
 
 
@@ -164,13 +166,13 @@ def _rows(shape, batch, world: int, device, configs: Path, precision: str | None
     """Estimates for the OPTIONS found in `configs`, in their own precision or `precision`; under
     sequence parallelism the ZeRO ones only (a run refuses SP under plain DDP)."""
     from train.plan.estimate import OPTIONS, estimate
-    from train.plan.strategy import strategy_from_json
+    from train.strategy.option import Option
     rows = []
     for label, fname in OPTIONS:
         path = configs / fname
         if path.is_file():
-            s = strategy_from_json(label, path, precision, shape.width)
-            if s.backend == "ddp" and batch.sequence_parallel > 1:
+            s = Option.from_json(label, path, precision, shape.width)
+            if batch.sequence_parallel > 1 and not s.splits_sequences:
                 continue  # sequence parallelism needs ZeRO (train/launch/sequence_parallel.py)
             rows.append(estimate(shape, s, world, batch, device=device))
     return rows
@@ -181,32 +183,32 @@ def choose(ds_config: str, cfg, spec, data, batch, seq_len, world: int, budget: 
     configs = auto_dir(ds_config)
     margin = cfg.distributed.memory_margin
     shape, device = model_shape(spec, data), _device(budget)
-    rows = _rows(shape, _plan_batch(cfg, batch, seq_len), world, device, configs)
+    rows = _rows(shape, plan_batch(cfg, batch, seq_len), world, device, configs)
     if not rows:
         raise ConfigError(f"--ds-config {ds_config}: {configs} holds none of ddp.json, zero1.json, ... zero3_offload.json")
     for i, e in enumerate(rows):
         if fits(e, budget, margin):
             nf = rows[i - 1] if i else None
-            line = (f"--ds-config auto: {e.strategy.label} ({e.strategy.path}): predicted peak per rank "
+            line = (f"--ds-config auto: {e.option.label} ({e.option.path}): predicted peak per rank "
                     f"{with_margin(e, budget, margin)}, {budget.source}"
-                    + (f"; the faster {nf.strategy.label} would need {hb(nf.device_total)}" if nf else
+                    + (f"; the faster {nf.option.label} would need {hb(nf.device_total)}" if nf else
                        "; it is the fastest option"))
-            return Choice(e.strategy.path, e.strategy.label, e, nf, line, budget, margin)
+            return Choice(e.option.path, e.option.label, e, nf, line, budget, margin, shape)
 
     def sp(before):  # auto, given the flag, chooses the fastest option that fits with it: the one named
         fit = sp_fit(cfg, spec, seq_len, world, budget, before,
-                     lambda trial, b: _rows(shape, _plan_batch(trial, b, seq_len), world, device, configs))
+                     lambda trial, b: _rows(shape, plan_batch(trial, b, seq_len), world, device, configs))
         return sp_clause(fit, cfg, budget)
     tight = next((r for r in rows if r.device_total <= budget.bytes), None)
     if tight is not None:  # fits, but not with the margin: say so, and what would run it
         raise DoesNotFit(f"--ds-config auto: no option fits {hb(budget.bytes)} ({budget.source}) with the "
                          f"{margin:.0%} distributed.memory_margin: the fastest that fits without it, "
-                         f"{tight.strategy.label}, needs {with_margin(tight, budget, margin)}; "
-                         f"{_tight_fix(tight, budget, ds_config, f'--ds-config {_rel(tight.strategy.path)}')}"
+                         f"{tight.option.label}, needs {with_margin(tight, budget, margin)}; "
+                         f"{_tight_fix(tight, budget, ds_config, f'--ds-config {_rel(tight.option.path)}')}"
                          f"{sp(tight.activations)}")
     least = min(rows, key=lambda r: r.device_total)
     raise DoesNotFit(f"--ds-config auto: no option fits {hb(budget.bytes)} ({budget.source}): the smallest, "
-                     f"{least.strategy.label}, needs "
+                     f"{least.option.label}, needs "
                      f"{hb(least.device_total)} per rank ({_why(least)}){sp(least.activations)}; {_advice(cfg)}")
 
 
@@ -231,27 +233,6 @@ def resolve_auto(ds_path: str, cfg, spec, data, batch, seq_len, world: int,
     return choice.path, choice
 
 
-def preflight(cfg, spec, ds, data, batch, seq_len, world: int, is_main: bool, view: dict | None = None,
-              choice: Choice | None = None):
-    """The memory check before the model exists (distributed.memory_check): (the Estimate it
-    compared, the agreed Budget), or (None, None) when it is off. `view`: this rank's measure(),
-    taken before the Accelerator (the budget auto chose with, `choice.budget`, when it ran).
-    Raises DoesNotFit; prints the warning of a tight fit. A model the planner cannot size trains
-    unchecked, with a note. Collective."""
-    if not cfg.distributed.memory_check:
-        return None, None
-    budget = choice.budget if choice is not None else agreed_budget(view)
-    try:
-        planned, warning = check(cfg, spec, ds, data, batch, seq_len, world, budget)
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the planner is advisory for models it does not know
-        planned, warning = None, f"note: memory check skipped, the planner cannot size this model ({e})"
-    if warning and is_main:
-        print(f"zerotrain: {warning}", flush=True)
-    return planned, budget
-
-
 def _advice(cfg) -> str:
     tips = []
     if not cfg.model.activation_checkpointing:
@@ -262,14 +243,16 @@ def _advice(cfg) -> str:
     return "try " + ", ".join(tips)
 
 
-def check(cfg, spec, ds, data, batch, seq_len, world: int, budget: Budget):
+def check(cfg, spec, ds, data, batch, seq_len, world: int, budget: Budget, shape=None):
     """The plan for the chosen strategy against the budget: (its Estimate, None) when it fits
-    with the margin, (Estimate, a warning line) when it fits without, DoesNotFit otherwise."""
+    with the margin, (Estimate, a warning line) when it fits without, DoesNotFit otherwise.
+    `shape`: the model's (model_shape), when the caller has it (the run's memory plan,
+    train/plan/memory_plan.py, which calls this before the model exists)."""
     from train.plan.estimate import estimate
-    from train.plan.strategy import strategy_from_setup
-    shape = model_shape(spec, data)
-    pb, device = _plan_batch(cfg, batch, seq_len), _device(budget)
-    e = estimate(shape, strategy_from_setup(ds), world, pb, device=device)  # the largest rank
+    from train.strategy.option import Option
+    shape = shape if shape is not None else model_shape(spec, data)
+    pb, device = plan_batch(cfg, batch, seq_len), _device(budget)
+    e = estimate(shape, Option.from_setup(ds), world, pb, device=device)  # the largest rank
     margin = cfg.distributed.memory_margin
     if fits(e, budget, margin):
         return e, None
@@ -289,43 +272,44 @@ def advise(cfg, shape, pb, world: int, device, ds, budget: Budget, run: tuple | 
     and `run` (spec, seq_len, activations per rank) is given: the sequence-parallel size that
     would fit (sp_fit), this run's own JSON preferred."""
     from train.plan.estimate import OPTIONS, estimate
-    from train.plan.strategy import strategy_from_json, strategy_from_setup
+    from train.strategy.option import Option
     margin = cfg.distributed.memory_margin
     here = Path(ds.path).parent if ds.path else None
     if here is not None and sum((here / f).is_file() for _, f in OPTIONS) > 1:
         rows_at = lambda b: _rows(shape, b, world, device, here)  # noqa: E731  auto:<here> sees these very rows
         rows, auto = rows_at(pb), _auto_flag(here)
-        how = lambda r: f"--ds-config {_rel(r.strategy.path)}"  # noqa: E731
+        how = lambda r: f"--ds-config {_rel(r.option.path)}"  # noqa: E731
     else:
         rows_at = lambda b: _rows(shape, b, world, device, paths.DS_CONFIGS, ds.precision)  # noqa: E731
         rows = rows_at(pb)
-        same = all(strategy_from_json(r.strategy.label, Path(r.strategy.path)).precision == ds.precision for r in rows)
+        same = all(Option.from_json(r.option.label, Path(r.option.path)).precision == ds.precision for r in rows)
         auto = "auto" if same else None
 
         def how(r):
-            if strategy_from_json(r.strategy.label, Path(r.strategy.path)).precision == ds.precision:
-                return f"--ds-config {_rel(r.strategy.path)}"
-            return (f"a {r.strategy.label} JSON with this run's {ds.precision} (like ds_configs/"
-                    f"{Path(r.strategy.path).name} with "
+            if Option.from_json(r.option.label, Path(r.option.path)).precision == ds.precision:
+                return f"--ds-config {_rel(r.option.path)}"
+            return (f"a {r.option.label} JSON with this run's {ds.precision} (like ds_configs/"
+                    f"{Path(r.option.path).name} with "
                     f"{'bf16 and fp16 disabled' if ds.precision == 'fp32' else ds.precision + ' enabled'})")
     auto_hint = (f", or --ds-config {auto}" if auto else
                  ", or --ds-config auto:DIR with such copies of every shipped JSON in DIR")
     best = next((r for r in rows if fits(r, budget, margin)), None)
     if best is not None:
-        return (f"{best.strategy.label} is the fastest option that fits with the {margin:.0%} margin "
+        return (f"{best.option.label} is the fastest option that fits with the {margin:.0%} margin "
                 f"({with_margin(best, budget, margin)}): use {how(best)}{auto_hint}")
     sp = ""
     if run is not None:  # this run's own JSON first (a ZeRO one), then the fastest of the same JSONs
-        own = strategy_from_setup(ds) if ds.is_deepspeed else None
+        own = Option.from_setup(ds)
+        own = own if own.splits_sequences else None
         spec, seq_len, before = run
         fit = sp_fit(cfg, spec, seq_len, world, budget, before, lambda trial, b: (
-            [estimate(shape, own, world, _plan_batch(trial, b, seq_len), device=device)] if own else [])
-            + rows_at(_plan_batch(trial, b, seq_len)))
-        sp = sp_clause(fit, cfg, budget, lambda r: "" if r.strategy is own else f" with {how(r)}")
+            [estimate(shape, own, world, plan_batch(trial, b, seq_len), device=device)] if own else [])
+            + rows_at(plan_batch(trial, b, seq_len)))
+        sp = sp_clause(fit, cfg, budget, lambda r: "" if r.option is own else f" with {how(r)}")
     tight = next((r for r in rows if r.device_total <= budget.bytes), None)
     if tight is not None:
         return (f"no option fits with the {margin:.0%} distributed.memory_margin: the fastest that fits without it, "
-                f"{tight.strategy.label}, needs {with_margin(tight, budget, margin)}; "
+                f"{tight.option.label}, needs {with_margin(tight, budget, margin)}; "
                 f"{_tight_fix(tight, budget, auto, how(tight))}{sp}")
     return f"no option fits{sp}; {_advice(cfg)}"
 

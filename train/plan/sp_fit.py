@@ -32,12 +32,12 @@ class SPFit:
     def clause(self, flag: str, peak: str, how: str = "") -> str:
         """'--distributed.sequence_parallel 2 would fit (ZeRO-3: activations per rank 3.00 GiB -> 1.50 GiB, peak ...)'."""
         e = self.estimate
-        return (f"{flag} {self.n}{how} would fit ({e.strategy.label}: activations per rank {hb(self.before)} -> "
+        return (f"{flag} {self.n}{how} would fit ({e.option.label}: activations per rank {hb(self.before)} -> "
                 f"{hb(e.activations)}, peak {peak})")
 
     def record(self) -> dict:
         e = self.estimate
-        return {"sequence_parallel": self.n, "option": e.strategy.label, "ds_config": e.strategy.path,
+        return {"sequence_parallel": self.n, "option": e.option.label, "ds_config": e.option.path,
                 "activations_bytes_before": self.before, "activations_bytes": e.activations,
                 "peak_bytes": e.device_total}
 
@@ -57,7 +57,7 @@ def first_fit(before: Optional[int], candidates: Iterable[tuple[int, Iterable]],
     if before is None:
         return None
     for n, rows in candidates:
-        e = next((r for r in rows if r.strategy.backend != "ddp" and fits(r)), None)
+        e = next((r for r in rows if r.option.splits_sequences and fits(r)), None)
         if e is not None:
             return SPFit(n, before, e)
     return None

@@ -62,8 +62,8 @@ def _resolved(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed, mod
     if budget is not None:
         out["memory_budget"] = {"bytes": budget.bytes, "source": budget.source, "device": budget.device,
                                 "runtime_bytes": budget.runtime}
-    if dist.planned is not None:
-        out["memory_plan"] = dist.planned.to_dict()  # the peak the check compared with the budget
+    if dist.planned.checked is not None:
+        out["memory_plan"] = dist.planned.checked.to_dict()  # the peak the check compared with the budget
     if dist.choice is not None:
         out["auto_ds_config"] = dist.choice.record()
     out["host_settings"] = dist.host.record()

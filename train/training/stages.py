@@ -35,7 +35,7 @@ from train.launch import sequence_parallel as sp_
 from train.observe import wandb_logger
 from train.observe.metrics import JsonlLogger, Loggers
 from train.plan import memory_check
-from train.plan.rank_plan import rank_plan
+from train.plan import memory_plan as plan_
 from train.training import hardware
 
 if TYPE_CHECKING:
@@ -50,8 +50,7 @@ if TYPE_CHECKING:
     from train.launch.elastic import ElasticRun
     from train.launch.host_settings import HostSettings
     from train.launch.sequence_parallel import SPRun
-    from train.plan.estimate import Estimate
-    from train.plan.rank_plan import RankPlan
+    from train.plan.memory_plan import MemoryPlan
 
 
 # ---------------------------------------------------------------------------- runtime
@@ -169,7 +168,7 @@ class Distributed:
     acc: Accelerator
     topo: Topology
     sp: Optional[SPRun]             # this rank's sequence-parallel group; None: off
-    planned: Optional[Estimate]     # the memory check's plan (None: check off)
+    planned: MemoryPlan             # the run's one memory plan, and the check's (train/plan/memory_plan.py)
     budget: Optional[Budget]        # the memory every rank agreed on
     host: HostSettings              # malloc settings the check asked for
     rank_facts: dict                # this rank's ranks/rank<R>.json, written once by prepare()
@@ -188,12 +187,12 @@ def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, d
     sp = sp_.SPRun.join(rt.sp_size, topo.rank, topo.world_size, data.spec.family) if rt.sp_size > 1 else None
     wandb_logger.preflight(acc, cfg)  # W&B online without credentials: every rank stops here
     rank_facts = _rank_facts(acc, topo, strategy)
-    planned, budget = memory_check.preflight(cfg, data.spec, ds, data.bundle, rt.batch, data.seq_len, rt.world,
-                                             acc.is_main_process, view, choice)
+    planned = plan_.make(cfg, data.spec, ds, data.bundle, rt.batch, data.seq_len, rt.world, topo.rank, topo.device,
+                         acc.is_main_process, view, choice)  # and the memory check
     # Compact malloc only where the plan would not fit without it (train/launch/host_settings.py).
-    host = host_settings.apply(host_settings.decide(cfg, strategy, rt.cuda, planned, budget))
-    return Distributed(strategy=strategy, choice=choice, acc=acc, topo=topo, sp=sp, planned=planned, budget=budget,
-                       host=host, rank_facts=rank_facts)
+    host = host_settings.apply(host_settings.decide(cfg, strategy, rt.cuda, planned.checked, planned.budget))
+    return Distributed(strategy=strategy, choice=choice, acc=acc, topo=topo, sp=sp, planned=planned,
+                       budget=planned.budget, host=host, rank_facts=rank_facts)
 
 
 def _ds_setup(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, data: RunData):
@@ -342,7 +341,7 @@ def _write_rank_info(run_dir: Path, topo: Topology, facts: dict) -> None:
 @dataclass
 class Services:
     loggers: Loggers                      # metrics.jsonl on rank 0 (W&B joins at Trainer.start)
-    memory_plan: Optional[RankPlan]       # the planner's view of this rank
+    memory_plan: MemoryPlan               # the run's memory plan (choose_strategy's): banner lines, plan/*
     checkpointer: Checkpointer
     state: TrainState                     # where training starts: restored or fresh
 
@@ -354,8 +353,7 @@ def start_services(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed
     acc, strategy, topo, workload = dist.acc, dist.strategy, dist.topo, model.workload
     loggers = Loggers([JsonlLogger(rt.run_dir / "metrics.jsonl")] if acc.is_main_process else [])
     # The banner's "model states" and "memory" lines; the plan is compared with mem/* at step 2.
-    memory_plan = rank_plan(workload.model, cfg, strategy.ds, rt.batch, topo, workload, data.bundle.seq_len,
-                            dist.budget)
+    memory_plan = dist.planned  # made once, before the model existed (train/plan/memory_plan.py)
     checkpointer = Checkpointer(cfg=cfg.checkpoint, run_dir=rt.run_dir, rank=topo.rank, world=topo.world_size, acc=acc,
                                 model=prepared.model, raw_optimizer=model.raw_optimizer, strategy=strategy,
                                 workload=workload,

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from train.launch.sequence_parallel import SPRun
     from train.observe.metrics import Loggers
     from train.observe.wandb_logger import WandbSink
-    from train.plan.rank_plan import RankPlan
+    from train.plan.memory_plan import MemoryPlan
 
 
 @dataclass(eq=False)
@@ -104,7 +104,7 @@ class Trainer:
     # -- services
     loggers: Loggers                      # metrics sinks: metrics.jsonl on rank 0, W&B added by start()
     checkpointer: Optional[Checkpointer]  # save / export; None: the run writes no checkpoint
-    memory_plan: Optional[RankPlan]       # the planner's view of this rank: banner lines, plan/* metrics
+    memory_plan: Optional[MemoryPlan]     # the run's one memory plan: banner lines, plan/* metrics
     # -- where training stands: saved in checkpoints; a resumed run passes the restored one
     state: TrainState
     # -- torchrun's elastic agent: this attempt of the job (restarts, membership); None otherwise

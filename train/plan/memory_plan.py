@@ -1,0 +1,92 @@
+"""The run's memory plan (MemoryPlan): made once, before the model exists
+(train/training/stages.py choose_strategy), and shared by everything that speaks of planned
+memory: the memory check compares it with the budget (train/plan/memory_check.py), the host
+settings size malloc from it (train/launch/host_settings.py), config.json keeps it
+(resolved.memory_plan), the start-up banner prints its "model states" and "memory" lines
+(train/observe/report.py), and train/observe/memory.py logs it as plan/* next to the measured
+mem/*.
+
+It is sized once, from the model built on the meta device (memory_check.model_shape): the tensors,
+in the optimizer's groups, of the model the run then builds (a ZeRO-3 parameter counts by its
+ds_numel, the whole tensor; LoRA's adapters and frozen base as models/lora.py makes them;
+tests/test_plan.py compares the two). One shape, one option (the run's resolved DeepSpeed JSON),
+one micro-batch and one device answer two questions, hence two estimates in one object:
+
+* `checked`: the largest over all ranks, what the memory check compares with the budget every
+  rank agreed on (the tightest rank's): a plan fits only when every rank fits.
+* `estimate`: this rank's, what the banner prints (rank 0's) and what this rank's measured model
+  states are logged next to (plan/*). The two differ only under ZeRO-1/2, where a rank also holds
+  the whole gradient of each tensor that straddles its partition (train/strategy/cost.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from train.errors import UserError
+from train.plan import memory_check
+from train.plan.estimate import Device, Estimate, estimate
+from train.strategy.option import Option
+
+if TYPE_CHECKING:
+    from train.launch.device_memory import Budget
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The run's one memory plan (this module's docstring says who reads what)."""
+
+    budget: Optional[Budget]       # the budget every rank agreed on; None: distributed.memory_check false
+    checked: Optional[Estimate]    # the largest rank's plan the check compared with the budget; None: not checked
+    estimate: Optional[Estimate]   # this rank's plan; None when the planner cannot size the model
+    text: str                      # the banner's text for `estimate`, or why there is none
+
+
+def make(cfg, spec, ds, data, batch, seq_len, world: int, rank: int, device_kind: str, is_main: bool,
+         view: dict | None = None, choice: memory_check.Choice | None = None) -> MemoryPlan:
+    """The run's memory plan for rank `rank` of `world` on a `device_kind` ("cuda" | "cpu") device,
+    and the memory check against it (distributed.memory_check). `view`: this rank's
+    memory_check.measure(), taken before the Accelerator (the budget --ds-config auto chose
+    with, `choice.budget`, when it ran). Raises DoesNotFit; prints the warning of a tight fit. A
+    model the planner cannot size trains unchecked, with a note, and the banner says why it has
+    no estimate. Collective when the check is on."""
+    on = cfg.distributed.memory_check
+    budget = (choice.budget if choice is not None else memory_check.agreed_budget(view)) if on else None
+    device = Device(budget.device, budget.runtime) if budget is not None else Device(device_kind, 0)
+    try:
+        shape = choice.shape if choice is not None else memory_check.model_shape(spec, data)
+        mine = estimate(shape, Option.from_setup(ds), world, memory_check.plan_batch(cfg, batch, seq_len), rank,
+                        device)
+    except Exception as e:  # noqa: BLE001 - the plan is advisory for models the planner does not know
+        if on and isinstance(e, UserError):
+            raise
+        _note(on and is_main, e)
+        return MemoryPlan(budget, None, None, f"estimate unavailable ({type(e).__name__}: {e})")
+    checked = None
+    if on:
+        try:
+            checked, warning = memory_check.check(cfg, spec, ds, data, batch, seq_len, world, budget, shape)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            _note(is_main, e)
+        else:
+            if warning and is_main:
+                print(f"zerotrain: {warning}", flush=True)
+    return MemoryPlan(budget, checked, mine, banner_text(mine))
+
+
+def _note(say: bool, e: Exception) -> None:
+    if say:
+        print(f"zerotrain: note: memory check skipped, the planner cannot size this model ({e})", flush=True)
+
+
+def banner_text(e: Estimate) -> str:
+    """What report.banner prints as "model states <text> per rank (estimated)"."""
+    from train.observe.report import human_bytes
+    return (f"{human_bytes(e.model_states)} (params {human_bytes(e.params)}, grads {human_bytes(e.grads)}, "
+            f"optimizer {human_bytes(e.optimizer)})"
+            + (f" + activations {human_bytes(e.activations)}" if e.activations is not None else "")
+            + f" + buffers {human_bytes(e.buffers)}" + (f", host {human_bytes(e.host)}" if e.host else "")
+            + f"; peak {human_bytes(e.device_total)}" + (" incl. the runtime" if e.runtime else ""))
