@@ -1,11 +1,11 @@
 """The training loop: accumulation, clipping, LR, evaluation, logging, stopping cleanly.
 
-fit() reads as the loop it is: step, agree, log?, eval?, save?, stop? Its collaborators decide
-the rest: StopVote (train/training/stop.py) what every rank agreed on, Health
-(train/training/health.py) whether the run is still sound, Evaluator (train/training/evaluate.py)
-and SaveCadence (train/checkpoint/cadence.py) when to evaluate and save, DataPosition
-(train/data/position.py) where the data stands, Window (train/training/window.py) the
-statistics of one logging interval.
+fit() reads as the loop it is: step, agree, then every component in turn
+(train/training/components.py: health, the log line, evaluation, the checkpoint, progress and
+test hooks), each deciding from the step's Tick whether the step is its own; the last step goes
+through the same path. StopVote (train/training/stop.py) is what every rank agreed on,
+SaveCadence (train/checkpoint/cadence.py) when to save, DataPosition (train/data/position.py)
+where the data stands, Window (train/training/window.py) the statistics of one logging interval.
 
 An optimizer step's loss is the mean over its global batch: of samples, or for language-model
 data with masked labels (sft) of labelled tokens, counted over every micro-batch and rank before
@@ -21,6 +21,7 @@ assembles them and nothing is attached to a Trainer afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import zlib
@@ -43,7 +44,8 @@ from train.optim.optimizer import set_lr
 from train.optim.schedule import lr_at
 from train.training.evaluate import Evaluator
 from train.training.health import Health
-from train.training.stop import StopRequested, StopVote
+from train.training import components as components_
+from train.training.stop import NOTHING, Agreed, StopRequested, StopVote
 from train.training.window import StepResult, Window
 
 if TYPE_CHECKING:
@@ -64,17 +66,8 @@ if TYPE_CHECKING:
     from train.plan.memory_plan import MemoryPlan
 
 
-@dataclass(eq=False)
-class _Loop:
-    """What one fit() carries from step to step."""
-
-    vote: StopVote
-    cadence: SaveCadence
-    memory_probe: MemoryReport     # measures one early step's model-state bytes (mem/* metrics)
-    window: Window
-    bar: object = None             # rank 0's tqdm bar with train.progress, else None
-    last: dict = field(default_factory=dict)  # the last log line's metrics
-    saved_at: Optional[int] = None  # the step the loop last saved (a stop at that step needs no second save)
+def _nothing(step: int) -> None:
+    """A component without before_step."""
 
 
 @dataclass(eq=False, repr=False, kw_only=True)
@@ -134,92 +127,71 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
-        """Trains to max_steps or a stop. Returns the last log line's metrics and evaluation."""
-        st, loop = self.state, self._start_fit()
-        with StopRequested() as signals:
-            while st.step < self.max_steps:
-                t_step = time.perf_counter()
-                loop.memory_probe.before_step(st.step)
-                out = self.train_step()
-                # Every rank agrees on stopping (a signal may reach the ranks at different steps;
-                # stopping alone would hang the others) and on rank 0's checkpoint.every_minutes
-                # clock: an async vote, read one step later.
-                agreed = loop.vote(signals.flag, loop.cadence.ticket())
-                loop.window.add(out, self.batch.accum, time.perf_counter() - t_step)
-                loop.memory_probe.after_step(st.step)
-                done = st.step >= self.max_steps
-                save = self.checkpointer is not None and loop.cadence.due(st.step, agreed.ticket, done) is not None
-                log = st.step % self.cfg.logging.every_steps == 0 or done or agreed.stop
-                # The interval's one read of device values (also before a checkpoint, whose state
-                # counts the skipped steps).
-                diverged = (log or save) and self.health.check(st)
-                if log or diverged:
-                    loop.last = self._log_window(loop.window, out, loop.bar)
-                if self.evaluator.due(st.step, done):
-                    self._evaluate_and_log()
-                if save and not diverged:
-                    self._save(loop)
-                self._step_done(loop, signals)
-                if agreed.stop or diverged:
-                    self.stop_reason = "diverged" if diverged else "signal"
-                    break
-            if loop.vote.finish() and self.stop_reason is None:  # a signal during the last step
-                self.stop_reason = "signal"
-        return self._end_fit(loop)
-
-    def _start_fit(self) -> _Loop:
-        bar = None
-        if self.acc.is_main_process and self.cfg.train.progress:
-            from tqdm.auto import tqdm  # deferred: a run without a bar (log files, other ranks) skips its import
-            bar = tqdm(total=self.max_steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True)
-        window = Window(self.acc.device)
+        """Trains to max_steps or a stop: step, agree, then every component in turn (each decides
+        from the Tick whether this step is its: train/training/components.py). Returns the last
+        log line's metrics and evaluation."""
         self.model.train()
         if self.checkpointer:
             self.checkpointer.on_fit_start()  # a resumed run's RNG streams, right before the first step
-        # Measured model-state bytes of one early step (mem/* metrics), next to the plan's.
-        memory_probe = MemoryReport(acc=self.acc, model=self.model, raw_optimizer=self.raw_optimizer,
-                                    step_target=self.strategy.step_target(), start_step=self.state.step,
-                                    max_steps=self.max_steps, log=self.loggers.log,
-                                    plan=self.memory_plan.estimate if self.memory_plan else None)
         vote = StopVote(self.acc)
         cadence = SaveCadence(self.cfg.checkpoint.every_steps, self.cfg.checkpoint.every_minutes,
                               self.acc.is_main_process)
-        return _Loop(vote=vote, cadence=cadence, memory_probe=memory_probe, window=window, bar=bar)
+        with StopRequested() as signals, self._progress_bar() as bar:
+            components, log = self._components(cadence, bar, signals)
+            tick = None
+            while tick is None or not tick.last:
+                for c in components:
+                    getattr(c, "before_step", _nothing)(self.state.step)
+                out = self.train_step() if self.state.step < self.max_steps else None
+                tick = self._agree(out, vote, cadence, signals)
+                for c in components:
+                    c.on_step(tick)
+            vote.finish()  # a stop before the last step leaves one vote in flight (every rank has one)
+            self.stop_reason = tick.stop_reason
+        return {**log.last, **self.last_eval}
 
-    def _evaluate_and_log(self):
-        self.last_eval = self.evaluator.run()
-        if self.last_eval:
-            self.loggers.log(self.last_eval, self.state.step)
+    def _components(self, cadence: SaveCadence, bar, signals: StopRequested) -> tuple[list, components_.LogLine]:
+        """The loop's components, in the order they see each step (components.py says why)."""
+        window = Window(self.acc.device)
+        # Measured model-state bytes of one early step (mem/* metrics), next to the plan's.
+        report = MemoryReport(acc=self.acc, model=self.model, raw_optimizer=self.raw_optimizer,
+                              step_target=self.strategy.step_target(), start_step=self.state.step,
+                              max_steps=self.max_steps, log=self.loggers.log,
+                              plan=self.memory_plan.estimate if self.memory_plan else None)
+        log = components_.LogLine(self, window, bar)
+        steps = [components_.StepTimer(window, self.batch.accum), components_.MemoryProbe(report),
+                 components_.HealthCheck(self), log, components_.Evaluation(self)]
+        if self.checkpointer is not None:
+            steps.append(components_.Checkpointing(self, cadence))
+        steps.append(components_.StepDone(self, bar, signals))
+        return steps, log
 
-    def _save(self, loop: _Loop):
-        self.checkpointer.save(self.state)
-        loop.cadence.saved()
-        loop.saved_at = self.state.step
+    def _agree(self, out, vote: StopVote, cadence: SaveCadence, signals: StopRequested) -> components_.Tick:
+        """What every rank decides about the step just taken. Every rank agrees on stopping (a
+        signal may reach the ranks at different steps; stopping alone would hang the others) and
+        on rank 0's checkpoint.every_minutes clock: an async vote, read one step later. The last
+        step also collects the vote still in flight (a signal during that step)."""
+        step = self.state.step
+        agreed = vote(signals.flag, cadence.ticket()) if out is not None else NOTHING
+        done = step >= self.max_steps
+        if done or agreed.stop:
+            agreed = Agreed(vote.finish() or agreed.stop, agreed.ticket)
+        save = self.checkpointer is not None and cadence.due(step, agreed.ticket, done) is not None
+        log = step % self.cfg.logging.every_steps == 0 or done or agreed.stop
+        return components_.Tick(step=step, out=out, agreed=agreed, done=done, save_due=save, log_due=log)
 
-    def _step_done(self, loop: _Loop, signals: StopRequested):
-        """After a step's log, eval and save: the progress bar, rank 0's elastic progress (what a
-        restart counts as lost) and the test hooks (train/testhooks.py; nothing when unset)."""
-        if loop.bar:
-            loop.bar.update(1)
-        if self.elastic:
-            self.elastic.progress(self.state.step)
-        testhooks.fire("after_step", step=self.state.step, rank=self.topo.rank, stop=signals,
-                       elastic=self.elastic is not None)
-
-    def _end_fit(self, loop: _Loop) -> dict:
-        """After the loop: a run that reached max_steps evaluates; then the last checkpoint
-        (checkpoint.save_at_end, or any stop) unless the loop has just written it."""
-        if loop.bar:
-            loop.bar.close()
-        if self.stop_reason is None:
-            self._evaluate_and_log()
-        final_save = self.cfg.checkpoint.save_at_end or self.stop_reason is not None
-        if self.checkpointer and final_save and loop.saved_at != self.state.step:
-            # Signals are caught again while it saves: a SIGTERM now (another node's elastic
-            # restart) waits for the save instead of killing it half-written.
-            with StopRequested():
-                self.checkpointer.save(self.state)
-        return {**loop.last, **self.last_eval}
+    @contextlib.contextmanager
+    def _progress_bar(self):
+        """Rank 0's tqdm bar with train.progress, else None."""
+        if not (self.acc.is_main_process and self.cfg.train.progress):
+            yield None
+            return
+        from tqdm.auto import tqdm  # deferred: a run without a bar (log files, other ranks) skips its import
+        bar = tqdm(total=self.max_steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True)
+        try:
+            yield bar
+        finally:
+            bar.close()
 
     def _log_window(self, w: Window, out: StepResult, bar) -> dict:
         red = reduce_window(self.acc, w.loss, w.micro, w.data_s)
