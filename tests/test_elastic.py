@@ -356,18 +356,18 @@ def test_only_a_restart_of_the_same_job_resumes_by_itself(tmp_path):
                      **ElasticRun._decide(tmp_path, "job", [a]))
     cfg = RunConfig()
     cfg.train.micro_batch_size = 4
-    run.apply(cfg)
-    assert cfg.checkpoint.resume == "auto" and cfg.train.batch(1).accum == 4  # the job's global batch kept
+    resume, train = run.layout(cfg)
+    assert resume == "auto" and train.batch(1).accum == 4  # the job's global batch kept
+    assert cfg.checkpoint.resume == "none" and cfg.train.global_batch_size is None  # derived: cfg as loaded
     cfg = RunConfig()
     cfg.train.micro_batch_size, cfg.checkpoint.resume = 4, "/ckpt/step_00000003"
-    run.apply(cfg)
-    assert cfg.checkpoint.resume == "/ckpt/step_00000003"                  # the user's choice wins
+    assert run.layout(cfg)[0] == "/ckpt/step_00000003"                  # the user's choice wins
     first = ElasticRun(run_dir=tmp_path, run_id="job", is_main=True, world=1, nodes=[a])
     cfg = RunConfig()
-    first.apply(cfg)
-    assert cfg.checkpoint.resume == "none" and cfg.train.global_batch_size is None
+    resume, train = first.layout(cfg)
+    assert resume == "none" and train.global_batch_size is None
     cfg = RunConfig()
     cfg.train.micro_batch_size = 3
     with pytest.raises(ConfigError, match="the job's global batch of 16 samples is not divisible by "
                                           "train.micro_batch_size x world size = 3"):
-        run.apply(cfg)
+        run.layout(cfg)

@@ -122,7 +122,8 @@ saved_id, ids = None, []
 for first_step in (0, 3):  # a training to step 3, then its resume from a checkpoint holding saved_id
     acc = Accelerator(cpu=True, log_with=wandb_logger.log_with(cfg))
     state = TrainState(step=first_step, wandb_run_id=saved_id)
-    sink, _ = wandb_logger.start(acc, cfg, state, run_dir, {"model": {"name": "x"}, "big": "z" * 70_000})
+    sink, _, state.wandb_run_id = wandb_logger.start(acc, cfg, state.wandb_run_id, run_dir,
+                                                     {"model": {"name": "x"}, "big": "z" * 70_000})
     for step in range(first_step + 1, first_step + 4):
         sink.log({"loss": 1.0 / step}, step)
     if first_step:
@@ -177,7 +178,7 @@ def start(mode, run_dir, **env):
     acc = Accelerator(cpu=True, log_with=wandb_logger.log_with(cfg))
     state = TrainState()
     try:
-        sink, status = wandb_logger.start(acc, cfg, state, Path(run_dir), {})
+        sink, status, state.wandb_run_id = wandb_logger.start(acc, cfg, state.wandb_run_id, Path(run_dir), {})
         print("STATUS:", status)
         print("ID:", state.wandb_run_id)
         if sink:

@@ -8,6 +8,7 @@ iterator where it says. All of it is host arithmetic, the same on every rank: no
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
@@ -35,27 +36,27 @@ class DataPosition:
             raise RuntimeError("data loader ran out inside an optimizer step")
         return b
 
-    def advance(self, state: TrainState) -> Optional[int]:
-        """Counts one optimizer step's global batch into `state` (an epoch's end starts the next
-        epoch). Returns that batch's non-pad tokens where the data counts them, else None."""
+    def advance(self, state: TrainState) -> tuple[TrainState, Optional[int]]:
+        """Where one optimizer step's global batch leaves the data: `state` moved by it (a new
+        TrainState: an epoch's end starts the next epoch; the trainer keeps it), and that
+        batch's non-pad tokens where the data counts them, else None."""
         real = self._real_tokens(state)
         g, data = self.global_size, self.data
+        per = dict(state.source_tokens)
         if data.mixture is not None:
             # The step's samples per source, from the plan (host arithmetic, the same on every rank).
             counts = self.sampler.step_counts(state.epoch, state.offset)
-            per = state.source_tokens
             for name, n in zip(data.mixture.names, counts.tolist()):
                 per[name] = per.get(name, 0) + n * data.items_per_sample
-        state.offset += g
-        if data.stream is not None:  # where a resume restarts reading (a dict lookup, once per step)
-            state.data_cursor = data.stream.cursor_at(state.offset)
-        state.samples_seen += g
-        state.tokens_seen += g * data.items_per_sample
-        if state.offset >= self.sampler.steps_per_epoch * g:
-            state.epoch += 1
-            state.offset = 0
+        epoch, offset = state.epoch, state.offset + g
+        # Where a resume restarts reading a stream (a dict lookup, once per step).
+        cursor = data.stream.cursor_at(offset) if data.stream is not None else state.data_cursor
+        if offset >= self.sampler.steps_per_epoch * g:
+            epoch, offset = epoch + 1, 0
             self._it = None
-        return real
+        moved = replace(state, epoch=epoch, offset=offset, source_tokens=per, data_cursor=cursor,
+                        samples_seen=state.samples_seen + g, tokens_seen=state.tokens_seen + g * data.items_per_sample)
+        return moved, real
 
     def _real_tokens(self, state: TrainState) -> Optional[int]:
         """Non-pad tokens of this step's global batch (sft records or packed rows: their

@@ -20,6 +20,8 @@ few bytes, overwritten in place); a restart compares it with the step it resumed
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import socket
@@ -148,30 +150,37 @@ class ElasticRun:
                 "global_batch": rec.get("global_batch"), "wandb_run_id": rec.get("wandb_run_id"),
                 "record": rec}
 
-    def apply(self, cfg) -> None:
-        """A restart resumes (unless the run names a checkpoint itself) and keeps the job's global
-        batch: the accumulation per rank follows the new world size."""
+    def layout(self, cfg) -> tuple[str, object]:
+        """What this start changes of the run, derived (the loaded config stays as it was):
+        (checkpoint.resume, the train section the batch is computed from). A restart resumes
+        (unless the run names a checkpoint itself) and keeps the job's global batch: the
+        accumulation per rank follows the new world size."""
+        resume, train = cfg.checkpoint.resume, cfg.train
         if not self.restart:
-            return
-        if cfg.checkpoint.resume == "none":
-            cfg.checkpoint.resume = "auto"
-        if self.global_batch and cfg.train.batch(self.world).global_size != self.global_batch:
+            return resume, train
+        if resume == "none":
+            resume = "auto"
+        if self.global_batch and train.batch(self.world).global_size != self.global_batch:
             from train.errors import ConfigError
-            per_step = cfg.train.micro_batch_size * self.world
+            per_step = train.micro_batch_size * self.world
             if self.global_batch % per_step:
                 raise ConfigError(
                     f"elastic restart on {self.world} process(es): the job's global batch of {self.global_batch} "
                     f"samples is not divisible by train.micro_batch_size x world size = {per_step}; set "
                     f"train.global_batch_size to a multiple of micro_batch_size x every world size MIN..MAX "
                     f"nodes can give")
-            cfg.train.global_batch_size, cfg.train.grad_accum_steps = self.global_batch, None
+            train = dataclasses.replace(train, global_batch_size=self.global_batch, grad_accum_steps=None)
+        return resume, train
 
     # ------------------------------------------------------------------ after the resume
+    def run_id_for(self, saved: Optional[str]) -> Optional[str]:
+        """The W&B run id this attempt continues: the checkpoint's, else (a restart that had no
+        checkpoint yet) the one the job's record kept."""
+        return self.wandb_run_id if self.restart and saved is None else saved
+
     def started(self, state, batch, resumed_from: Optional[Path]) -> None:
-        """Every rank, once the checkpoint (if any) is loaded: the W&B run id survives restarts
-        that had no checkpoint yet. Rank 0: records this attempt and composes the line."""
-        if self.restart and state.wandb_run_id is None:
-            state.wandb_run_id = self.wandb_run_id
+        """Rank 0, once the checkpoint (if any) is loaded and `state` carries run_id_for's id:
+        records this attempt and composes the line."""
         if not self.is_main:
             return
         rec = dict(self.record) if self.restart else {}

@@ -297,15 +297,16 @@ class WandbSink:
             raise e
 
 
-def start(acc, cfg, state, run_dir: Path, resolved_config: dict) -> tuple[Optional[WandbSink], Optional[str]]:
-    """Start (or resume, from state.wandb_run_id) the W&B run on rank 0 and share its id with
-    every rank; stores it in `state` (the TrainState checkpoints save). Returns (the sink on
-    rank 0 when W&B is on, else None; rank 0's start-up line: the run URL, the offline directory
-    and its `wandb sync`, or why W&B is off). auto mode that chose online falls back to an offline
+def start(acc, cfg, run_id: Optional[str], run_dir: Path,
+          resolved_config: dict) -> tuple[Optional[WandbSink], Optional[str], Optional[str]]:
+    """Start (or resume, from `run_id`: the TrainState's, which checkpoints save) the W&B run on
+    rank 0 and share its id with every rank. Returns (the sink on rank 0 when W&B is on, else
+    None; rank 0's start-up line: the run URL, the offline directory and its `wandb sync`, or why
+    W&B is off; the run id every rank keeps in its TrainState). auto mode that chose online falls back to an offline
     run when the run cannot start online (no network, rejected key); a requested mode stops every
     rank with one error instead. `resolved_config` becomes the W&B run's config."""
     wcfg = cfg.logging.wandb
-    sink, status, problem, run_id = None, None, None, state.wandb_run_id
+    sink, status, problem = None, None, None
     if acc.is_main_process:
         try:
             choice = choose(wcfg.mode)
@@ -337,8 +338,7 @@ def start(acc, cfg, state, run_dir: Path, resolved_config: dict) -> tuple[Option
     problem, run_id = broadcast_object_list([problem, run_id], from_process=0)
     if problem:
         raise ConfigError(problem)
-    state.wandb_run_id = run_id  # every rank: whichever rank writes the checkpoint state has it
-    return sink, status
+    return sink, status, run_id  # every rank keeps it: whichever rank writes the checkpoint state has it
 
 
 def _drop_tracker(acc):

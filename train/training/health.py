@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 if TYPE_CHECKING:
-    from train.checkpoint.state import TrainState
     from train.config import TrainConfig
     from train.strategy import Strategy
 
@@ -38,6 +37,7 @@ class Health:
         self.bad_run = 0               # consecutive non-finite steps
         self.last_grad_norm: Optional[float] = None  # read at the last check
         self.diverged_reason = ""      # why check() stopped the run
+        self.skipped = 0               # the run's skipped steps, while check() counts them
 
     def record(self, step: int, grad_norm) -> None:
         """Once per optimizer step, without a host read."""
@@ -48,26 +48,28 @@ class Health:
         None without fp16."""
         return self.strategy.loss_scale() if self.fp16 else None
 
-    def check(self, state: TrainState) -> bool:
-        """Counts the recorded steps that were skipped into `state`; True when the run must stop
-        (nan_policy / max_bad_steps / fp16 loss-scale collapse; diverged_reason says why)."""
+    def check(self, skipped: int) -> tuple[bool, int]:
+        """Reads the recorded steps; `skipped`: the run's skipped steps so far (TrainState's).
+        Returns (whether the run must stop: nan_policy / max_bad_steps / fp16 loss-scale
+        collapse, diverged_reason says why; the run's skipped steps now)."""
         entries, self.pending = self.pending, []
         if not entries:
-            return False
+            return False, skipped
         norms, scales = read_numbers([e[1] for e in entries]), read_numbers([e[2] for e in entries])
         if norms[-1] is not None:
             self.last_grad_norm = norms[-1]
+        self.skipped = skipped
         for (step, _, _), norm, scale in zip(entries, norms, scales):
-            if self._step(step, norm, scale, state):
-                return True
-        return False
+            if self._step(step, norm, scale):
+                return True, self.skipped
+        return False, self.skipped
 
-    def _step(self, step: int, norm, scale, state: TrainState) -> bool:
+    def _step(self, step: int, norm, scale) -> bool:
         bad = norm is not None and not math.isfinite(norm)
         t = self.train
         if self.fp16:
             if bad and not self.strategy.counts_skipped_steps():
-                state.skipped_steps += 1  # the GradScaler skipped it (DeepSpeed counts its own)
+                self.skipped += 1  # the GradScaler skipped it (DeepSpeed counts its own)
             self.bad_run = self.bad_run + 1 if (bad and scale is not None and scale <= self.scale_floor) else 0
             if self.bad_run >= t.max_bad_steps:
                 self.diverged_reason = (f"fp16 loss scale collapsed to {scale:g} with {self.bad_run} consecutive "
@@ -80,10 +82,10 @@ class Health:
             self.bad_run = 0
             return False
         self.bad_run += 1
-        state.skipped_steps += 1
+        self.skipped += 1
         if self.is_main:
             print(f"zerotrain: warning: step {step}: non-finite gradient norm ({norm}); step skipped, "
-                  f"weights unchanged ({self.bad_run} in a row, {state.skipped_steps} in total)", flush=True)
+                  f"weights unchanged ({self.bad_run} in a row, {self.skipped} in total)", flush=True)
         if t.nan_policy == "stop" or self.bad_run >= t.max_bad_steps:
             why = "train.nan_policy is \"stop\"" if t.nan_policy == "stop" else \
                 f"{self.bad_run} consecutive non-finite steps (train.max_bad_steps = {t.max_bad_steps})"
@@ -92,8 +94,9 @@ class Health:
             return True
         return False
 
-    def log_fields(self, state: TrainState) -> dict:
-        """The log line's grad_norm, loss_scale and skipped_steps (a host read: log intervals only)."""
+    def log_fields(self, skipped: int) -> dict:
+        """The log line's grad_norm, loss_scale and skipped_steps (a host read: log intervals only);
+        `skipped`: the TrainState's count, unless the engine counts its own."""
         m = {}
         if self.last_grad_norm is not None:
             m["grad_norm"] = self.last_grad_norm  # pre-clip, at the last step of the interval
@@ -102,8 +105,8 @@ class Health:
             if scale is not None:
                 m["loss_scale"] = scale
             if self.strategy.counts_skipped_steps():
-                state.skipped_steps = self.strategy.engine_skipped_steps()
-        m["skipped_steps"] = state.skipped_steps
+                skipped = self.strategy.engine_skipped_steps()
+        m["skipped_steps"] = skipped
         return m
 
 

@@ -27,6 +27,7 @@ def record_run(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed, mo
     batch, bundle, workload = rt.batch, data.bundle, model.workload
     record["train"]["grad_accum_steps"] = batch.accum
     record["train"]["global_batch_size"] = batch.global_size
+    record["checkpoint"]["resume"] = rt.resume  # an elastic restart's "auto" (train/launch/elastic.py layout)
     record["train"]["max_steps"] = data.max_steps
     record["data"]["seq_len"] = bundle.seq_len
     if bundle.mixture is not None:

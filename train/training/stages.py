@@ -67,6 +67,7 @@ class Runtime:
     elastic: Optional[ElasticRun]    # torchrun's agent: this attempt of the job
     sp_size: int                     # distributed.sequence_parallel (1: off)
     batch: Batch                     # per data-parallel rank: an SP group shares its samples
+    resume: str                      # checkpoint.resume, or "auto" for an elastic restart of the same job
 
 
 def set_up_runtime(cfg: RunConfig) -> Runtime:
@@ -80,12 +81,14 @@ def set_up_runtime(cfg: RunConfig) -> Runtime:
     threads = hardware.apply_cpu_threads(cuda, local_world)
     run_dir = Path(cfg.train.run_dir)
     _check_run_dir(run_dir)
-    elastic = _elastic_join(cfg, run_dir, world, launcher)  # a restart of the same job resumes
+    elastic = _elastic_join(cfg, run_dir, world, launcher)
+    # A restart of the same job resumes and keeps its global batch: derived, cfg stays as loaded.
+    resume, train = elastic.layout(cfg) if elastic is not None else (cfg.checkpoint.resume, cfg.train)
     sp_size = sp_.size(cfg, world)
-    batch = cfg.train.batch(world // sp_size)
+    batch = train.batch(world // sp_size)
     return Runtime(launcher=launcher, world=world, cuda=cuda, local_world=local_world,
                    matmul_precision=matmul_precision, threads=threads, run_dir=run_dir, elastic=elastic,
-                   sp_size=sp_size, batch=batch)
+                   sp_size=sp_size, batch=batch, resume=resume)
 
 
 def _check_run_dir(run_dir: Path):
@@ -108,9 +111,7 @@ def _elastic_join(cfg: RunConfig, run_dir: Path, world: int, launcher: str) -> O
     dist_.init_process_group(cfg.distributed.timeout_s)
     env = os.environ
     node_rank, _, _ = dist_.node_layout(env, int(env["RANK"]), world)
-    run = elastic_.ElasticRun.join(run_dir, int(env["RANK"]), world, node_rank, dist_.node_addr())
-    run.apply(cfg)
-    return run
+    return elastic_.ElasticRun.join(run_dir, int(env["RANK"]), world, node_rank, dist_.node_addr())
 
 
 # ---------------------------------------------------------------------------- data
@@ -359,24 +360,25 @@ def start_services(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed
                                 workload=workload,
                                 sampler=data.sampler, batch=rt.batch, model_name=cfg.model.name, log=loggers.log,
                                 resolved_config=record)
-    state = _restore(checkpointer, cfg)
+    state = _restore(checkpointer, cfg, rt.resume)
     if rt.elastic is not None:
+        state.wandb_run_id = rt.elastic.run_id_for(state.wandb_run_id)
         rt.elastic.started(state, rt.batch, checkpointer.resumed_from)
     if data.bundle.stream is not None:
         data.bundle.stream.resume_from(state.data_cursor)  # restart reading there, not at the stream's start
     return Services(loggers=loggers, memory_plan=memory_plan, checkpointer=checkpointer, state=state)
 
 
-def _restore(ckpt: Checkpointer, cfg: RunConfig) -> TrainState:
+def _restore(ckpt: Checkpointer, cfg: RunConfig, resume: str) -> TrainState:
     """Checkpoint resume (checkpoint.resume) or initial weights (model.init_from), before
     start(): W&B and the banner see the restored step and run id. Returns the TrainState the
     run starts from (a fresh one unless a checkpoint was resumed)."""
     if cfg.model.lora is not None and cfg.model.init_from:
         # A LoRA checkpoint holds no base: the frozen base weights come from init_from every time.
         ckpt.init_from(cfg.model.init_from)
-        resumed = ckpt.resume(cfg.checkpoint.resume, load_optimizer=cfg.checkpoint.load_optimizer)
+        resumed = ckpt.resume(resume, load_optimizer=cfg.checkpoint.load_optimizer)
         return resumed if resumed is not None else TrainState()
-    resumed = ckpt.resume(cfg.checkpoint.resume, load_optimizer=cfg.checkpoint.load_optimizer)
+    resumed = ckpt.resume(resume, load_optimizer=cfg.checkpoint.load_optimizer)
     if cfg.model.init_from and resumed is None:
         ckpt.init_from(cfg.model.init_from)
     return resumed if resumed is not None else TrainState()

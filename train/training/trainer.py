@@ -25,7 +25,7 @@ import contextlib
 import json
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -206,7 +206,8 @@ class Trainer:
              "samples_seen": self.state.samples_seen, "tokens_seen": self.state.tokens_seen,
              **{f"data/tokens/{name}": n for name, n in self.state.source_tokens.items()},
              "peak_mem_bytes": red["peak_mem_bytes"]}
-        m.update(self.health.log_fields(self.state))  # grad_norm, loss_scale, skipped_steps
+        m.update(self.health.log_fields(self.state.skipped_steps))  # grad_norm, loss_scale, skipped_steps
+        self.state.skipped_steps = m["skipped_steps"]  # the engine's own count, where it keeps one
         if self.workload.moe is not None:  # loss/lm, loss/aux, tokens per expert (models/moe.py)
             moe_metrics, warnings = self.workload.moe.window(self.acc)
             m.update(moe_metrics)
@@ -257,8 +258,8 @@ class Trainer:
             # _log_window logs the mean over micro-batches and ranks: with a token denominator
             # that mean is the step's normalised loss, sum / global count.
             loss_sum += loss.detach().to(torch.float64)
-        real = self.position.advance(self.state)
-        self.state.step += 1
+        moved, real = self.position.advance(self.state)
+        self.state = replace(moved, step=moved.step + 1)
         self.health.record(self.state.step, grad_norm)
         return StepResult(loss_sum, lr, t_data, real)
 
@@ -309,8 +310,8 @@ class Trainer:
     # ------------------------------------------------------------------ start / finish / close
     def start(self):
         # After build() restored the checkpoint state: a resumed run continues its W&B run.
-        self.wandb, self.wandb_status = wandb_logger.start(self.acc, self.cfg, self.state, self.run_dir,
-                                                           self.resolved_config)
+        self.wandb, self.wandb_status, self.state.wandb_run_id = wandb_logger.start(
+            self.acc, self.cfg, self.state.wandb_run_id, self.run_dir, self.resolved_config)
         if self.wandb:
             self.loggers.sinks.append(self.wandb)
         if self.elastic:
