@@ -168,7 +168,7 @@ if [ $DRY = 0 ]; then
   done
 else
   # DeepSpeed refuses fp16 on CPU: the fp16 JSONs go through zerotrain's own validation as on
-  # a GPU (dsconfig.load_ds_setup, cuda=True), and the checker reads synthetic metrics shaped like
+  # a GPU (train/strategy/ds_config.load_ds_setup, cuda=True), and the checker reads synthetic metrics shaped like
   # DeepSpeed's (tests/test_gpu_check.py also feeds it a constant scale, which must FAIL).
   dry_fp16() {
     local cfg

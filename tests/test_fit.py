@@ -208,8 +208,8 @@ def test_auto_and_the_check_pick_by_the_plan(tmp_path):
         memory_check.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, budget(1.5))
     ds = load_ds_setup(str(Path(family) / "ddp.json"), cfg, batch, 3, cuda=False)
     with pytest.raises(memory_check.DoesNotFit, match=r"ZeRO-3 is the fastest option that fits .*--ds-config auto"):
-        memory_check.check(cfg, spec, ds, data, batch, 64, 2, budget(3.6))
-    est, warning = memory_check.check(cfg, spec, ds, data, batch, 64, 2, budget(8))
+        memory_check.require_fit(cfg, spec, ds, data, batch, 64, 2, budget(3.6))
+    est, warning = memory_check.require_fit(cfg, spec, ds, data, batch, 64, 2, budget(8))
     assert warning is None and est.option.backend == "ddp"
     with pytest.raises(Exception, match="not a directory"):
         memory_check.auto_dir("auto:/nonexistent")
@@ -257,10 +257,10 @@ def test_advice_and_auto_agree_under_a_cap_inside_the_margin(tmp_path):
     def ds(name):
         return load_ds_setup(str(Path(family) / f"{name}.json"), cfg, batch, 3, cuda=False, hidden_size=1024)
 
-    z3 = memory_check.check(cfg, spec, ds("zero3"), data, batch, 64, 2, budget(8 * GiB))[0].device_total
+    z3 = memory_check.require_fit(cfg, spec, ds("zero3"), data, batch, 64, 2, budget(8 * GiB))[0].device_total
     tight = budget(z3 / (1 - 0.055))   # z3 < cap < z3 + 10% of the cap: a margin of 0.05 would fit
     with pytest.raises(memory_check.DoesNotFit) as refused:
-        memory_check.check(cfg, spec, ds("ddp"), data, batch, 64, 2, tight)
+        memory_check.require_fit(cfg, spec, ds("ddp"), data, batch, 64, 2, tight)
     with pytest.raises(memory_check.DoesNotFit) as auto:
         memory_check.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, tight)
     # Before: the check called ZeRO-3 "the fastest option that fits" (ignoring the margin), auto refused it.
@@ -274,7 +274,7 @@ def test_advice_and_auto_agree_under_a_cap_inside_the_margin(tmp_path):
     for message in (str(refused.value), str(auto.value)):
         assert f"ZeRO-3, needs {arithmetic}" in message and fix in message, message
     # The way out, as advised: that JSON runs (the check warns, stating the margin); auto with that margin picks it.
-    est, warning = memory_check.check(cfg, spec, ds("zero3"), data, batch, 64, 2, tight)
+    est, warning = memory_check.require_fit(cfg, spec, ds("zero3"), data, batch, 64, 2, tight)
     assert est.device_total == z3 and warning and arithmetic in warning, warning
     cfg.distributed.memory_margin = 0.05
     assert memory_check.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, tight).label == "ZeRO-3"
@@ -283,7 +283,7 @@ def test_advice_and_auto_agree_under_a_cap_inside_the_margin(tmp_path):
     roomy = budget(z3 / 0.85)
     with pytest.raises(memory_check.DoesNotFit, match=rf"ZeRO-3 is the fastest option that fits with the 10% margin "
                                                       rf"\({re.escape(memory_check.hb(z3))} \+ 10% margin .*--ds-config auto:"):
-        memory_check.check(cfg, spec, ds("ddp"), data, batch, 64, 2, roomy)
+        memory_check.require_fit(cfg, spec, ds("ddp"), data, batch, 64, 2, roomy)
     pick = memory_check.choose(f"auto:{family}", cfg, spec, data, batch, 64, 2, roomy)
     assert pick.label == "ZeRO-3" and pick.estimate.device_total == z3
 
@@ -336,7 +336,7 @@ def test_one_memory_plan_serves_the_check_the_banner_and_the_report(tmp_path, ca
         plan = memory_plan.make(cfg, spec, ds, data, batch, 64, 4, rank, "cpu", True, view)
         assert plan.budget.bytes == 8 * GiB and plan.estimate.to_dict() == ranks[rank].to_dict()
         assert plan.checked.device_total == max(e.device_total for e in ranks)
-        assert plan.checked.to_dict() == memory_check.check(cfg, spec, ds, data, batch, 64, 4, plan.budget)[0].to_dict()
+        assert plan.checked.to_dict() == memory_check.require_fit(cfg, spec, ds, data, batch, 64, 4, plan.budget)[0].to_dict()
         assert plan.text == memory_plan.banner_text(plan.estimate) and "incl. the runtime" in plan.text
     cfg.distributed.memory_check = False
     off = memory_plan.make(cfg, spec, ds, data, batch, 64, 4, 1, "cpu", True)

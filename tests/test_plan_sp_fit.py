@@ -66,12 +66,12 @@ def refusal(run, world: int, mib: float, ds: str = "zero3", kind: str = "cuda") 
     batch = cfg.train.batch(world // cfg.distributed.sequence_parallel)
     setup = load_ds_setup(f"ds_configs/{ds}.json", cfg, batch, 3, cuda=False, hidden_size=64)
     with pytest.raises(memory_check.DoesNotFit) as e:
-        memory_check.check(cfg, spec, setup, data, batch, cfg.data.seq_len, world, budget(mib, kind))
+        memory_check.require_fit(cfg, spec, setup, data, batch, cfg.data.seq_len, world, budget(mib, kind))
     return str(e.value)
 
 
 def auto(run, world: int, mib: float, kind: str = "cuda"):
-    """--ds-config auto's Choice, or its refusal line."""
+    """--ds-config auto's AutoChoice, or its refusal line."""
     from train.plan import memory_check
     cfg, spec, data = run
     batch = cfg.train.batch(world // cfg.distributed.sequence_parallel)
@@ -108,7 +108,7 @@ def test_the_check_names_the_smallest_sequence_parallel_that_fits_and_following_
         cfg, spec, data = following(run, n)
         batch = cfg.train.batch(4 // n)
         setup = load_ds_setup("ds_configs/zero3.json", cfg, batch, 3, cuda=False, hidden_size=64)
-        e, warning = memory_check.check(cfg, spec, setup, data, batch, T, 4, budget(mib))
+        e, warning = memory_check.require_fit(cfg, spec, setup, data, batch, T, 4, budget(mib))
         assert warning is None and e.activations == act and e.device_total >= act + (x2 if n == 2 else x4)
     # 10 MiB keeps 9: a quarter of the sequence (10.4 MiB) is already too much; 4 ranks allow no more.
     assert a4 > MARGIN * 10 * MiB

@@ -26,7 +26,7 @@ def test_sequence_parallel_must_be_a_whole_number_at_least_one():
 
 
 def _sp_check(tmp_path, n: int, *overrides, ds_json: str = "ds_configs/zero3.json"):
-    """train/launch/sequence_parallel.check on a real config, model spec and strategy."""
+    """train/launch/sequence_parallel.refuse_unsupported on a real config, model spec and strategy."""
     from models import resolve as resolve_model
     from train.config import load_config
     from train.launch import sequence_parallel as sp_
@@ -38,7 +38,7 @@ def _sp_check(tmp_path, n: int, *overrides, ds_json: str = "ds_configs/zero3.jso
     spec = resolve_model(cfg.model)
     batch = cfg.train.batch(1)
     ds = load_ds_setup(ds_json, cfg, sp_.engine_batch(batch, n), 10, cuda=False, hidden_size=spec.hidden_size or 64)
-    sp_.check(cfg, spec, cfg.data.seq_len, for_setup(ds))
+    sp_.refuse_unsupported(cfg, spec, cfg.data.seq_len, for_setup(ds))
 
 
 @pytest.mark.parametrize("n, overrides, ds_json, message", [
@@ -79,7 +79,7 @@ def test_hf_attention_sp_cannot_wrap_is_refused(tmp_path):
         def check_sequence_parallel(self, flag):
             pass
     with pytest.raises(ConfigError, match='uses attn_implementation "flash_attention_2", which the Ulysses'):
-        sp_.check(cfg, spec, 64, Zero3())
+        sp_.refuse_unsupported(cfg, spec, 64, Zero3())
 
 
 @pytest.mark.parametrize("pairs, flag", [
@@ -103,7 +103,7 @@ def test_hf_packed_rows_under_sp_are_refused(pairs, flag):
             pass
     with pytest.raises(ConfigError, match=f"distributed.sequence_parallel 2 with {flag} on an hf: model is not "
                                           f"supported .*; set {flag} false, or use the built-in GPT"):
-        sp_.check(cfg, spec, 64, Zero3())
+        sp_.refuse_unsupported(cfg, spec, 64, Zero3())
 
 
 def test_world_size_not_divisible_exits_2_in_one_line(capsys):

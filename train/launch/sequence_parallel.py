@@ -50,7 +50,7 @@ def engine_batch(batch: Batch, n: int) -> Batch:
     return Batch(micro=batch.micro, accum=batch.accum, world=batch.world * n)
 
 
-def check(cfg: RunConfig, spec, seq_len: int | None, strategy) -> None:
+def refuse_unsupported(cfg: RunConfig, spec, seq_len: int | None, strategy) -> None:
     """Every combination SP cannot run, refused before anything is built (one line each). `strategy`
     refuses a backend that cannot split sequences (train/strategy/: plain DDP)."""
     n = cfg.distributed.sequence_parallel

@@ -143,7 +143,7 @@ def margin_that_runs(e, budget: Budget) -> float:
 
 
 @dataclass
-class Choice:
+class AutoChoice:
     path: str
     label: str
     estimate: object
@@ -178,7 +178,7 @@ def _rows(shape, batch, world: int, device, configs: Path, precision: str | None
     return rows
 
 
-def choose(ds_config: str, cfg, spec, data, batch, seq_len, world: int, budget: Budget) -> Choice:
+def choose(ds_config: str, cfg, spec, data, batch, seq_len, world: int, budget: Budget) -> AutoChoice:
     """--ds-config auto: the fastest option whose plan leaves the margin free."""
     configs = auto_dir(ds_config)
     margin = cfg.distributed.memory_margin
@@ -193,7 +193,7 @@ def choose(ds_config: str, cfg, spec, data, batch, seq_len, world: int, budget: 
                     f"{with_margin(e, budget, margin)}, {budget.source}"
                     + (f"; the faster {nf.option.label} would need {hb(nf.device_total)}" if nf else
                        "; it is the fastest option"))
-            return Choice(e.option.path, e.option.label, e, nf, line, budget, margin, shape)
+            return AutoChoice(e.option.path, e.option.label, e, nf, line, budget, margin, shape)
 
     def sp(before):  # auto, given the flag, chooses the fastest option that fits with it: the one named
         fit = sp_fit(cfg, spec, seq_len, world, budget, before,
@@ -219,8 +219,8 @@ def _tight_fix(e, budget: Budget, auto: str | None, use: str) -> str:
 
 
 def resolve_auto(ds_path: str, cfg, spec, data, batch, seq_len, world: int,
-                 view: dict | None = None) -> tuple[str, Choice | None]:
-    """(the JSON to use, the Choice when ds_path is auto). Every rank must choose the same JSON,
+                 view: dict | None = None) -> tuple[str, AutoChoice | None]:
+    """(the JSON to use, the AutoChoice when ds_path is auto). Every rank must choose the same JSON,
     so they agree on the budget first (`view`: this rank's measure()), over a process group made
     now (Accelerate and DeepSpeed then adopt it). Collective."""
     if not is_auto(ds_path):
@@ -243,7 +243,7 @@ def _advice(cfg) -> str:
     return "try " + ", ".join(tips)
 
 
-def check(cfg, spec, ds, data, batch, seq_len, world: int, budget: Budget, shape=None):
+def require_fit(cfg, spec, ds, data, batch, seq_len, world: int, budget: Budget, shape=None):
     """The plan for the chosen strategy against the budget: (its Estimate, None) when it fits
     with the margin, (Estimate, a warning line) when it fits without, DoesNotFit otherwise.
     `shape`: the model's (model_shape), when the caller has it (the run's memory plan,
@@ -315,7 +315,7 @@ def advise(cfg, shape, pb, world: int, device, ds, budget: Budget, run: tuple | 
 
 
 class _ZeroJSON:
-    """What train/launch/sequence_parallel.check asks of a Strategy, for a ZeRO JSON: the options a
+    """What train/launch/sequence_parallel.refuse_unsupported asks of a Strategy, for a ZeRO JSON: the options a
     sequence-parallel suggestion names are ZeRO ones (sp_fit.first_fit), which split sequences."""
 
     path = None
@@ -337,7 +337,7 @@ def sp_runs(cfg, spec, seq_len, world: int):
         trial = replace(cfg, distributed=replace(cfg.distributed, sequence_parallel=n),
                         train=replace(cfg.train, compile=False))
         try:
-            sp_.check(trial, spec, seq_len, _ZeroJSON)
+            sp_.refuse_unsupported(trial, spec, seq_len, _ZeroJSON)
             batch = trial.train.batch(world // n)
         except ConfigError:
             continue

@@ -44,7 +44,7 @@ class MemoryPlan:
 
 
 def make(cfg, spec, ds, data, batch, seq_len, world: int, rank: int, device_kind: str, is_main: bool,
-         view: dict | None = None, choice: memory_check.Choice | None = None) -> MemoryPlan:
+         view: dict | None = None, choice: memory_check.AutoChoice | None = None) -> MemoryPlan:
     """The run's memory plan for rank `rank` of `world` on a `device_kind` ("cuda" | "cpu") device,
     and the memory check against it (distributed.memory_check). `view`: this rank's
     memory_check.measure(), taken before the Accelerator (the budget --ds-config auto chose
@@ -66,7 +66,7 @@ def make(cfg, spec, ds, data, batch, seq_len, world: int, rank: int, device_kind
     checked = None
     if on:
         try:
-            checked, warning = memory_check.check(cfg, spec, ds, data, batch, seq_len, world, budget, shape)
+            checked, warning = memory_check.require_fit(cfg, spec, ds, data, batch, seq_len, world, budget, shape)
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001

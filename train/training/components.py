@@ -65,7 +65,7 @@ class HealthCheck:
 
     def on_step(self, tick: Tick) -> None:
         if tick.log_due or tick.save_due:
-            tick.diverged, self.t.state.skipped_steps = self.t.health.check(self.t.state.skipped_steps)
+            tick.diverged, self.t.state.skipped_steps = self.t.health.read_interval(self.t.state.skipped_steps)
 
 
 class LogLine:

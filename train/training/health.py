@@ -2,7 +2,7 @@
 train.max_bad_steps) and, under fp16, a loss scale that collapsed to its floor.
 
 Per step, record() keeps the step's gradient norm and fp16 loss scale as the engine has them
-(device values are not read). check() reads them all in one transfer; the trainer calls it at
+(device values are not read). read_interval() reads them all in one transfer; the trainer calls it at
 logging intervals and before checkpoints, so a stop comes at most logging.every_steps steps
 after its cause. A skipped step never touched the weights, so the checkpoint written on stop is
 the last good state. The decision uses the global gradient norm, identical on every rank, so
@@ -36,8 +36,8 @@ class Health:
         self.pending: list = []        # (step, grad norm, fp16 scale) recorded, not yet read
         self.bad_run = 0               # consecutive non-finite steps
         self.last_grad_norm: Optional[float] = None  # read at the last check
-        self.diverged_reason = ""      # why check() stopped the run
-        self.skipped = 0               # the run's skipped steps, while check() counts them
+        self.diverged_reason = ""      # why read_interval() stopped the run
+        self.skipped = 0               # the run's skipped steps, while read_interval() counts them
 
     def record(self, step: int, grad_norm) -> None:
         """Once per optimizer step, without a host read."""
@@ -48,7 +48,7 @@ class Health:
         None without fp16."""
         return self.strategy.loss_scale() if self.fp16 else None
 
-    def check(self, skipped: int) -> tuple[bool, int]:
+    def read_interval(self, skipped: int) -> tuple[bool, int]:
         """Reads the recorded steps; `skipped`: the run's skipped steps so far (TrainState's).
         Returns (whether the run must stop: nan_policy / max_bad_steps / fp16 loss-scale
         collapse, diverged_reason says why; the run's skipped steps now)."""

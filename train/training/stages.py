@@ -165,7 +165,7 @@ def _sampler(cfg: RunConfig, bundle: DataBundle, b: Batch):
 @dataclass
 class Distributed:
     strategy: Strategy              # the backend: plain DDP or DeepSpeed ZeRO (train/strategy/)
-    choice: Optional[memory_check.Choice]    # --ds-config auto: what it chose and why
+    choice: Optional[memory_check.AutoChoice]    # --ds-config auto: what it chose and why
     acc: Accelerator
     topo: Topology
     sp: Optional[SPRun]             # this rank's sequence-parallel group; None: off
@@ -197,7 +197,7 @@ def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, d
 
 
 def _ds_setup(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, data: RunData):
-    """(the Strategy, --ds-config auto's Choice or None, this rank's memory view) once checked."""
+    """(the Strategy, --ds-config auto's AutoChoice or None, this rank's memory view) once checked."""
     given = ds_config_cli or cfg.distributed.ds_config
     ds_path = dist_.resolve_ds_config_path(given, rt.launcher)
     if not given and rt.launcher != "accelerate" and os.environ.get("RANK", "0") == "0":
@@ -208,7 +208,7 @@ def _ds_setup(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, data: R
     ds = load_ds_setup(ds_path, cfg, sp_.engine_batch(rt.batch, rt.sp_size), data.max_steps, cuda=rt.cuda,
                  hidden_size=hidden_size_of(data.spec, data.bundle))
     strategy = for_setup(ds)
-    sp_.check(cfg, data.spec, data.seq_len, strategy)
+    sp_.refuse_unsupported(cfg, data.spec, data.seq_len, strategy)
     strategy.check_run(cfg)
     return strategy, choice, view
 
