@@ -90,7 +90,7 @@ def _sft_data(out: Path) -> Path:
     words = ["alpha", "beta", "gamma", "delta", "zeta", "theta", "kappa", "sigma", "omega", "lambda"]
     say = lambda k: " ".join(rng.choice(words) for _ in range(k))  # noqa: E731
     path = out / "sft.jsonl"
-    path.write_text("".join(json.dumps({"prompt": say(rng.randint(1, 18)), "response": say(rng.choice([1, 2, 3, 8, 14]))})
+    path.write_text("".join(json.dumps({"prompt": say(rng.randint(1, 5)), "response": say(rng.choice([1, 2, 3, 4]))})
                             + "\n" for _ in range(400)))
     return path
 
