@@ -118,6 +118,11 @@ class Strategy:
         """The dtype float inputs are cast to (the parameters' own when they are 16-bit); None: keep."""
         return None
 
+    def backward(self, loss) -> None:
+        """One micro-batch's backward: Accelerate's, which divides by the accumulation under DDP
+        (DeepSpeed's engine.backward divides, and at the boundary clips and steps, itself)."""
+        self.acc.backward(loss)
+
     def step(self, clip: float):
         """At the accumulation boundary, after backward: clip, step and zero the gradients.
         Returns the global gradient norm as the engine has it (a device tensor or a float,

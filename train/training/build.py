@@ -22,8 +22,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None) -> Trainer:
     record = record_run(cfg, rt, data, dist, model, loaders)
     services = stages.start_services(cfg, rt, data, dist, model, prepared, record)
     return Trainer(cfg=cfg, resolved_config=record, topo=dist.topo, strategy=dist.strategy, batch=rt.batch,
-                   max_steps=data.max_steps, run_dir=rt.run_dir, acc=dist.acc, model=prepared.model,
-                   optimizer=prepared.optimizer, raw_optimizer=model.raw_optimizer, workload=model.workload,
+                   max_steps=data.max_steps, run_dir=rt.run_dir, workload=model.workload,
                    data=data.bundle, train_loader=prepared.train_loader, sampler=data.sampler,
                    val_loader=prepared.val_loader, loggers=services.loggers, checkpointer=services.checkpointer,
                    memory_plan=services.memory_plan, state=services.state, elastic=rt.elastic,

@@ -83,11 +83,6 @@ class Trainer:
     batch: Batch                          # micro x accum x world samples per optimizer step
     max_steps: int
     run_dir: Path
-    # -- the distributed runtime and what it prepared
-    acc: Accelerator                      # device, accumulate / backward / clip, gather, DDP's GradScaler
-    model: torch.nn.Module                # accelerate.prepare's: a DeepSpeed engine, a DDP wrapper or the module
-    optimizer: torch.optim.Optimizer      # accelerate.prepare's wrapper: steps and zeroes gradients under DDP
-    raw_optimizer: torch.optim.Optimizer  # the torch optimizer inside it: its LR is set every step
     # -- the model's task and its data
     workload: Workload                    # loss, eval statistics, FLOPs per item of the model family
     data: DataBundle                      # the splits and what they hold (tokens per sample, decode)
@@ -117,6 +112,22 @@ class Trainer:
     start_counts: tuple = field(init=False, default=(0, 0, 0))         # (step, samples, tokens) at start()
     _t_start: float = field(init=False, default=0.0)
     _finished: bool = field(init=False, default=False)  # finish() completed: close() reports success to W&B
+
+    # -- the distributed runtime and what it prepared: the strategy's (Strategy.prepare)
+    @property
+    def acc(self) -> Accelerator:
+        """Device, accumulate, gather; DDP's GradScaler."""
+        return self.strategy.acc
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """accelerate.prepare's: a DeepSpeed engine, a DDP wrapper or the module."""
+        return self.strategy.engine
+
+    @property
+    def raw_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer: its LR is set every step."""
+        return self.strategy.raw_optimizer
 
     def __post_init__(self):
         self.input_dtype = self.strategy.input_dtype()
@@ -250,7 +261,7 @@ class Trainer:
                 loss = self.workload.loss(model, batch, denominator)
                 if testhooks.fire("nan_loss", step=self.state.step + 1, rank=self.topo.rank):
                     loss = loss * float("nan")
-                acc.backward(loss)
+                self.strategy.backward(loss)
                 if acc.sync_gradients:
                     # Clip, step and zero the gradients (DeepSpeed did the first two inside
                     # backward): the global norm stays on the device until the next health check.
