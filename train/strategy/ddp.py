@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from train.errors import ConfigError
+from train.optim import loss_scale
 from train.strategy.base import Strategy
 
 
@@ -55,7 +56,6 @@ class DDPStrategy(Strategy):
     def loss_scale(self):
         if self.precision != "fp16":
             return None
-        from train.optim import loss_scale
         return loss_scale.current(scaler=getattr(self.acc, "scaler", None))
 
     def state_dict(self) -> dict:

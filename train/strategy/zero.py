@@ -8,7 +8,9 @@ from typing import Optional
 
 import torch
 
+import train.strategy.internals as internals
 from train.errors import ConfigError
+from train.optim import loss_scale
 from train.strategy.base import Strategy
 
 
@@ -100,21 +102,17 @@ class ZeroStrategy(Strategy):
     def loss_scale(self):
         if self.precision != "fp16":
             return None
-        from train.optim import loss_scale
         return loss_scale.current(optimizer=self.engine.optimizer)
 
     def counts_skipped_steps(self) -> bool:
         return True
 
     def engine_skipped_steps(self) -> Optional[int]:
-        import train.strategy.internals as internals
         return internals.skipped_steps(self.engine)
 
     def state_dict(self) -> dict:
-        import train.strategy.internals as internals
         out = {"counters": internals.engine_counters(self.engine)}
         if self.precision == "fp16":
-            from train.optim import loss_scale
             out["loss_scaler"] = {"kind": "deepspeed", **loss_scale.state(self.engine.optimizer)}
         return out
 
@@ -122,7 +120,6 @@ class ZeroStrategy(Strategy):
         """The engine's counters as saved; for a record without them (another backend's, an
         import's), from the TrainState `at`. micro_steps is always the step's: the engine's
         accumulation boundary counts from it, with this run's accumulation."""
-        import train.strategy.internals as internals
         counters = state.get("counters") or {}
         accum = int(self.ds.resolved["gradient_accumulation_steps"])
         internals.set_engine_counters(self.engine, global_steps=counters.get("global_steps", at.step),
@@ -131,7 +128,6 @@ class ZeroStrategy(Strategy):
                                       micro_steps=at.step * accum)
         s = state.get("loss_scaler")
         if s and self.precision == "fp16" and s.get("kind") == "deepspeed":
-            from train.optim import loss_scale
             loss_scale.restore(self.engine.optimizer, s)
 
     # ------------------------------------------------------------------ checkpoints and memory
