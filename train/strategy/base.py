@@ -125,8 +125,11 @@ class Strategy:
 
     def step(self, clip: float):
         """At the accumulation boundary, after backward: clip, step and zero the gradients.
-        Returns the global gradient norm as the engine has it (a device tensor or a float,
-        read later by Health), or None."""
+        Returns the global gradient norm (a device tensor or a float, read later by Health), or
+        None. Every backend returns the same quantity: the L2 norm, before clipping, of the
+        gradient averaged over every rank and micro-batch, over all trainable parameters, the
+        same on every rank (DDP: clip_grad_norm_ of the all-reduced gradients; ZeRO: the norm
+        DeepSpeed computed over the reduced partitions). Each engine still computes it itself."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ fp16 and counters
