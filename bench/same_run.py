@@ -68,11 +68,23 @@ def _rows(run_dir: Path) -> dict:
 
 
 def _hashes(d: Path) -> dict:
-    """sha256 of every file of the export (weights, index, model config)."""
+    """sha256 of every file of the export (weights, index, model config) and, for a safetensors
+    file, of what it holds: its header with the keys in sorted order, then its data. Older
+    zerotrain wrote the header's metadata in a random order (a Rust HashMap's), so two exports of
+    the same weights could differ in their bytes and agree in what they hold."""
     if not d.is_dir():
         return {}
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))
-            if p.is_file()}
+    out = {}
+    for p in sorted(d.rglob("*")):
+        if not p.is_file():
+            continue
+        data = p.read_bytes()
+        out[str(p.relative_to(d))] = hashlib.sha256(data).hexdigest()
+        if p.suffix == ".safetensors":
+            n = int.from_bytes(data[:8], "little")
+            header = json.dumps(json.loads(data[8:8 + n]), sort_keys=True).encode()
+            out[f"{p.relative_to(d)} (content)"] = hashlib.sha256(header + data[8 + n:]).hexdigest()
+    return out
 
 
 def _checkpoint_tensors(run_dir: Path, step: int) -> dict:
@@ -95,34 +107,42 @@ def _sft_data(out: Path) -> Path:
     return path
 
 
-def run(out: Path, resume_from: str | None) -> dict:
+SCENARIOS = ("make_train", "zero3", "sft", "resume")
+
+
+def run(out: Path, resume_from: str | None, only=SCENARIOS) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    res = {}
+    path = out / "same_run.json"
+    res = json.loads(path.read_text()) if path.is_file() else {}
     print(f"same_run: {Path.cwd()} -> {out}", flush=True)
-    d = _launch(out, "make_train", ["--config", "examples/default.yaml", "--ds-config", FP32])
-    res["make_train"] = _record(d, 300)
+    if "make_train" in only:
+        d = _launch(out, "make_train", ["--config", "examples/default.yaml", "--ds-config", FP32])
+        res["make_train"] = _record(d, 300)
     common = ["--config", "examples/default.yaml", "--train.eval_every", "10", "--checkpoint.every_steps", "10",
               "--checkpoint.save_at_end", "true"]
-    zero3 = json.loads(Path("ds_configs/zero3.json").read_text())
-    zero3.update(bf16={"enabled": False}, fp16={"enabled": False})  # fp32, as the tests run ZeRO-3 on CPU
-    (out / "zero3_fp32.json").write_text(json.dumps(zero3, indent=1))
-    d = _launch(out, "zero3", common + ["--ds-config", str(out / "zero3_fp32.json"), "--train.max_steps", "30"])
-    res["zero3"] = _record(d, 30)
-    sft = ["--model.name", "gpt-tiny", "--data.kind", "sft", "--data.path", str(_sft_data(out)), "--data.seq_len", "64",
-           "--train.micro_batch_size", "4", "--train.grad_accum_steps", "2", "--train.max_steps", "20",
-           "--train.eval_every", "10", "--checkpoint.every_steps", "10", "--ds-config", FP32]
-    d = _launch(out, "sft", sft)
-    res["sft"] = _record(d, 20)
-    base = common + ["--ds-config", FP32]
-    whole = _launch(out, "resume_whole", base + ["--train.max_steps", "20"])
-    step10 = whole / "checkpoints" / "step_00000010"
-    d = _launch(out, "resume", base + ["--train.max_steps", "20", "--checkpoint.resume", str(step10)])
-    res["resume"] = {"whole": _record(whole, 20), "resumed": _record(d, 20)}
+    if "zero3" in only:
+        zero3 = json.loads(Path("ds_configs/zero3.json").read_text())
+        zero3.update(bf16={"enabled": False}, fp16={"enabled": False})  # fp32, as the tests run ZeRO-3 on CPU
+        (out / "zero3_fp32.json").write_text(json.dumps(zero3, indent=1))
+        d = _launch(out, "zero3", common + ["--ds-config", str(out / "zero3_fp32.json"), "--train.max_steps", "30"])
+        res["zero3"] = _record(d, 30)
+    if "sft" in only:
+        sft = ["--model.name", "gpt-tiny", "--data.kind", "sft", "--data.path", str(_sft_data(out)),
+               "--data.seq_len", "64", "--train.micro_batch_size", "4", "--train.grad_accum_steps", "2",
+               "--train.max_steps", "20", "--train.eval_every", "10", "--checkpoint.every_steps", "10",
+               "--ds-config", FP32]
+        res["sft"] = _record(_launch(out, "sft", sft), 20)
+    base = common + ["--ds-config", FP32, "--logging.every_steps", "1"]  # resumes: every step's loss
+    if "resume" in only:
+        whole = _launch(out, "resume_whole", base + ["--train.max_steps", "20"])
+        step10 = whole / "checkpoints" / "step_00000010"
+        d = _launch(out, "resume", base + ["--train.max_steps", "20", "--checkpoint.resume", str(step10)])
+        res["resume"] = {"whole": _record(whole, 20), "resumed": _record(d, 20)}
     if resume_from:
         d = _launch(out, "old_ckpt", base + ["--train.max_steps", "20", "--checkpoint.resume", resume_from])
         res["old_ckpt"] = _record(d, 20)
-    (out / "same_run.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {out / 'same_run.json'}")
+    path.write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {path}")
     return res
 
 
@@ -138,25 +158,62 @@ def _first_diff(a, b, path=""):
     return None if a == b else f"{path}: {a} != {b}"
 
 
+def _split(rec):
+    """(the record without the raw bytes of safetensors files that have a content hash, those bytes)."""
+    if not isinstance(rec, dict):
+        return rec, {}
+    kept, raw = {}, {}
+    for k, v in rec.items():
+        if isinstance(v, dict):
+            kept[k], sub = _split(v)
+            raw.update({f"{k}/{s}": h for s, h in sub.items()})
+        elif k.endswith(".safetensors") and f"{k} (content)" in rec:
+            raw[k] = v
+        else:
+            kept[k] = v
+    return kept, raw
+
+
+def _logged(rec) -> int:
+    return len(rec["metrics"]) if "metrics" in rec else sum(_logged(v) for v in rec.values() if isinstance(v, dict))
+
+
 def compare(before: Path, after: Path) -> int:
+    """Losses, metrics and what every export and checkpoint file holds must be identical; the
+    raw bytes of safetensors files are reported beside (see _hashes)."""
     a, b = json.loads(before.read_text()), json.loads(after.read_text())
     bad = 0
     for name in sorted(set(a) | set(b)):
         if name not in a or name not in b:
-            print(f"{name:11s} only in {'after' if name not in a else 'before'}")
             continue
-        d = _first_diff(a[name], b[name])
-        rows = len(a[name].get("metrics", a[name].get("resumed", {}).get("metrics", {})))
-        print(f"{name:11s} {'identical' if d is None else 'DIFFERS: ' + d}  ({rows} logged steps compared)")
+        (ka, ra), (kb, rb) = _split(a[name]), _split(b[name])
+        d = _first_diff(ka, kb)
+        same_bytes = [k for k in ra if rb.get(k) == ra[k]]
+        print(f"{name:11s} {'identical' if d is None else 'DIFFERS: ' + d}  ({_logged(a[name])} logged rows; "
+              f"safetensors files with the same bytes: {len(same_bytes)} of {len(ra)})")
         bad += d is not None
     if "old_ckpt" in b and "resume" in a:  # the old run's own continuation, against this checkout's resume of it
         want = {s: r for s, r in a["resume"]["whole"]["metrics"].items() if int(s) > 10}
         got = {s: r for s, r in b["old_ckpt"]["metrics"].items() if int(s) > 10}
-        d = _first_diff(want, got)
-        print(f"{'old_ckpt':11s} resumed here vs the old checkout's whole run, steps 11-20: "
-              f"{'identical' if d is None else 'DIFFERS: ' + d}")
+        d = _first_diff(want, got) or _first_diff(a["resume"]["whole"]["checkpoint"], b["old_ckpt"]["checkpoint"])
+        print(f"{'old_ckpt':11s} BEFORE's step-10 checkpoint resumed by AFTER, against BEFORE's own steps 11-20 "
+              f"and its step-20 checkpoint tensors: {'identical' if d is None else 'DIFFERS: ' + d} "
+              f"({len(want)} logged rows)")
         bad += d is not None
     return 1 if bad else 0
+
+
+def rehash(out: Path) -> None:
+    """Recompute the hashes of an --out folder's runs into its same_run.json (after this script
+    learnt a new one)."""
+    path = out / "same_run.json"
+    res = json.loads(path.read_text())
+    for name, rec in res.items():
+        for sub, run_dir in (("", out / name),) if name != "resume" else (("whole", out / "resume_whole"),
+                                                                          ("resumed", out / "resume")):
+            r = rec[sub] if sub else rec
+            r["export"] = _hashes(run_dir / "export")
+    path.write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
 
 
 def main(argv=None) -> int:
@@ -164,13 +221,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--resume-from", help="a checkpoint directory written by another checkout (old_ckpt)")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    p.add_argument("--rehash", type=Path, metavar="OUT", help="recompute the hashes of an --out folder")
+    p.add_argument("--only", default=",".join(SCENARIOS), help="comma-separated scenarios to (re)run into --out")
     a = p.parse_args(argv)
     if a.compare:
         return compare(*a.compare)
+    if a.rehash:
+        rehash(a.rehash.resolve())
+        return 0
     if not a.out:
         p.error("--out or --compare")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".cache" / "torch_extensions"))
-    run(a.out.resolve(), a.resume_from)
+    run(a.out.resolve(), a.resume_from, a.only.split(","))
     return 0
 
 

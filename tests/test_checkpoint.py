@@ -453,3 +453,25 @@ def test_registered_components_are_saved_and_restored_by_name(tmp_path):
     c.components = {"counter": fresh}
     c._restore_counters({"train_state": TrainState(step=3).to_dict(), "state": {"engine": {}}})
     assert fresh.n == -1 and fresh.at == 3
+
+
+def test_the_same_weights_are_written_to_the_same_bytes(tmp_path):
+    """safetensors' save_file writes the header's metadata in the order of a Rust HashMap seeded
+    afresh for every map: an export with tied weights (several metadata keys) differed from one
+    save to the next in that order alone (8 saves here gave 8 different files). The writer every
+    checkpoint and export goes through sorts it; the file still loads with its metadata."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    from train.checkpoint import files
+    meta = {"format": "pt", **{f"alias{i}.weight": "tok_emb.weight" for i in range(5)}}
+    tensors = {"tok_emb.weight": torch.arange(6.0).reshape(2, 3)}
+    digests = set()
+    for i in range(8):
+        path = tmp_path / f"model{i}.safetensors"
+        files.write_safetensors(tensors, path, meta)
+        digests.add(hashlib.sha256(path.read_bytes()).hexdigest())
+    assert len(digests) == 1
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == meta and torch.equal(f.get_tensor("tok_emb.weight"), tensors["tok_emb.weight"])

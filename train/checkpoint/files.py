@@ -108,10 +108,30 @@ def replace_text(path: Path, text: str):
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> dict:
-    from safetensors.torch import save_file
-    save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
+    write_safetensors(tensors, path, {"format": "pt", **(metadata or {})})
     fsync_path(path)
     return file_record(path)
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, with the same bytes for the same tensors and metadata. save_file
+    writes the header's "__metadata__" in the order of a Rust HashMap, seeded afresh for every
+    map: two exports of the same weights differed in that order alone. The header is rewritten
+    in place with the metadata keys sorted (the same JSON, so the same length)."""
+    from safetensors.torch import save_file
+    save_file(tensors, str(path), metadata=metadata)
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        raw = f.read(size)
+        header = json.loads(raw)
+        if len(header.get("__metadata__") or {}) < 2:
+            return
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) != len(raw.rstrip(b" ")):
+            return  # not the compact JSON this expects: keep safetensors' own header
+        f.seek(8)
+        f.write(text.ljust(size, b" "))
 
 
 # ---------------------------------------------------------------------------- finding checkpoints

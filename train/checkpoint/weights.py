@@ -42,7 +42,6 @@ def write_weights(out_dir: Path, entries, get_tensor, *, dtype, max_shard_size, 
     """entries: [(name, shape, source dtype)]. get_tensor(name) is called for every entry in
     the same order on every rank (it may be a collective); only the writer keeps tensors."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
 
     def out_dtype(src):
         return dtype if src.is_floating_point else src
@@ -62,7 +61,7 @@ def write_weights(out_dir: Path, entries, get_tensor, *, dtype, max_shard_size, 
             if is_writer:
                 shard[n] = t.reshape(skeleton[n].shape).to(dtype=skeleton[n].dtype, copy=True).contiguous()
         if is_writer:
-            save_file(shard, str(tmp / fname), metadata={"format": "pt", **aliases})
+            ckpt_files.write_safetensors(shard, tmp / fname, {"format": "pt", **aliases})
             ckpt_files.fsync_path(tmp / fname)
         del shard
     if not is_writer:
