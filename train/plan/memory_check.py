@@ -33,7 +33,7 @@ import torch
 
 from train import paths, process_group
 from train.launch.device_memory import Budget, local_budget
-from train.errors import ConfigError, UserError
+from train.errors import ConfigError
 from train.observe.report import human_bytes as hb
 
 

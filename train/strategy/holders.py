@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from train.checkpoint.files import MOMENTS  # noqa: F401 - the holders read and write these
 import train.strategy.internals as internals
 
 
