@@ -34,8 +34,6 @@ from train.checkpoint.state import Stateful, TrainState
 from train.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
-
     from models.workload import Workload
     from train.config import Batch, CheckpointConfig
     from train.data.sampler import GlobalBatchSampler
@@ -79,11 +77,9 @@ class Checkpointer:
     cfg              the run config's checkpoint section (keep_last, max_shard_size, export_dtype)
     run_dir          checkpoints go to <run_dir>/checkpoints, the export to <run_dir>/export
     rank, world      this process and the number of processes
-    acc              the Accelerator: device (collectives), unwrap_model, DDP's fp16 GradScaler
-    model            what accelerate.prepare returned (a DeepSpeed engine: counters, loss scale)
-    raw_optimizer    the torch optimizer (holders read and write its moments)
-    strategy         the backend (train/strategy/): the holder of this rank's tensors; registered as
-                     the "engine" component (its counters and fp16 loss scale)
+    strategy         the backend (train/strategy/), bound to its Accelerator and engine: the device
+                     of the collectives, the holder of this rank's tensors; registered as the
+                     "engine" component (its counters and fp16 loss scale)
     workload         family, model_config and tied names: the metadata of saves and exports
     sampler          the data order (global batch, samples, seed): saved, and checked on resume
     batch            micro x accum x world: for messages
@@ -92,8 +88,7 @@ class Checkpointer:
     resolved_config  config.json's content, kept in every checkpoint's metadata
     """
 
-    def __init__(self, *, cfg: CheckpointConfig, run_dir: Path, rank: int, world: int, acc: Accelerator,
-                 model: torch.nn.Module, raw_optimizer: torch.optim.Optimizer, strategy, workload: Workload,
+    def __init__(self, *, cfg: CheckpointConfig, run_dir: Path, rank: int, world: int, strategy, workload: Workload,
                  sampler: GlobalBatchSampler, batch: Batch, model_name: str, log: Callable[[dict, int], None],
                  resolved_config: dict | None):
         self.cfg = cfg
@@ -101,7 +96,7 @@ class Checkpointer:
         self.export_dir = Path(run_dir) / "export"
         self.rank, self.world = rank, world
         self.is_main = self.rank == 0
-        self.acc, self.model, self.raw_optimizer, self.strategy = acc, model, raw_optimizer, strategy
+        self.strategy = strategy
         self.workload, self.sampler, self.batch, self.model_name = workload, sampler, batch, model_name
         self.log, self.resolved_config = log, resolved_config
         self._holder = None
@@ -173,7 +168,7 @@ class Checkpointer:
             out = fn()
         except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
             err = e
-        failed = ckpt_files.reduce_max(torch.tensor([int(err is not None)]), self.acc.device)
+        failed = ckpt_files.reduce_max(torch.tensor([int(err is not None)]), self.strategy.acc.device)
         if err is not None:
             # safetensors reports ENOSPC as SafetensorError("... No space left on device (os error 28)").
             if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "(os error 28)" in str(err):
@@ -318,7 +313,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         ckpt = ckpt_files.resolve_checkpoint(path)
         manifest = ckpt_files.read_manifest(ckpt)
-        ckpt_files.verify(ckpt, manifest, self.rank, self.world, self.acc.device)
+        ckpt_files.verify(ckpt, manifest, self.rank, self.world, self.strategy.acc.device)
         meta = ckpt_files.read_json(ckpt / ckpt_files.META, "checkpoint metadata")
         self._check_fits(ckpt, meta)
         reader = ckpt_files.PieceReader([ckpt / f for f in manifest["files"] if f.endswith(".safetensors")])

@@ -171,7 +171,7 @@ def default_ds_config() -> tuple[str, str]:
     return "zero2_fp32.json", "ZeRO-2, fp32: no GPU here, and CPUs emulate bf16 ~7x slower"
 
 
-def build_accelerator(precision: str, batch: Batch, timeout_s: int, log_with: str | None = None,
+def build_accelerator(mixed_precision: str, batch: Batch, timeout_s: int, log_with: str | None = None,
                       handlers: tuple = (), **backend):
     """The Accelerator for one backend: `handlers` and `backend` (a DeepSpeedPlugin, or cpu=)
     come from the strategy (train/strategy/); the rest is the same for every backend."""
@@ -181,7 +181,7 @@ def build_accelerator(precision: str, batch: Batch, timeout_s: int, log_with: st
     cuda = torch.cuda.is_available()
     pg = InitProcessGroupKwargs(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     common = dict(
-        mixed_precision={"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[precision],
+        mixed_precision=mixed_precision,  # Accelerate's name of the JSON's precision (DSSetup)
         # Our batch sampler yields *global* micro-batches (world x micro samples, the same
         # order for any world size); Accelerate hands each rank its own slice.
         # non_blocking: batches are copied from pinned memory (build.py) while the GPU works.

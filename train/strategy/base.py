@@ -22,9 +22,12 @@ attributes the project reads are train/strategy/internals.py.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import TYPE_CHECKING, Optional
 
 import torch
+
+from train.errors import ConfigError
 
 if TYPE_CHECKING:
     from train.strategy.ds_config import DSSetup
@@ -55,8 +58,8 @@ class Strategy:
         return self.ds.path
 
     def describe(self) -> str:
-        """One phrase for banners and errors, e.g. "ZeRO-2 (bf16)"."""
-        raise NotImplementedError
+        """One phrase for banners and errors, e.g. "ZeRO-2 (bf16)" (the JSON's own description)."""
+        return self.ds.describe()
 
     def record(self) -> dict:
         """What a checkpoint's meta.json and config.json say of the strategy."""
@@ -71,12 +74,9 @@ class Strategy:
     # ------------------------------------------------------------------ checks and build
     def check_run(self, cfg) -> None:
         """Refuses, in one line, what this backend cannot run (raises ConfigError)."""
-        import os
-
-        from train.errors import ConfigError
         # `accelerate launch` exports the YAML's mixed_precision; it must agree with the JSON.
         mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
-        if mp and mp != "no" and mp != {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[self.precision]:
+        if mp and mp != "no" and mp != self.ds.accelerate_mixed_precision:
             raise ConfigError(f"the accelerate config sets mixed_precision: {mp} but {self.path} selects "
                               f"{self.precision}; precision comes from the DeepSpeed JSON: remove mixed_precision "
                               f"from the accelerate YAML or make them agree")

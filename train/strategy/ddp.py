@@ -15,9 +15,6 @@ from train.strategy.base import Strategy
 class DDPStrategy(Strategy):
     backend = "ddp"
 
-    def describe(self) -> str:
-        return f"DDP ({self.precision})"
-
     # ------------------------------------------------------------------ checks and build
     def check_sequence_parallel(self, flag: str) -> None:
         raise ConfigError(f"{flag} needs a ZeRO DeepSpeed JSON, not plain DDP ({self.path}); use e.g. "
@@ -30,7 +27,7 @@ class DDPStrategy(Strategy):
         handlers = [DistributedDataParallelKwargs(**self.ds.ddp_kwargs)]
         if self.ds.grad_scaler:  # fp16: the JSON's loss-scale settings (train/strategy/ds_config.grad_scaler_args)
             handlers.append(GradScalerKwargs(**self.ds.grad_scaler))
-        return build_accelerator(self.precision, batch, timeout_s, log_with, tuple(handlers),
+        return build_accelerator(self.ds.accelerate_mixed_precision, batch, timeout_s, log_with, tuple(handlers),
                                  cpu=not torch.cuda.is_available())
 
     def build_optimizer(self, model, optim_cfg):

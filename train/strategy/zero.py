@@ -21,14 +21,6 @@ class ZeroStrategy(Strategy):
     def stage(self) -> int:
         return self.ds.stage
 
-    def describe(self) -> str:
-        parts = [f"ZeRO-{self.stage}"]
-        if self.ds.offload_optimizer:
-            parts.append(f"optimizer offload ({self.ds.offload_optimizer})")
-        if self.ds.offload_param:
-            parts.append(f"param offload ({self.ds.offload_param})")
-        return " + ".join(parts) + f" ({self.precision})"
-
     def record(self) -> dict:
         return {"backend": self.backend, "zero_stage": self.stage, "precision": self.precision}
 
@@ -57,7 +49,7 @@ class ZeroStrategy(Strategy):
 
         from train.launch.distributed import build_accelerator
         plugin = DeepSpeedPlugin(hf_ds_config=self.ds.resolved, zero3_init_flag=self.partitions_parameters)
-        return build_accelerator(self.precision, batch, timeout_s, log_with, deepspeed_plugin=plugin)
+        return build_accelerator(self.ds.accelerate_mixed_precision, batch, timeout_s, log_with, deepspeed_plugin=plugin)
 
     def init_context(self):
         """Build the model already partitioned under ZeRO-3 (a model larger than one device's

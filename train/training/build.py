@@ -20,7 +20,7 @@ def build(cfg: RunConfig, ds_config_cli: str | None = None) -> Trainer:
     loaders = stages.make_loaders(cfg, rt, data)
     prepared = stages.prepare(rt, dist, model, loaders)
     record = record_run(cfg, rt, data, dist, model, loaders)
-    services = stages.start_services(cfg, rt, data, dist, model, prepared, record)
+    services = stages.start_services(cfg, rt, data, dist, model, record)
     return Trainer(cfg=cfg, resolved_config=record, topo=dist.topo, strategy=dist.strategy, batch=rt.batch,
                    max_steps=data.max_steps, run_dir=rt.run_dir, workload=model.workload,
                    data=data.bundle, train_loader=prepared.train_loader, sampler=data.sampler,

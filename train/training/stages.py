@@ -291,9 +291,7 @@ def make_loaders(cfg: RunConfig, rt: Runtime, data: RunData) -> Loaders:
 
 @dataclass
 class Prepared:
-    """accelerate.prepare's objects."""
-    model: torch.nn.Module            # a DeepSpeed engine, a DDP wrapper or the module
-    optimizer: torch.optim.Optimizer
+    """accelerate.prepare's loaders (the engine and optimizers it made are the strategy's)."""
     train_loader: DataLoader
     val_loader: Optional[DataLoader]
 
@@ -304,7 +302,6 @@ def prepare(rt: Runtime, dist: Distributed, model: Model, loaders: Loaders) -> P
     strategy, topo, workload = dist.strategy, dist.topo, model.workload
     loader_list = [loaders.train] + ([loaders.val] if loaders.val is not None else [])
     train_loader, *val = strategy.prepare(dist.acc, workload.model, model.raw_optimizer, *loader_list)
-    prepared, optimizer = strategy.engine, strategy.optimizer
     # The engine exists, so DeepSpeed's CPU shm all-reduce (if used) is set up on every rank:
     # each rank unlinks its /dev/shm buffer's name now (train/launch/shm_buffers.py).
     released = shm_buffers.release_own_buffer(topo.rank, topo.world_size, barrier=torch.distributed.barrier)
@@ -317,7 +314,7 @@ def prepare(rt: Runtime, dist: Distributed, model: Model, loaders: Loaders) -> P
     # What the steps will run with, once every library has started (Accelerate sets threads too).
     facts.update(torch_threads=torch.get_num_threads(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     _write_rank_info(rt.run_dir, topo, facts)
-    return Prepared(model=prepared, optimizer=optimizer, train_loader=train_loader, val_loader=val[0] if val else None)
+    return Prepared(train_loader=train_loader, val_loader=val[0] if val else None)
 
 
 # ---------------------------------------------------------------------------- ranks/rank<R>.json
@@ -347,7 +344,7 @@ class Services:
     state: TrainState                     # where training starts: restored or fresh
 
 
-def start_services(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed, model: Model, prepared: Prepared,
+def start_services(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed, model: Model,
                    record: dict) -> Services:
     """Loggers, the memory plan, the checkpointer, and the state the run starts from: a resumed
     checkpoint (checkpoint.resume) or initial weights (model.init_from) are restored here."""
@@ -355,11 +352,9 @@ def start_services(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed
     loggers = Loggers([JsonlLogger(rt.run_dir / "metrics.jsonl")] if acc.is_main_process else [])
     # The banner's "model states" and "memory" lines; the plan is compared with mem/* at step 2.
     memory_plan = dist.planned  # made once, before the model existed (train/plan/memory_plan.py)
-    checkpointer = Checkpointer(cfg=cfg.checkpoint, run_dir=rt.run_dir, rank=topo.rank, world=topo.world_size, acc=acc,
-                                model=prepared.model, raw_optimizer=model.raw_optimizer, strategy=strategy,
-                                workload=workload,
-                                sampler=data.sampler, batch=rt.batch, model_name=cfg.model.name, log=loggers.log,
-                                resolved_config=record)
+    checkpointer = Checkpointer(cfg=cfg.checkpoint, run_dir=rt.run_dir, rank=topo.rank, world=topo.world_size,
+                                strategy=strategy, workload=workload, sampler=data.sampler, batch=rt.batch,
+                                model_name=cfg.model.name, log=loggers.log, resolved_config=record)
     state = _restore(checkpointer, cfg, rt.resume)
     if rt.elastic is not None:
         state.wandb_run_id = rt.elastic.run_id_for(state.wandb_run_id)
