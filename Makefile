@@ -1,6 +1,6 @@
 # zerotrain: `make train` and `make test` do all set-up on a fresh machine.
 # Both create .venv if missing, install the project editable, and are quick when
-# nothing changed (a stamp file tracks pyproject.toml).
+# nothing changed (a stamp file tracks pyproject.toml and setup.py).
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -33,7 +33,7 @@ help:
 	@echo "make test-all  # everything (what CI runs)"
 	@echo "make bench   # stage benchmark (writes bench/results/*.json, see BENCHMARKS.md)"
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
 	@$(PY) -c "import torch, torchvision" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
@@ -44,7 +44,7 @@ install: $(STAMP)
 
 # DeepSpeed's JIT ops (CPU comm op on CPU machines, CPU Adam for offload), built once.
 ops: $(STAMP)
-	@$(PY) -m train.commands.prebuild
+	@$(PY) -m zerotrain.train.commands.prebuild
 
 train: ops
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) train/main.py --config $(RUN) --ds-config $(DS_CONFIG)

@@ -1,30 +1,110 @@
-"""An installed (non-editable) zerotrain finds its own shipped configs: ds_configs/ travels in
-the wheel next to train/ (pyproject package-data), where train/paths.py looks."""
+"""zerotrain installs under one namespace and lives beside a user's own code.
+
+The wheel holds zerotrain.train, zerotrain.models and zerotrain.ds_configs (setup.py maps the
+top-level folders there): nothing named train, models or ds_configs lands in site-packages, so a
+user's own `models` package (most ML repositories have one) is the one `import models` finds,
+in their code and in a run, and the installed zerotrain still finds its shipped configs.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import sysconfig
+import zipfile
+from pathlib import Path
 
-from helpers import REPO, subprocess_env
+import pytest
+
+from helpers import MAIN, REPO, subprocess_env
+
+USER_MODELS = '''"""The user's own models package: it must win over anything zerotrain installs."""
+import torch
 
 
-def test_the_wheel_carries_ds_configs_and_finds_them(tmp_path):
-    wheels, site = tmp_path / "wheels", tmp_path / "site"
+class GPT(torch.nn.Module):
+    OWNER = "user"
+'''
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheels")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-    subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(REPO)],
+    subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(REPO)],
                    check=True, capture_output=True, timeout=300)
-    (wheel,) = wheels.glob("zerotrain-*.whl")
-    subprocess.run([*pip, "install", "-q", "--no-deps", "--target", str(site), str(wheel)], check=True,
-                   capture_output=True, timeout=300)
-    code = ("import train.paths as p, train.strategy.ds_config as d\n"
-            "from train.launch.distributed import resolve_ds_config_path\n"
-            "assert p.__file__.startswith(%r), p.__file__\n"
-            "default = resolve_ds_config_path(None, 'python')\n"
-            "d.read_ds_json(default)\n"
-            "print(default, sorted(x.name for x in p.DS_CONFIGS.glob('*.json')))\n") % str(site)
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                         env=subprocess_env({"PYTHONPATH": str(site)}))
-    assert out.returncode == 0, out.stderr[-2000:]
-    default, names = out.stdout.split(" ", 1)
-    assert default.startswith(str(site / "ds_configs")) and "zero3.json" in names and "ddp.json" in names
+    (whl,) = out.glob("zerotrain-*.whl")
+    return whl
+
+
+def test_the_wheel_installs_only_the_zerotrain_namespace(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
+    assert tops == {"zerotrain"}, tops
+    assert "zerotrain/__init__.py" not in names  # a namespace: `zerotrain.*` may be extended
+    for must in ("zerotrain/train/main.py", "zerotrain/train/cli.py", "zerotrain/models/gpt.py",
+                 "zerotrain/ds_configs/zero3.json", "zerotrain/ds_configs/accelerate/zero2.yaml",
+                 "zerotrain/train/strategy/zero.py"):
+        assert must in names, must
+    entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "zerotrain = zerotrain.train.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def test_no_production_code_touches_sys_path():
+    hits = [f"{p.relative_to(REPO)}:{i}" for folder in ("train", "models") for p in (REPO / folder).rglob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if "sys.path" in line]
+    assert not hits, hits
+
+
+@pytest.mark.multiproc
+def test_a_fresh_venv_with_the_wheel_runs_beside_the_users_own_models_package(wheel, tmp_path):
+    """A fresh venv (its dependencies borrowed from this one through a path line, which does not
+    run this venv's editable-install hook), the wheel installed, and a user directory with its
+    own models/ package holding a models.GPT of its own."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    purelib = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  capture_output=True, text=True, check=True).stdout.strip())
+    (purelib / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "--python", str(py), "install",
+                    "-q", "--no-deps", str(wheel)], check=True, capture_output=True, timeout=300)
+    user = tmp_path / "user_project"
+    (user / "models").mkdir(parents=True)
+    (user / "models" / "__init__.py").write_text(USER_MODELS)
+    env = subprocess_env({"PYTHONPATH": str(user)})  # the user's code is importable, as in their own repo
+
+    probe = ("import models, zerotrain.train.paths as p, zerotrain.models as zm\n"
+             "assert models.GPT.OWNER == 'user', models.__file__\n"
+             "assert p.__file__.startswith(%r), p.__file__\n"
+             "assert zm.__file__.startswith(%r), zm.__file__\n"
+             "assert (p.DS_CONFIGS / 'zero3.json').is_file()\n"
+             "print('ok')\n") % (str(purelib), str(purelib))
+    out = subprocess.run([str(py), "-c", probe], cwd=user, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+    out = subprocess.run([str(venv / "bin" / "zerotrain"), "--help"], cwd=user, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "plan" in out.stdout and "prepare" in out.stdout, out.stderr[-2000:]
+
+    # train/main.py of the source checkout, run by the fresh venv's Python from the user's directory
+    run_dir = tmp_path / "run"
+    out = subprocess.run([str(py), MAIN, "--model.name", "gpt-tiny", "--train.max_steps", "2",
+                          "--train.micro_batch_size", "2", "--train.eval_every", "0", "--train.sample_tokens", "0",
+                          "--checkpoint.save_at_end", "false", "--checkpoint.export", "false",
+                          "--train.run_dir", str(run_dir)],  # the default DeepSpeed JSON: the wheel's own
+                         cwd=user, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert lines and '"step": 2' in lines[-1], lines[-1:]
+
+
+def test_main_without_zerotrain_installed_says_how_to_install(tmp_path):
+    """A Python without zerotrain (a bare venv): one line naming the fix, no traceback."""
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    out = subprocess.run([str(venv / "bin" / "python"), MAIN, "--help"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60, env=subprocess_env({"PYTHONPATH": None}))
+    assert out.returncode != 0
+    assert "zerotrain is not installed" in out.stderr and "pip install -e ." in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

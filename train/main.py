@@ -13,27 +13,31 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    # Run as a script: Python put train/ first on sys.path; import from the repo root instead.
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
-
-from train.launch import device_env, library_warnings  # noqa: E402
+# Run as a script, this file imports zerotrain from the installed package (`pip install -e .`
+# maps zerotrain.train to this checkout's train/), never by adding the checkout to the import path:
+# the user's own `models` or `train` packages stay theirs.
+try:
+    from zerotrain.train.launch import device_env, library_warnings
+except ModuleNotFoundError as e:  # run with a Python that lacks zerotrain
+    if e.name not in ("zerotrain", "zerotrain.train"):
+        raise
+    sys.exit("train/main.py: zerotrain is not installed in this Python (" + sys.executable + "); run "
+             "`pip install -e .` in the checkout (or `make install`) and launch again")
 
 device_env.apply()  # before torch is imported: ZEROTRAIN_DEVICE=cpu
 library_warnings.quiet()  # before DeepSpeed's first collective: torch's deprecations of the calls it makes
 
-from train.args import parse_train_args  # noqa: E402
-from train.errors import user_errors  # noqa: E402
+from zerotrain.train.args import parse_train_args  # noqa: E402
+from zerotrain.train.errors import user_errors  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     with user_errors():  # a bad flag: one line and exit 2 like any other user error (--debug not yet known)
         args = parse_train_args(sys.argv[1:] if argv is None else argv)
     with user_errors(args.debug):
-        from train.training.build import build
-        from train.config import load_config
+        from zerotrain.train.training.build import build
+        from zerotrain.train.config import load_config
         cfg = load_config(args.config, args.overrides)
         trainer = build(cfg, args.ds_config)
         try:
@@ -42,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             trainer.close()
         if trainer.stop_reason == "diverged":
-            from train.errors import TrainingDiverged
+            from zerotrain.train.errors import TrainingDiverged
             raise TrainingDiverged(trainer.health.diverged_reason)
     return 0
 

@@ -47,7 +47,7 @@ def private_jit_ops(dest: Path) -> Path:
     if (shared / "deepspeed_shm_comm").is_dir():  # not its lock files: a build may be running
         shutil.copytree(shared / "deepspeed_shm_comm", dest / "deepspeed_shm_comm",
                         ignore=shutil.ignore_patterns("lock", ".ninja_lock"))
-    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from train.launch.distributed import venv_tools_first; "
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from zerotrain.train.launch.distributed import venv_tools_first; "
             "venv_tools_first(os.environ); from deepspeed.accelerator import get_accelerator as g; "
             "g().create_op_builder('ShareMemCommBuilder').load()")
     proc = subprocess.run([sys.executable, "-c", code, str(REPO)], env=subprocess_env({"TORCH_EXTENSIONS_DIR": str(dest)}),
@@ -111,6 +111,6 @@ def zerotrain(args: list[str], cwd: Path, env: dict) -> subprocess.CompletedProc
     """`zerotrain <args>` as users run it (the console script, or its entry point)."""
     script = BIN / "zerotrain"
     cmd = [str(script)] if script.exists() else [
-        sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); from train.cli import main; "
+        sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); from zerotrain.train.cli import main; "
                               f"sys.exit(main())"]
     return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)

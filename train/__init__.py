@@ -1,0 +1,1 @@
+"""zerotrain's training program: installed as zerotrain.train (setup.py), run as train/main.py."""
