@@ -45,6 +45,10 @@ STAGE3_ONLY = ("offload_param", "stage3_prefetch_bucket_size", "stage3_param_per
 SCHEDULES = {"WarmupCosineLR": "cosine", "WarmupDecayLR": "linear", "WarmupLR": "constant"}
 
 
+def _sched_type(schedule: str) -> str:
+    return next(k for k, v in SCHEDULES.items() if v == schedule)
+
+
 def _multiple_of_8(n: float) -> int:
     return max(8, int(n) // 8 * 8)  # DeepSpeed asserts bucket sizes align to its NCCL start alignment
 
@@ -360,7 +364,8 @@ def _check_scheduler(path, ds: dict, o, max_steps: int):
                           f'{", ".join(SCHEDULES)} (zerotrain computes the LR itself) or remove the block')
     if SCHEDULES[kind] != o.schedule:
         raise ConfigError(f'{path}: "scheduler.type" {kind} means schedule "{SCHEDULES[kind]}" but the run '
-                          f'config has optim.schedule = "{o.schedule}"; make them agree')
+                          f'config has optim.schedule = "{o.schedule}"; make them agree (--optim.schedule '
+                          f'{SCHEDULES[kind]}, or a "scheduler.type" of {_sched_type(o.schedule)}, or drop the block)')
     params = sched.get("params")
     if isinstance(params, dict) and "warmup_type" in params:
         # DeepSpeed's WarmupLR/WarmupDecayLR warm up on a log curve unless "warmup_type" says
