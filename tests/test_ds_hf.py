@@ -4,9 +4,11 @@ Trainer's documented JSONs load in zerotrain unchanged.
 
 tests/data/hf_deepspeed/ds_config_zero{2,3}.json are the "ZeRO-2 Example" and "ZeRO-3 Example"
 auto-configuration files of transformers' DeepSpeed guide
-(https://huggingface.co/docs/transformers/deepspeed, docs/source/en/main_classes/deepspeed.md),
-with "bf16": {"enabled": "auto"} and "reduce_bucket_size": "auto" as in the guide's current
-version (an older one had no bf16 block and 2e8 there: test_hf_docs_older_variants).
+(https://huggingface.co/docs/transformers/deepspeed; docs/source/en/main_classes/deepspeed.md),
+written out key by key, with "bf16": {"enabled": "auto"} (as transformers'
+tests/deepspeed/ds_config_zero2.json has) and the ZeRO-2 "reduce_bucket_size": "auto" as issue 37
+quotes them. The guide's own ZeRO-2 text has no bf16 block and 2e8 there:
+test_hf_docs_older_variants loads that form too.
 """
 
 from __future__ import annotations
@@ -179,7 +181,7 @@ def test_hf_docs_json_on_a_gpu(monkeypatch, launcher, want):
 
 
 def test_hf_docs_older_variants(tmp_path, monkeypatch):
-    """The guide's older ZeRO-2 example: no bf16 block (fp16 "auto" only), 2e8 buckets."""
+    """The guide's ZeRO-2 example as its text has it: no bf16 block (fp16 "auto" only), 2e8 buckets."""
     data = json.loads((HF_DIR / "ds_config_zero2.json").read_text())
     del data["bf16"]
     data["zero_optimization"]["reduce_bucket_size"] = 2e8
