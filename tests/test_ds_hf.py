@@ -21,9 +21,9 @@ import re
 import pytest
 
 from helpers import REPO, TINY, run_train, train_losses
-from train.config import load_config
-from train.errors import ConfigError
-from train.strategy.ds_config import COMPANION_SIZES, load_ds_setup, resolve_precision
+from zerotrain.train.config import load_config
+from zerotrain.train.errors import ConfigError
+from zerotrain.train.strategy.ds_config import COMPANION_SIZES, load_ds_setup, resolve_precision
 
 HF_DIR = REPO / "tests" / "data" / "hf_deepspeed"
 SHIPPED = sorted((REPO / "ds_configs").glob("*.json"))
