@@ -194,7 +194,7 @@ def test_shipped_configs_resolve(tmp_path):
     ({"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}, "train.grad_accum_steps = 1"),
     ({"gradient_clipping": 0.5, "zero_optimization": {"stage": 2}}, "train.grad_clip = 1.0"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "both"),
-    ({"bf16": {"enabled": "auto"}}, '"bf16.enabled" must be true or false'),
+    ({"bf16": {"enabled": "yes"}}, '"bf16.enabled" must be true, false or "auto"'),
     ({"zero_optimization": {"stage": 4}}, "must be 0, 1, 2 or 3"),
     ({"zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": 1}}, "only apply to ZeRO-3"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "only apply to ZeRO-3"),

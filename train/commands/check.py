@@ -100,9 +100,10 @@ def run_checks(args) -> list[str]:
     width = resolve_model(cfg.model).hidden_size  # before any data: None for linear and vision models
     for path in paths:
         ds = load_ds_setup(path, cfg, batch, cfg.train.max_steps, cuda=args.cuda, hidden_size=width,
-                             sizes_later=True)
+                           sizes_later=True, launcher_precision=(acc or {}).get("mixed_precision") or "")
         ok.append(f"{path}: {ds.describe()} at world size {world}: micro {batch.micro} x accum {batch.accum} "
-                  f"x world {world} = global {batch.global_size}")
+                  f"x world {world} = global {batch.global_size}"
+                  + (f" ({ds.precision_why})" if ds.precision_why else ""))
     return ok
 
 

@@ -29,7 +29,7 @@ import torch
 from zerotrain.train import errors, paths, process_group
 from zerotrain.train.config import Batch
 from zerotrain.train.errors import ConfigError
-from zerotrain.train.strategy.ds_config import read_ds_json
+from zerotrain.train.strategy.ds_config import machine_precision, read_ds_json
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -162,13 +162,11 @@ def resolve_ds_config_path(cli_or_file: str | None, launcher: str) -> str:
 
 def default_ds_config() -> tuple[str, str]:
     """(file in ds_configs/, why) when the run names none: ZeRO-2 in the fastest precision this
-    hardware has. bf16 on GPUs that compute it (Ampere and newer), fp16 with loss scaling on
-    older GPUs, fp32 on CPUs: without bf16 matmul units they emulate it, ~7x slower (README)."""
-    if torch.cuda.is_available():
-        if torch.cuda.is_bf16_supported():
-            return "zero2.json", "ZeRO-2, bf16: this GPU computes bf16 natively"
-        return "zero2_fp16.json", "ZeRO-2, fp16 with loss scaling: this GPU has no native bf16"
-    return "zero2_fp32.json", "ZeRO-2, fp32: no GPU here, and CPUs emulate bf16 ~7x slower"
+    hardware has (train/strategy/ds_config.py machine_precision, also what "enabled": "auto" means)."""
+    precision, why = machine_precision(torch.cuda.is_available())
+    name, label = {"bf16": ("zero2.json", "bf16"), "fp16": ("zero2_fp16.json", "fp16 with loss scaling"),
+                   "fp32": ("zero2_fp32.json", "fp32")}[precision]
+    return name, f"ZeRO-2, {label}: {why}"
 
 
 def build_accelerator(mixed_precision: str, batch: Batch, timeout_s: int, log_with: str | None = None,

@@ -38,6 +38,7 @@ def banner(t) -> str:
         f"  world        {topo.world_size} process(es) on {topo.num_nodes} node(s), launcher {topo.launcher}, "
         f"{topo.device} / {topo.backend}" + _threads_text(t),
         f"  strategy     {strategy.describe()}   [{strategy.path}]",
+        *([f"  precision    {strategy.precision} ({strategy.ds.precision_why})"] if strategy.ds.precision_why else []),
         f"  model        {t.cfg.model.name}: {human(total)} params ({human(trainable)} trainable)" + _lora_text(t),
         f"  data         {data.describe}: "
         + ("an endless stream" if data.stream is not None else f"{len(data.train)} train samples")

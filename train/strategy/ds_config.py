@@ -8,7 +8,12 @@ an error rather than being silently overridden.
 
 Under bf16 with ZeRO-1/2/3, gradients accumulate in fp32 ("data_types.grad_accum_dtype",
 filled when the JSON does not set it). ZeRO buffer sizes may be "auto": derived from the model
-width (AUTO_SIZES).
+width (AUTO_SIZES); a JSON that asks for one of Hugging Face's "auto" sizes gets the other
+AUTO_SIZES keys it leaves out sized the same way (COMPANION_SIZES).
+
+The same file serves Hugging Face's Trainer: "auto" appears in the shipped JSONs only where the
+Trainer fills it too (tests/test_ds_hf.py), and "bf16.enabled" / "fp16.enabled" may be "auto"
+(resolve_precision: accelerate's mixed_precision, else the machine's fastest precision).
 
 zerotrain builds the optimizer (torch AdamW, or DeepSpeedCPUAdam when the optimizer is
 offloaded) and computes the LR itself every step, so both behave identically under DDP
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +43,10 @@ STAGE3_ONLY = ("offload_param", "stage3_prefetch_bucket_size", "stage3_param_per
                "zero_quantized_nontrainable_weights", "mics_shard_size", "module_granularity_threshold",
                "sub_group_size_stage3", "sub_group_size")
 SCHEDULES = {"WarmupCosineLR": "cosine", "WarmupDecayLR": "linear", "WarmupLR": "constant"}
+
+
+def _sched_type(schedule: str) -> str:
+    return next(k for k, v in SCHEDULES.items() if v == schedule)
 
 
 def _multiple_of_8(n: float) -> int:
@@ -57,7 +67,24 @@ AUTO_SIZES = {
     "stage3_max_reuse_distance": lambda h: 24 * h * h,
     "sub_group_size": lambda h: 24 * h * h,
 }
+# The "auto" sizes Hugging Face's Trainer fills too (transformers/integrations/deepspeed.py,
+# trainer_config_finalize; tests/test_ds_hf.py). A JSON that asks for one of them has the other
+# AUTO_SIZES keys of its stage that it leaves out sized from the model as well: the shipped
+# JSONs say "auto" only where the Trainer fills it, and keep zerotrain's sizing of the rest.
+HF_AUTO_SIZES = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+COMPANION_SIZES = {1: ("allgather_bucket_size",), 2: ("allgather_bucket_size",),
+                   3: ("stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size")}
 OPTIMIZERS = ("adamw", "adam")
+
+
+def add_companion_sizes(zero: dict) -> list[str]:
+    """Marks "auto" the COMPANION_SIZES keys a `zero_optimization` block leaves out when it has an
+    "auto" HF_AUTO_SIZES key (in place); returns the keys added."""
+    if not any(_is_auto(zero.get(k)) for k in HF_AUTO_SIZES):
+        return []
+    added = [k for k in COMPANION_SIZES.get(zero.get("stage", 0), ()) if k not in zero]
+    zero.update({k: "auto" for k in added})
+    return added
 
 
 @dataclass
@@ -72,6 +99,7 @@ class DSSetup:
     offload_param: str | None
     ddp_kwargs: dict = field(default_factory=dict)
     grad_scaler: dict | None = None   # DDP fp16: torch GradScaler arguments from the "fp16" block
+    precision_why: str | None = None  # how an "auto" bf16/fp16.enabled was resolved (banner); None: the JSON says
     resolved: dict = field(default_factory=dict)   # what DeepSpeed receives, no "auto" left
 
     @property
@@ -117,23 +145,93 @@ def _is_auto(v) -> bool:
     return isinstance(v, str) and v.lower() == "auto"
 
 
-def precision_of(path, ds: dict) -> str:
-    """"bf16", "fp16" or "fp32": what a DeepSpeed JSON (`ds`, read from `path`) enables."""
-    enabled = {}
-    for name in ("bf16", "fp16"):
+HALF = ("bf16", "fp16")
+
+
+def machine_precision(cuda: bool) -> tuple[str, str]:
+    """(precision, why): the fastest this machine trains in; what a run without --ds-config
+    takes (train/launch/distributed.py default_ds_config) and what "enabled": "auto" becomes.
+    bf16 on GPUs that compute it (Ampere and newer), fp16 with loss scaling on older GPUs, fp32
+    on CPUs: without bf16 matmul units they emulate it, ~7x slower (BENCHMARKS.md)."""
+    if not cuda:
+        return "fp32", "no GPU here, and CPUs emulate bf16 ~7x slower"
+    import torch
+    if not torch.cuda.is_available():  # `zerotrain check --cuda` from a CPU machine
+        return "bf16", "a CUDA GPU (assumed to compute bf16, as Ampere and newer do)"
+    if torch.cuda.is_bf16_supported():
+        return "bf16", "this GPU computes bf16 natively"
+    return "fp16", "this GPU has no native bf16"
+
+
+def _enabled_states(path, ds: dict) -> dict:
+    """{"bf16": True | False | "auto", "fp16": ...} as the JSON says; an absent block is False."""
+    states = {}
+    for name in HALF:
         block = ds.get(name, {})
         if not isinstance(block, dict):
             raise ConfigError(f'{path}: "{name}" must be an object like {{"enabled": true}}')
         value = block.get("enabled", False)
-        if not isinstance(value, bool):
-            raise ConfigError(f'{path}: "{name}.enabled" must be true or false (got {value!r}); '
-                              f"precision is chosen in the DeepSpeed JSON, not filled automatically")
-        enabled[name] = value
+        if _is_auto(value):
+            value = "auto"
+        elif not isinstance(value, bool):
+            raise ConfigError(f'{path}: "{name}.enabled" must be true, false or "auto" (got {value!r})')
+        states[name] = value
     if "amp" in ds and ds["amp"].get("enabled"):
         raise ConfigError(f'{path}: "amp" (apex) is not supported; use "bf16" or "fp16"')
-    if enabled["bf16"] and enabled["fp16"]:
+    if states["bf16"] is True and states["fp16"] is True:
         raise ConfigError(f'{path}: both "bf16.enabled" and "fp16.enabled" are true; enable one (bf16 recommended)')
-    return "bf16" if enabled["bf16"] else "fp16" if enabled["fp16"] else "fp32"
+    return states
+
+
+def resolve_precision(path, ds: dict, cuda: bool | None = None,
+                      launcher_precision: str | None = None) -> tuple[str, str | None]:
+    """(precision, why) of a DeepSpeed JSON: "bf16", "fp16" or "fp32", and None when the JSON
+    fixes it, else how its "enabled": "auto" was resolved (the banner's clause).
+
+    "auto" (Hugging Face's Trainer fills it from --bf16/--fp16; zerotrain has no such flags):
+    1. a block that is true wins, and an "auto" beside it is false;
+    2. else accelerate's mixed_precision (`accelerate launch --mixed_precision` or the YAML's,
+       `launcher_precision`), when it is bf16 or fp16 and the JSON allows it;
+    3. else the machine's fastest precision (machine_precision) among those the JSON allows
+       ("auto" or true): bf16, then fp16 on GPUs; fp32 on CPUs, and when neither is allowed.
+    `cuda` and `launcher_precision` default to this machine and process (ACCELERATE_MIXED_PRECISION)."""
+    states = _enabled_states(path, ds)
+    autos = [n for n in HALF if states[n] == "auto"]
+    fixed = next((n for n in HALF if states[n] is True), None)
+    if fixed or not autos:
+        return fixed or "fp32", None
+    if cuda is None:
+        import torch
+        cuda = torch.cuda.is_available()
+    if launcher_precision is None:
+        launcher_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    what = " and ".join(f"{n}.enabled" for n in autos) + ' "auto"'
+    if launcher_precision in HALF:
+        if launcher_precision not in autos:
+            raise ConfigError(f"{path}: accelerate's mixed_precision is {launcher_precision} but "
+                              f'"{launcher_precision}.enabled" is false in the JSON; set it to "auto" or true, or '
+                              f"change mixed_precision (accelerate launch --mixed_precision / the YAML)")
+        return launcher_precision, f"{what}: accelerate's mixed_precision {launcher_precision}"
+    best, why = machine_precision(cuda)
+    order = {"bf16": ["bf16", "fp16"], "fp16": ["fp16"], "fp32": []}[best]
+    choice = next((n for n in order if n in autos), "fp32")
+    if choice != best:
+        why += f"; {best} is disabled in the JSON"
+    return choice, f"{what}: {why}"
+
+
+def precision_of(path, ds: dict, cuda: bool | None = None, launcher_precision: str | None = None) -> str:
+    """"bf16", "fp16" or "fp32": what a DeepSpeed JSON (`ds`, read from `path`) trains in
+    (its "auto" resolved as resolve_precision does)."""
+    return resolve_precision(path, ds, cuda, launcher_precision)[0]
+
+
+def _fill_precision(ds: dict, precision: str):
+    """The JSON's "enabled": "auto" replaced by what `precision` means (DeepSpeed takes booleans)."""
+    for name in HALF:
+        block = ds.get(name)
+        if isinstance(block, dict) and _is_auto(block.get("enabled")):
+            block["enabled"] = name == precision
 
 
 # DeepSpeed's fp16 block as torch's GradScaler (what DDP uses): the keys that have a meaning there.
@@ -203,19 +301,25 @@ def _check_block(path, block: dict, name: str, checks: dict):
 
 
 def load_ds_setup(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda: bool,
-                  hidden_size: int | None = None, sizes_later: bool = False) -> DSSetup:
+                  hidden_size: int | None = None, sizes_later: bool = False,
+                  launcher_precision: str | None = None) -> DSSetup:
     """Read the DeepSpeed JSON at `path`, validate it against the run config and fill every
     "auto". The "auto" ZeRO sizes need the model width; `sizes_later` (zerotrain check, before
-    any data is read) leaves them for the run to fill."""
+    any data is read) leaves them for the run to fill. `launcher_precision`: accelerate's
+    mixed_precision, for an "enabled": "auto" (default: ACCELERATE_MIXED_PRECISION)."""
     ds = copy.deepcopy(read_ds_json(path))
-    precision = precision_of(path, ds)
+    precision, why = resolve_precision(path, ds, cuda, launcher_precision)
     _check_fp16_device(path, precision, cuda)
+    _fill_precision(ds, precision)
     _match_batch(path, ds, cfg, batch)
     _check_optimizer(path, ds, cfg.optim)
     _check_scheduler(path, ds, cfg.optim, max_steps)
     if "ddp" in ds:
-        return _ddp_setup(path, ds, precision)
-    return _deepspeed_setup(path, ds, precision, hidden_size, sizes_later)
+        setup = _ddp_setup(path, ds, precision)
+    else:
+        setup = _deepspeed_setup(path, ds, precision, hidden_size, sizes_later)
+    setup.precision_why = why
+    return setup
 
 
 def _check_fp16_device(path, precision: str, cuda: bool):
@@ -260,7 +364,16 @@ def _check_scheduler(path, ds: dict, o, max_steps: int):
                           f'{", ".join(SCHEDULES)} (zerotrain computes the LR itself) or remove the block')
     if SCHEDULES[kind] != o.schedule:
         raise ConfigError(f'{path}: "scheduler.type" {kind} means schedule "{SCHEDULES[kind]}" but the run '
-                          f'config has optim.schedule = "{o.schedule}"; make them agree')
+                          f'config has optim.schedule = "{o.schedule}"; make them agree (--optim.schedule '
+                          f'{SCHEDULES[kind]}, or a "scheduler.type" of {_sched_type(o.schedule)}, or drop the block)')
+    params = sched.get("params")
+    if isinstance(params, dict) and "warmup_type" in params:
+        # DeepSpeed's WarmupLR/WarmupDecayLR warm up on a log curve unless "warmup_type" says
+        # "linear"; zerotrain's warmup is linear (train/optim/schedule.py).
+        if params["warmup_type"] != "linear":
+            raise ConfigError(f'{path}: "scheduler.params.warmup_type": {params["warmup_type"]!r}: zerotrain warms '
+                              f'up linearly (optim.warmup_steps); use "linear" or remove the key')
+        sched = {**sched, "params": {k: v for k, v in params.items() if k != "warmup_type"}}
     _check_block(path, sched, "scheduler", {"warmup_num_steps": (o.warmup_steps, "optim.warmup_steps"),
                                             "total_num_steps": (max_steps, "train.max_steps"),
                                             "warmup_max_lr": (o.lr, "optim.lr"),
@@ -334,7 +447,9 @@ def _offload_devices(path, zero: dict, stage: int) -> tuple[str | None, str | No
 
 
 def _fill_auto_sizes(path, zero: dict, hidden_size: int | None, sizes_later: bool):
-    """The "auto" buffer sizes from the model width (AUTO_SIZES); left as they are with `sizes_later`."""
+    """The "auto" buffer sizes (and their companions: add_companion_sizes) from the model width
+    (AUTO_SIZES); left as they are with `sizes_later`."""
+    add_companion_sizes(zero)
     for k, rule in AUTO_SIZES.items():
         if _is_auto(zero.get(k)):
             if hidden_size is None and sizes_later:

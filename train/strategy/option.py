@@ -95,11 +95,12 @@ class Option:
 
 
 def _zero(label, path, precision, zero, data_types=None, width=None) -> Option:
-    from zerotrain.train.strategy.ds_config import ACCUM_DTYPES, AUTO_SIZES
+    from zerotrain.train.strategy.ds_config import ACCUM_DTYPES, AUTO_SIZES, add_companion_sizes
 
     def on(block):
         return (zero.get(block) or {}).get("device") not in (None, "none")
     notes = []
+    add_companion_sizes(zero)  # as train/strategy/ds_config.py sizes them for a run
     for k, v in list(zero.items()):
         if isinstance(v, str) and v.lower() == "auto":
             if width and k in AUTO_SIZES:
