@@ -95,8 +95,8 @@ def call(name: str, kwargs: dict) -> nn.Module:
     try:
         inspect.signature(f).bind(**kwargs)
     except TypeError as e:
-        raise ConfigError(f"model.kwargs {json.dumps(kwargs)}: {name[len(PREFIX):]} does not take them ({e}); give "
-                          f"the factory's keyword arguments") from None
+        raise ConfigError(f'model.kwargs {json.dumps(kwargs)}: the factory of model.name "{name}" does not take them '
+                          f"({e}); give the factory's keyword arguments") from None
     except ValueError:  # no signature to check (a builtin, a C extension): the call says
         pass
     model = f(**kwargs)
