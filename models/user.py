@@ -192,11 +192,3 @@ def build_user(spec: ModelSpec, data, init_context=contextlib.nullcontext) -> Wo
                     model_config=model_config(spec, kind), hidden_size=width(model), flops_per_item=6.0 * n,
                     tied=_tied(model), model_loss=kind == "model", sparse=info)
 
-
-def loss_of(out) -> torch.Tensor:
-    """The loss a model.loss "model" forward returned (a tensor, or a ModelOutput / mapping with "loss")."""
-    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", out)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ConfigError(f'model.loss "model": forward(**batch) must return the loss as a scalar tensor (or an '
-                          f'object with .loss); it returned {type(out).__name__}')
-    return loss.reshape(()).float()

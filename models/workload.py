@@ -60,8 +60,7 @@ class Workload:
         A py: model with model.loss "model" returns its own loss from forward(**batch)
         (models/user.py): taken as it is, `denominator` not applied."""
         if self.model_loss:
-            from models.user import loss_of
-            return loss_of(model(**batch))
+            return own_loss(model(**batch))
         if self.moe is not None:  # the router's aux loss and routed tokens come with the logits
             out = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), output_router_logits=True)
             lm = cross_entropy(out.logits.reshape(-1, out.logits.size(-1)), batch["labels"].reshape(-1),
@@ -81,8 +80,7 @@ class Workload:
         """Per-sample statistics (shape [B]) so that gather_for_metrics can drop padding exactly.
         A model that computes its own loss gives one number per micro-batch: each sample carries it."""
         if self.model_loss:
-            from models.user import loss_of
-            loss = loss_of(model(**batch))
+            loss = own_loss(model(**batch))
             return {"loss": loss.expand(next(iter(batch.values())).size(0))}
         out = self.logits(model, batch)
         if self.task == "lm":
@@ -139,6 +137,17 @@ class Workload:
         for b in bufs:
             b.copy_(flat[offset:offset + b.numel()].view_as(b))
             offset += b.numel()
+
+
+def own_loss(out) -> torch.Tensor:
+    """The loss a py: model with model.loss "model" returned from forward(**batch) (models/user.py):
+    a scalar tensor, or a ModelOutput / mapping with a "loss" entry; fp32."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", out)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        from models.errors import ConfigError
+        raise ConfigError(f'model.loss "model": forward(**batch) must return the loss as a scalar tensor (or an '
+                          f'object with .loss); it returned {type(out).__name__}')
+    return loss.reshape(()).float()
 
 
 def _batch_norm_fp32_affine(self, x: torch.Tensor) -> torch.Tensor:
