@@ -108,6 +108,11 @@ def test_kwargs_reach_the_factory_and_the_planner_sizes_the_module_it_builds():
     assert wl.moe_info.num_experts == 6 and wl.moe_info.top_k == 2 and wl.moe is None  # no aux loss of zerotrain's
     assert wl.model_config == {"family": "py", "factory": "user_models.banded_moe:build_model",
                                "kwargs": {**KWARGS, "n_experts": 6}, "loss": "lm"}
+    # `zerotrain plan py:...` sizes the factory's module (its default kwargs) the same way.
+    from train.commands.plan import resolve_model
+    shape, _ = resolve_model(FACTORY)
+    assert shape.num_params == sum(p.numel() for p in build_workload(resolve(ModelConfig(name=FACTORY)),
+                                                                       data).model.parameters())
 
 
 def test_model_loss_is_what_forward_returns():
