@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from models.errors import ConfigError, did_you_mean
+from zerotrain.models.errors import ConfigError, did_you_mean
 
 
 @dataclass

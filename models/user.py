@@ -38,9 +38,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from models.errors import ConfigError
-from models.spec import ModelSpec
-from models.workload import Workload
+from zerotrain.models.errors import ConfigError
+from zerotrain.models.spec import ModelSpec
+from zerotrain.models.workload import Workload
 
 PREFIX = "py:"
 FIX = ("make it importable: put its directory on PYTHONPATH, install its package, or run from the "
@@ -75,7 +75,7 @@ def factory(name: str) -> Callable[..., nn.Module]:
     f = getattr(module, fn, None)
     if f is None:
         names = [n for n in dir(module) if callable(getattr(module, n)) and not n.startswith("_")]
-        from models.errors import did_you_mean
+        from zerotrain.models.errors import did_you_mean
         raise ConfigError(f'model.name "{name}": module {module_name} ({getattr(module, "__file__", "?")}) has no '
                           f'function "{fn}"{did_you_mean(fn, names)}; name the function that builds the model')
     if not callable(f):
@@ -175,7 +175,7 @@ def model_config(spec: ModelSpec, kind: str) -> dict:
 
 
 def build_user(spec: ModelSpec, data, init_context=contextlib.nullcontext) -> Workload:
-    from models.moe import detect
+    from zerotrain.models.moe import detect
     kind = loss_kind(spec, data.task)
     _check_data(spec, kind, data)
     if spec.config.activation_checkpointing:

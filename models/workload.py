@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.losses import IGNORE_INDEX, cross_entropy, token_losses
+from zerotrain.models.losses import IGNORE_INDEX, cross_entropy, token_losses
 
 if TYPE_CHECKING:
-    from models.moe import MoEInfo, MoEStats
+    from zerotrain.models.moe import MoEInfo, MoEStats
 
 
 @dataclass
@@ -144,7 +144,7 @@ def own_loss(out) -> torch.Tensor:
     a scalar tensor, or a ModelOutput / mapping with a "loss" entry; fp32."""
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", out)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        from models.errors import ConfigError
+        from zerotrain.models.errors import ConfigError
         raise ConfigError(f'model.loss "model": forward(**batch) must return the loss as a scalar tensor (or an '
                           f'object with .loss); it returned {type(out).__name__}')
     return loss.reshape(()).float()

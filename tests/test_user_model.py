@@ -82,8 +82,8 @@ def test_a_bad_factory_stops_in_one_line_with_exit_2(capsys, tmp_path, name, kwa
     (["--model.name", FACTORY, "--model.kwargs", "[1, 2]"], "model.kwargs must be a mapping (got '[1, 2]')"),
 ])
 def test_keys_of_another_kind_of_model_are_refused(override, says):
-    from train.config import load_config
-    from train.errors import ConfigError
+    from zerotrain.train.config import load_config
+    from zerotrain.train.errors import ConfigError
     pairs = [(override[i].lstrip("-"), override[i + 1]) for i in range(0, len(override), 2)]
     with pytest.raises(ConfigError) as e:
         load_config(None, pairs)
@@ -93,10 +93,10 @@ def test_keys_of_another_kind_of_model_are_refused(override, says):
 def test_kwargs_reach_the_factory_and_the_planner_sizes_the_module_it_builds():
     """The factory is called with model.kwargs; the planner's meta-device module (no memory) has
     the tensors of the module the run builds, its sparse block found, top-k from the block."""
-    from models import build_workload, resolve
-    from models.config import ModelConfig
-    from train.plan import memory_check
-    from train.plan.shapes import module_shape
+    from zerotrain.models import build_workload, resolve
+    from zerotrain.models.config import ModelConfig
+    from zerotrain.train.plan import memory_check
+    from zerotrain.train.plan.shapes import module_shape
     spec = resolve(ModelConfig(name=FACTORY, kwargs={**KWARGS, "n_experts": 6}))
     data = SimpleNamespace(task="lm", extra={}, seq_len=SEQ, vocab_size=MOE_VOCAB)
     wl = build_workload(spec, data)
@@ -109,7 +109,7 @@ def test_kwargs_reach_the_factory_and_the_planner_sizes_the_module_it_builds():
     assert wl.model_config == {"family": "py", "factory": "user_models.banded_moe:build_model",
                                "kwargs": {**KWARGS, "n_experts": 6}, "loss": "lm"}
     # `zerotrain plan py:...` sizes the factory's module (its default kwargs) the same way.
-    from train.commands.plan import resolve_model
+    from zerotrain.train.commands.plan import resolve_model
     shape, _ = resolve_model(FACTORY)
     assert shape.num_params == sum(p.numel() for p in build_workload(resolve(ModelConfig(name=FACTORY)),
                                                                        data).model.parameters())
@@ -117,8 +117,8 @@ def test_kwargs_reach_the_factory_and_the_planner_sizes_the_module_it_builds():
 
 def test_model_loss_is_what_forward_returns():
     """model.loss "model": forward(**batch) computes the loss; training and evaluation take it as it is."""
-    from models import build_workload, resolve
-    from models.config import ModelConfig
+    from zerotrain.models import build_workload, resolve
+    from zerotrain.models.config import ModelConfig
     spec = resolve(ModelConfig(name="py:user_models.own_loss:regressor", loss="model", kwargs={"features": 3}))
     wl = build_workload(spec, SimpleNamespace(task="regress", extra={}, seq_len=None))
     x, y = torch.randn(5, 3), torch.randn(5, 1)
@@ -142,8 +142,8 @@ def test_user_moe_under_partitioned_zero3_equals_ddp_with_ranks_on_disjoint_expe
         assert z["built_outside_zero_init"] == 0, z
         assert z["held_elements"] <= z["partitioned_elements"] / 2 + z["partitioned_tensors"], z
     # Rank 0 only ever held low-band windows (experts 0-1), rank 1 only high-band ones (experts 2-3).
-    from train.config import DataConfig
-    from train.data import build_data
+    from zerotrain.train.config import DataConfig
+    from zerotrain.train.data import build_data
     import zlib
     data = build_data(DataConfig(kind="tokens", path=str(user_moe.tokens)), SEQ, SEED)
     crc = {zlib.crc32(data.train[i]["input_ids"].numpy().tobytes()): i for i in range(len(data.train))}
@@ -178,8 +178,8 @@ def test_user_moe_export_loads_into_the_factorys_module(user_moe):
     ddp = load_file(str(user_moe.ddp.dir / "export" / "model.safetensors"))
     assert set(ddp) == set(tensors) and all(torch.allclose(ddp[k], tensors[k], atol=1e-5) for k in tensors)
     # The loaded module reproduces the run's validation loss (token-weighted, as the evaluator).
-    from train.config import DataConfig
-    from train.data import build_data
+    from zerotrain.train.config import DataConfig
+    from zerotrain.train.data import build_data
     val = build_data(DataConfig(kind="tokens", path=str(user_moe.tokens)), SEQ, SEED).val
     model.eval()
     with torch.no_grad():
