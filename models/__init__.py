@@ -1,7 +1,8 @@
 """Model registry: resolve the run's model once, then build it, with the loss that trains it.
 
 `model.name` is a GPT preset (models/gpt.py), "linear", a torchvision classifier
-(models/vision.py) or "hf:<local dir>" (models/hf.py). `resolve(cfg)` checks the name and
+(models/vision.py), "hf:<local dir>" (models/hf.py) or "py:<module>:<factory>", the user's own
+nn.Module (models/user.py). `resolve(cfg)` checks the name and
 reads what is known before any data into a ModelSpec (models/spec.py); the run's build, memory
 planner and data length use that spec, and `build_workload(spec, data)` builds it. Every
 builder returns a Workload: the nn.Module plus how to compute its loss and per-sample eval
@@ -48,7 +49,11 @@ def _resolve(cfg: ModelConfig) -> ModelSpec:
     name = cfg.name
     if name.startswith("hf:"):
         from zerotrain.models.hf import spec_fields
-        return ModelSpec(cfg, "hf", **spec_fields(name[3:]))
+        return ModelSpec(cfg, "hf", **spec_fields(name[3:], cfg.trust_remote_code))
+    if name.startswith("py:"):
+        from zerotrain.models.user import check
+        check(cfg)  # the factory imports: a one-line error before any data is read
+        return ModelSpec(cfg, "py")
     if name in gpt.PRESETS:
         g = gpt_config(cfg, vocab_size=None)
         return ModelSpec(cfg, "gpt", context=g.seq_len, vocab_size=g.vocab_size, hidden_size=g.d_model)
@@ -59,7 +64,7 @@ def _resolve(cfg: ModelConfig) -> ModelSpec:
         return ModelSpec(cfg, "vision")
     raise ConfigError(f'model.name "{name}" is unknown{did_you_mean(name, list(gpt.PRESETS) + ["linear"])}: use a '
                       f'GPT preset ({", ".join(gpt.PRESETS)}), "linear", a torchvision classifier (e.g. resnet50) '
-                      f'or "hf:<local model dir>"')
+                      f'"hf:<local model dir>" or your own model, "py:<module>:<factory>"')
 
 
 def hidden_size_of(spec: ModelSpec, data=None) -> Optional[int]:
@@ -75,6 +80,14 @@ def hidden_size_of(spec: ModelSpec, data=None) -> Optional[int]:
         from zerotrain.models.vision import arch_info
         info = arch_info(spec.name, spec.config.num_classes or data.num_classes, data.extra["image_size"])
         return max(1, math.isqrt(max(math.prod(s) for s in info.shapes.values())))
+    if spec.family == "py":
+        from zerotrain.models import user
+        try:
+            return user.width(user.meta(spec))
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 - a factory that cannot build on the meta device: the width stays unknown
+            return None
     return None
 
 
@@ -155,6 +168,10 @@ def meta_model(spec: ModelSpec, data) -> tuple[nn.Module, dict, Optional[int]]:
         from zerotrain.models.vision import meta_vision
         model, model_config = meta_vision(spec.config, data)
         return model, model_config, width
+    if spec.family == "py":
+        from zerotrain.models import user
+        model = user.meta(spec)
+        return model, user.model_config(spec, spec.config.loss), user.width(model)
     raise AssertionError(spec.family)  # resolve makes only the families above
 
 
@@ -210,4 +227,7 @@ def _build(spec: ModelSpec, data, init_context) -> Workload:
     if spec.family == "vision":
         from zerotrain.models.vision import build_vision
         return build_vision(cfg, data, init_context)
+    if spec.family == "py":
+        from zerotrain.models.user import build_user
+        return build_user(spec, data, init_context)
     raise AssertionError(spec.family)  # resolve makes only the families above

@@ -7,10 +7,10 @@ depends on nothing in train/: the builders read it, models.resolve turns it into
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
-from zerotrain.models.errors import ConfigError
+from zerotrain.models.errors import ConfigError, did_you_mean
 
 
 @dataclass
@@ -44,7 +44,8 @@ class LoraConfig:
 class ModelConfig:
     name: str = "gpt-small-cpu"
     """GPT preset (gpt-tiny, gpt-small-cpu, gpt2-124m, gpt-350m, ... gpt-7b), a torchvision
-    classifier (resnet18, resnet50, vit_b_16, ...), "linear", or "hf:<local model dir>"."""
+    classifier (resnet18, resnet50, vit_b_16, ...), "linear", "hf:<local model dir>", or your own
+    nn.Module: "py:<importable module>:<factory function>" (docs/workloads.md, Your own model)."""
     n_layer: Optional[int] = None
     """GPT overrides of the preset; None keeps the preset's value."""
     n_head: Optional[int] = None
@@ -83,6 +84,17 @@ class ModelConfig:
     """LoRA fine-tuning (GPT presets and hf: models): only low-rank adapters are trained, the base
     weights stay frozen and are not saved in checkpoints (docs/lora.md). None = off; set any key,
     e.g. --model.lora.r 16, to turn it on."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """py: models: keyword arguments of the factory, e.g. {d_model: 64, n_experts: 4} (on the
+    command line a JSON or flow-style YAML mapping)."""
+    loss: Optional[str] = None
+    """py: models: how the module is trained. "lm": forward(input_ids) returns (B, T, V) logits,
+    trained with zerotrain's LM loss; "classification": forward(pixel_values) returns (B, C) logits,
+    cross entropy; "model": forward(**batch) returns the loss itself (a scalar tensor, or an object
+    or mapping with a "loss" entry). None = "lm" for language-model data, "classification" for images."""
+    trust_remote_code: bool = False
+    """hf:<local dir> whose config.json names its own modeling code (auto_map): run that code
+    (transformers' trust_remote_code; local files only, never the network). Off by default."""
 
     def __post_init__(self):
         for k in ("n_layer", "n_head", "n_kv_head", "d_model", "seq_len", "vocab_size", "num_classes"):
@@ -95,3 +107,17 @@ class ModelConfig:
             raise ConfigError("model.name must not be empty")
         if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
             raise ConfigError(f"model.router_aux_loss_coef must be >= 0 (got {self.router_aux_loss_coef})")
+        py = self.name.startswith("py:")
+        for key, given in (("kwargs", bool(self.kwargs)), ("loss", self.loss is not None)):
+            if given and not py:
+                raise ConfigError(f'model.{key} is for your own model (model.name "py:<module>:<factory>"); '
+                                  f'model.name "{self.name}" does not take it: remove the key')
+        if self.loss is not None and self.loss not in USER_LOSSES:
+            raise ConfigError(f'model.loss "{self.loss}" is unknown{did_you_mean(self.loss, USER_LOSSES)}; use one '
+                              f'of {", ".join(USER_LOSSES)}')
+        if self.trust_remote_code and not self.name.startswith("hf:"):
+            raise ConfigError(f'model.trust_remote_code is for hf:<local dir> models with their own modeling code; '
+                              f'model.name "{self.name}" does not take it: remove the key')
+
+
+USER_LOSSES = ("lm", "classification", "model")  # model.loss of a py: model (models/user.py)

@@ -46,12 +46,32 @@ def model_dir(path: str) -> Path:
     return d
 
 
-def load_config(path: str):
+def remote_code(d: Path) -> list[str]:
+    """The modeling files config.json's auto_map names (a model with its own code), [] for none."""
+    import json
+    try:
+        auto_map = json.loads((d / "config.json").read_text()).get("auto_map") or {}
+    except (ValueError, OSError, AttributeError):
+        return []  # transformers' own read says what is wrong with the file
+    refs = auto_map.values() if isinstance(auto_map, dict) else []
+    refs = [r for ref in refs for r in (ref if isinstance(ref, (list, tuple)) else [ref]) if isinstance(r, str)]
+    return sorted({f"{r.split('--')[-1].rsplit('.', 1)[0]}.py" for r in refs})
+
+
+def load_config(path: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
     d = model_dir(path)
+    code = remote_code(d)
+    if code and not trust_remote_code:
+        raise ConfigError(f"model.name hf:{path}: {d / 'config.json'} names its own modeling code ({', '.join(code)} "
+                          f"in auto_map); set model.trust_remote_code true to run it (local files only)")
+    if trust_remote_code and not code:
+        raise ConfigError(f"model.trust_remote_code: {d / 'config.json'} names no modeling code of its own (no "
+                          f"auto_map); transformers knows this model: remove the key")
     try:
-        return AutoConfig.from_pretrained(str(d), local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
+        # Local files only: a remote-code model runs the .py files of this directory, never a download.
+        return AutoConfig.from_pretrained(str(d), local_files_only=True, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError, ImportError) as e:
         raise ConfigError(f"model.name hf:{path}: transformers cannot read {d / 'config.json'} "
                           f"({str(e).splitlines()[0][:200]})") from None
 
@@ -64,10 +84,10 @@ def _first(config, keys) -> Optional[int]:
     return None
 
 
-def spec_fields(path: str) -> dict:
+def spec_fields(path: str, trust_remote_code: bool = False) -> dict:
     """What models.resolve keeps of a local model directory, from its one read of config.json:
     context length, vocabulary and width before anything is built, and the parsed config."""
-    config = load_config(path)
+    config = load_config(path, trust_remote_code)
     return {"context": _first(config, _CONTEXT_KEYS), "vocab_size": getattr(config, "vocab_size", None),
             "hidden_size": _first(config, _WIDTH_KEYS), "hf_config": config.to_dict()}
 
@@ -75,7 +95,10 @@ def spec_fields(path: str) -> dict:
 def config_of(spec: ModelSpec):
     """A fresh transformers config (the builders change theirs, e.g. use_cache) from the spec's
     parsed config.json, without reading the file again: from_dict is how AutoConfig.from_pretrained
-    makes it too, and to_dict() -> from_dict() gives back an equal config."""
+    makes it too, and to_dict() -> from_dict() gives back an equal config. A model with its own
+    code (model.trust_remote_code): its config class is in that code, so the directory is read again."""
+    if spec.config.trust_remote_code:
+        return load_config(spec.name[3:], True)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     return CONFIG_MAPPING[spec.hf_config["model_type"]].from_dict(spec.hf_config)
 
@@ -143,10 +166,12 @@ def build_hf(spec: ModelSpec, data, init_context):
     config.use_cache = False  # training: no KV cache
     files = weight_files(d)
     # fp32 master weights; DeepSpeed bf16 / Accelerate autocast decide the compute dtype.
+    remote = spec.config.trust_remote_code
     if files:
         try:
             model, info = AutoModelForCausalLM.from_pretrained(str(d), config=config, dtype=torch.float32,
                                                                local_files_only=True, output_loading_info=True,
+                                                               trust_remote_code=remote,
                                                                use_safetensors=None if "pytorch_model" in files[0]
                                                                else True)
         except ValueError as e:
@@ -159,11 +184,11 @@ def build_hf(spec: ModelSpec, data, init_context):
     else:
         print(f"zerotrain: {d} has no weights ({', '.join(WEIGHT_FILES[:2])}): training {config.model_type} from "
               f"random initialisation", flush=True)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=remote)
     if data.extra.get("packed"):  # the flag that packs documents into rows (data.packing, data.document_mask)
         check_packing(model, spec.name, data.extra["packed"])
     if init_context is not contextlib.nullcontext:
-        _restore_buffers(model, config, d, files)
+        _restore_buffers(model, config, d, files, remote)
     if spec.config.activation_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise ConfigError(f"model.activation_checkpointing: transformers has no gradient checkpointing for "
@@ -180,7 +205,8 @@ def build_hf(spec: ModelSpec, data, init_context):
         flops -= 6.0 * moe.info.active_params_delta  # FLOPs follow the active parameters (top-k experts)
     return Workload(model=model, task="lm", family="hf",
                     model_config={"family": "hf", "source": str(d.resolve()), "model_type": config.model_type,
-                                  "config": config.to_dict(), "num_params": n_params},
+                                  "config": config.to_dict(), "num_params": n_params,
+                                  **({"trust_remote_code": True} if remote else {})},
                     hidden_size=width, flops_per_item=flops, tied=tied_names(model), moe=moe)
 
 
@@ -242,20 +268,26 @@ def flops_per_token(model, width: Optional[int], layers: Optional[int], seq_len:
     return flops
 
 
-def _reference_build(config):
+def _reference_build(config, remote: bool = False):
     """The architecture with its parameters on the meta device and real buffers, built outside
-    any zero.Init and without touching the global RNG."""
+    any zero.Init and without touching the global RNG. `remote`: the class is the directory's own
+    (auto_map, model.trust_remote_code)."""
     from accelerate import init_empty_weights
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
+        if remote:
+            from transformers.dynamic_module_utils import get_class_from_dynamic_module
+            cls = get_class_from_dynamic_module(config.auto_map["AutoModelForCausalLM"], config.name_or_path,
+                                                local_files_only=True)
+            return cls(config)
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
 
 
-def _restore_buffers(model, config, d: Path, files: list[str]):
+def _restore_buffers(model, config, d: Path, files: list[str], remote: bool = False):
     """Buffers as an ordinary construction (and the weight files) make them, not as zero.Init's
     bf16 tensor constructors did (transformers protects RoPE tables, not every buffer)."""
     in_files = _checkpoint_keys(d, files)
-    restore_buffers(model, _reference_build(config), keep=lambda name: name in in_files)
+    restore_buffers(model, _reference_build(config, remote), keep=lambda name: name in in_files)
 
 
 def _checkpoint_keys(d: Path, files: list[str]) -> set[str]:
@@ -273,7 +305,7 @@ def _checkpoint_keys(d: Path, files: list[str]) -> set[str]:
 def meta_hf(spec: ModelSpec) -> tuple:
     """The causal LM build_hf would make, parameters on the meta device (for sizing)."""
     config = config_of(spec)
-    return _reference_build(config), {"family": "hf", "model_type": config.model_type}
+    return _reference_build(config, spec.config.trust_remote_code), {"family": "hf", "model_type": config.model_type}
 
 
 def save_hf_config(model_config: dict, out_dir: str | os.PathLike, dtype: Optional[str] = None) -> list[str]:
@@ -285,6 +317,9 @@ def save_hf_config(model_config: dict, out_dir: str | os.PathLike, dtype: Option
         raise ValueError(f"save_hf_config needs an hf model_config, got family {model_config.get('family')!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    src = Path(model_config.get("source", ""))
+    if model_config.get("trust_remote_code"):
+        return _save_remote_config(model_config, src, out, dtype)
     d = dict(model_config["config"])
     model_type = d.pop("model_type")
     config = AutoConfig.for_model(model_type, **d)
@@ -292,11 +327,26 @@ def save_hf_config(model_config: dict, out_dir: str | os.PathLike, dtype: Option
     if dtype is not None:
         config.dtype = dtype
     config.save_pretrained(str(out))
-    written = ["config.json"]
-    src = Path(model_config.get("source", ""))
-    for name in SIDE_FILES:
+    return ["config.json"] + _copy_side_files(src, out)
+
+
+def _copy_side_files(src: Path, out: Path, names=SIDE_FILES) -> list[str]:
+    written = []
+    for name in names:
         if (src / name).is_file() and not (out / name).exists():
             shutil.copy2(src / name, out / name)
             written.append(name)
     return written
 
+
+def _save_remote_config(model_config: dict, src: Path, out: Path, dtype: Optional[str]) -> list[str]:
+    """A model with its own code: config.json as trained (its auto_map kept) plus the source
+    directory's .py files, so the export loads with trust_remote_code=True like the source."""
+    import json
+    d = dict(model_config["config"])
+    d["use_cache"] = True
+    if dtype is not None:
+        d["dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+    code = sorted(p.name for p in src.glob("*.py")) if src.is_dir() else []
+    return ["config.json"] + _copy_side_files(src, out, tuple(SIDE_FILES) + tuple(code))

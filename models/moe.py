@@ -83,11 +83,12 @@ class MoEInfo:
         """Parameters a token does not use: the experts it is not routed to."""
         return self.expert_params - self.expert_params * self.top_k // self.num_experts
 
-    def banner(self) -> str:
+    def banner(self, aux: bool = True) -> str:
+        """`aux`: name the router aux loss coefficient (hf: models; a py: model computes its own loss)."""
         names = ", ".join(c.__name__ for c in self.block_classes)
         where = f"{names} as ZeRO-3 leaf" if self.leaf else names
-        return (f"MoE: {self.num_experts} experts x {self.top_k} active, {self.blocks} sparse layers, {where}; "
-                f"router aux loss coef {self.aux_coef:g}")
+        return (f"MoE: {self.num_experts} experts x {self.top_k} active, {self.blocks} sparse layers, {where}"
+                + (f"; router aux loss coef {self.aux_coef:g}" if aux else ""))
 
     def record(self) -> dict:
         return {"block_classes": [c.__name__ for c in self.block_classes], "blocks": self.blocks,
@@ -107,7 +108,8 @@ def detect(model: nn.Module, config, aux_coef: Optional[float] = None) -> Option
     n_exp = max(experts)
     top_k = next((getattr(config, k) for k in _TOP_K_KEYS if isinstance(getattr(config, k, None), int)), None)
     if top_k is None:
-        top_k = next((getattr(c, "top_k") for m, _ in found for c in m.children() if hasattr(c, "top_k")), 1)
+        top_k = next((getattr(c, "top_k") for m, _ in found for c in (*m.children(), m)  # the router's, or the block's
+                      if hasattr(c, "top_k")), 1)
     coef = aux_coef if aux_coef is not None else float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
     classes = list(dict.fromkeys(type(m) for m, _ in found))
     expert_params = sum(_numel(p) for m, (name, _) in found for p in getattr(m, name).parameters())

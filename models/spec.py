@@ -21,7 +21,7 @@ class ModelSpec:
     config: ModelConfig
     """The `model:` section it was resolved from: the options the builders read."""
     family: str
-    """One of "gpt", "hf", "linear", "vision"."""
+    """One of "gpt", "hf", "linear", "vision", "py" (the user's factory, models/user.py)."""
     context: Optional[int] = None
     """LM context length (the GPT preset with its overrides, or config.json); None: not an LM."""
     vocab_size: Optional[int] = None

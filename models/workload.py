@@ -15,20 +15,27 @@ import torch.nn.functional as F
 from zerotrain.models.losses import IGNORE_INDEX, cross_entropy, token_losses
 
 if TYPE_CHECKING:
-    from zerotrain.models.moe import MoEStats
+    from zerotrain.models.moe import MoEInfo, MoEStats
 
 
 @dataclass
 class Workload:
     model: nn.Module
     task: str                              # "lm" | "classify" | "regress"
-    family: str                            # "gpt" | "hf" | "vision" | "linear"
+    family: str                            # "gpt" | "hf" | "vision" | "linear" | "py"
     model_config: dict                     # enough to rebuild the architecture (saved with exports)
     hidden_size: Optional[int] = None
     flops_per_item: Optional[float] = None  # training FLOPs per token (LM) or per sample
     tied: list = field(default_factory=list)  # [(alias, source)] parameter names sharing storage
     lora: Optional[dict] = None             # model.lora's adapter (models/lora.py apply): r, alpha, targets, base
     moe: Optional["MoEStats"] = None        # sparse-MoE hf: models (models/moe.py): aux loss, expert load
+    model_loss: bool = False                # py: models with model.loss "model": forward(**batch) returns the loss
+    sparse: Optional["MoEInfo"] = None      # sparse-MoE blocks of a py: model: ZeRO-3 leaves, its own loss
+
+    @property
+    def moe_info(self) -> Optional["MoEInfo"]:
+        """The sparse-MoE blocks to make ZeRO-3 leaves (hf: models' with their aux loss, or a py: model's)."""
+        return self.moe.info if self.moe is not None else self.sparse
 
     def logits(self, model, batch):
         """Packed rows (data.packing, data.document_mask) carry position_ids that restart per
@@ -49,7 +56,11 @@ class Workload:
         cross-entropy, the fp32 mathematics of F.cross_entropy(logits.float(), labels) without
         an fp32 copy of the (B, T, V) logits or a saved fp32 log-softmax (issue 12).
         `denominator` (LMs only): the summed token loss is divided by it instead of by this
-        micro-batch's number of labelled tokens (the trainer's token-count normalisation)."""
+        micro-batch's number of labelled tokens (the trainer's token-count normalisation).
+        A py: model with model.loss "model" returns its own loss from forward(**batch)
+        (models/user.py): taken as it is, `denominator` not applied."""
+        if self.model_loss:
+            return own_loss(model(**batch))
         if self.moe is not None:  # the router's aux loss and routed tokens come with the logits
             out = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), output_router_logits=True)
             lm = cross_entropy(out.logits.reshape(-1, out.logits.size(-1)), batch["labels"].reshape(-1),
@@ -66,7 +77,11 @@ class Workload:
 
     @torch.no_grad()
     def eval_stats(self, model, batch) -> dict[str, torch.Tensor]:
-        """Per-sample statistics (shape [B]) so that gather_for_metrics can drop padding exactly."""
+        """Per-sample statistics (shape [B]) so that gather_for_metrics can drop padding exactly.
+        A model that computes its own loss gives one number per micro-batch: each sample carries it."""
+        if self.model_loss:
+            loss = own_loss(model(**batch))
+            return {"loss": loss.expand(next(iter(batch.values())).size(0))}
         out = self.logits(model, batch)
         if self.task == "lm":
             labels = batch["labels"]
@@ -122,6 +137,17 @@ class Workload:
         for b in bufs:
             b.copy_(flat[offset:offset + b.numel()].view_as(b))
             offset += b.numel()
+
+
+def own_loss(out) -> torch.Tensor:
+    """The loss a py: model with model.loss "model" returned from forward(**batch) (models/user.py):
+    a scalar tensor, or a ModelOutput / mapping with a "loss" entry; fp32."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", out)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        from zerotrain.models.errors import ConfigError
+        raise ConfigError(f'model.loss "model": forward(**batch) must return the loss as a scalar tensor (or an '
+                          f'object with .loss); it returned {type(out).__name__}')
+    return loss.reshape(()).float()
 
 
 def _batch_norm_fp32_affine(self, x: torch.Tensor) -> torch.Tensor:

@@ -386,3 +386,31 @@ def layer0_experts(model_dir: Path, input_ids) -> set[int]:
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(input_ids).reshape(1, -1), output_router_logits=True)
     return set(out.router_logits[0].topk(model.config.num_experts_per_tok, dim=-1).indices.reshape(-1).tolist())
+
+
+def banded_tokens(path: Path, seed: int, n_windows: int = 40) -> Path:
+    """A token file whose training windows reach rank 0 only with ids < MOE_VOCAB/2 and rank 1
+    only with ids above, in a 2-process run of data.seq_len SEQ, micro-batch 1 and train.seed
+    `seed`: the epoch order is the sampler's, positions alternate ranks (Accelerate's split_batches)."""
+    import numpy as np
+    import torch
+
+    from zerotrain.train.config import DataConfig
+    from zerotrain.train.data import build_data
+    rng = np.random.default_rng(0)
+    write_token_file(path, rng.integers(0, MOE_VOCAB, n_windows * SEQ + 1), vocab_size=MOE_VOCAB)
+    n_train = len(build_data(DataConfig(kind="tokens", path=str(path)), SEQ, seed).train)
+    order = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed * 1_000_003)).tolist()
+    tokens = rng.integers(0, MOE_VOCAB, n_windows * SEQ + 1)
+    half = MOE_VOCAB // 2
+    for pos, w in enumerate(order):
+        band = rng.integers(0, half, SEQ) if pos % 2 == 0 else rng.integers(half, MOE_VOCAB, SEQ)
+        tokens[w * SEQ:(w + 1) * SEQ] = band
+    return write_token_file(path, tokens, vocab_size=MOE_VOCAB)
+
+
+def zero3_all_partitioned(tmp: Path) -> str:
+    """fp32 ZeRO-3 with persistence threshold 0: every tensor, router rows and norms included, is partitioned."""
+    z = json.loads((REPO / "ds_configs" / "zero3.json").read_text())["zero_optimization"]
+    return ds_variant(tmp, "zero3", "zero3_fp32_all", bf16={"enabled": False}, fp16={"enabled": False},
+                      zero_optimization={**z, "stage3_param_persistence_threshold": 0})

@@ -18,46 +18,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (MOE_VOCAB, SEQ, assert_resumable_checkpoint, assert_zero3_planned_to_the_byte, data_trace,
-                     ds_variant, hf_val_loss, layer0_experts, metrics, rank_infos, run_train, save_tiny_moe,
-                     train_losses, write_token_file)
+from helpers import (MOE_VOCAB, SEQ, assert_resumable_checkpoint, assert_zero3_planned_to_the_byte, banded_tokens,
+                     data_trace, ds_variant, hf_val_loss, layer0_experts, metrics, rank_infos, run_train,
+                     save_tiny_moe, train_losses, zero3_all_partitioned)
 
 STEPS, SEED, MICRO, ACCUM = 6, 1234, 1, 2
 NO_LEAF_TIMEOUT = 240  # s: the leaf run takes ~30 s here
-
-
-def banded_tokens(path: Path, n_windows: int = 40) -> Path:
-    """A token file whose training windows reach rank 0 only with ids < MOE_VOCAB/2 and rank 1
-    only with ids above: the epoch order is the sampler's (seed SEED), positions alternate ranks
-    (micro-batch 1, Accelerate's split_batches)."""
-    import numpy as np
-
-    from zerotrain.train.config import DataConfig
-    from zerotrain.train.data import build_data
-    rng = np.random.default_rng(0)
-    write_token_file(path, rng.integers(0, MOE_VOCAB, n_windows * SEQ + 1), vocab_size=MOE_VOCAB)
-    n_train = len(build_data(DataConfig(kind="tokens", path=str(path)), SEQ, SEED).train)
-    order = torch.randperm(n_train, generator=torch.Generator().manual_seed(SEED * 1_000_003)).tolist()
-    tokens = rng.integers(0, MOE_VOCAB, n_windows * SEQ + 1)
-    half = MOE_VOCAB // 2
-    for pos, w in enumerate(order):
-        band = rng.integers(0, half, SEQ) if pos % 2 == 0 else rng.integers(half, MOE_VOCAB, SEQ)
-        tokens[w * SEQ:(w + 1) * SEQ] = band
-    return write_token_file(path, tokens, vocab_size=MOE_VOCAB)
-
-
-def zero3_all_partitioned(tmp: Path) -> str:
-    """fp32 ZeRO-3 with persistence threshold 0: every tensor, router rows and norms included, is partitioned."""
-    z = json.loads((Path(__file__).parent.parent / "ds_configs" / "zero3.json").read_text())["zero_optimization"]
-    return ds_variant(tmp, "zero3", "zero3_fp32_all", bf16={"enabled": False}, fp16={"enabled": False},
-                      zero_optimization={**z, "stage3_param_persistence_threshold": 0})
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     d = tmp_path_factory.mktemp("moe")
     model = save_tiny_moe(d / "qwen3moe")
-    return SimpleNamespace(dir=d, model=model, tokens=banded_tokens(d / "banded.bin"))
+    return SimpleNamespace(dir=d, model=model, tokens=banded_tokens(d / "banded.bin", SEED))
 
 
 def run_args(moe, run_dir: Path, ds: str) -> list[str]:

@@ -136,7 +136,8 @@ USAGE = """usage: zerotrain plan MODEL [--nodes N] [--gpus-per-node G] [--device
                       [--precision bf16|fp16|fp32] [--safety 0.1] [--device cuda|cpu] [--runtime SIZE] [--json]
 
 MODEL is a GPT preset (gpt-tiny ... gpt-7b), a run file (.yaml/.json; its model, batch and
-sequence length are used), or a parameter count (124M, 1.3B, 7e9). Sizes: 80GB (decimal,
+sequence length are used), your own model py:<module>:<factory> (built on the meta device), or
+a parameter count (124M, 1.3B, 7e9). Sizes: 80GB (decimal,
 as on datasheets), 80GiB or 80G (binary). Defaults: this machine's GPUs if it has any,
 else 1 node x 8 devices x 80GB. Prints the peak memory per device of DDP, ZeRO-1/2/3 and the
 two offload options (from ds_configs/*.json) and recommends the fastest that fits.
@@ -206,19 +207,25 @@ def resolve_model(spec: str) -> tuple[ModelShape, dict]:
                  "activation_checkpointing": cfg.model.activation_checkpointing,
                  "sequence_parallel": cfg.distributed.sequence_parallel,
                  "document_mask": cfg.data.packing or cfg.data.document_mask}
-        if cfg.model.lora is not None or cfg.model.name.startswith("hf:"):
+        if cfg.model.lora is not None or cfg.model.name.startswith(("hf:", "py:")):
             # Sized from the model itself, built on the meta device: a LoRA run's optimizer state and
-            # gradients are its adapters' (models/lora.py), an hf: model's shapes its config.json's.
+            # gradients are its adapters' (models/lora.py), an hf: model's shapes its config.json's,
+            # a py: model's its factory's module (called with model.kwargs).
             from zerotrain.models import resolve
             from zerotrain.train.plan.memory_check import model_shape
             m = resolve(cfg.model)
             return model_shape(m, None), {**batch, "seq_len": cfg.data.seq_len or m.context}
         if cfg.model.name not in gpt.PRESETS:
             raise ConfigError(f"{spec}: model.name {cfg.model.name!r} is not a GPT preset; zerotrain plan sizes "
-                              f"GPTs and hf: models from the run file, other models by parameter count (e.g. "
+                              f"GPTs, hf: and py: models from the run file, other models by parameter count (e.g. "
                               f"zerotrain plan 25M)")
         gcfg = gpt_config(cfg.model, vocab_size=None)
         return gpt_shape(cfg.model.name, gcfg), {**batch, "seq_len": cfg.data.seq_len or gcfg.seq_len}
+    if spec.startswith("py:"):  # your own model, its factory called without kwargs (a run file gives them)
+        from zerotrain.models import resolve
+        from zerotrain.models.config import ModelConfig
+        from zerotrain.train.plan.memory_check import model_shape
+        return model_shape(resolve(ModelConfig(name=spec)), None), {}
     n = parse_count(spec)
     if n is None or n <= 0:
         raise ConfigError(f"MODEL {spec!r} is not a GPT preset{did_you_mean(spec, gpt.PRESETS)}, a run file or a "

@@ -43,6 +43,8 @@ def _type_name(tp) -> str:
     name = names.get(tp, getattr(tp, "__name__", str(tp)))
     if typing.get_origin(tp) is tuple:
         name = f"a list of {len(typing.get_args(tp))} numbers"
+    elif typing.get_origin(tp) is dict:
+        name = "a mapping"
     elif typing.get_origin(tp) is list:
         item = typing.get_args(tp)[0]
         name = "a list of mappings" if dataclasses.is_dataclass(item) else "a list of strings"
@@ -109,9 +111,30 @@ def _coerce(value, tp, key: str, from_cli: bool):
     try:
         if base in _SCALARS:
             return _SCALARS[base](value, from_cli)
+        if typing.get_origin(base) is dict:
+            return _mapping(value, key, from_cli)
         return _sequence(value, base, key, from_cli)
     except _Refused:
         raise ConfigError(f"{key} must be {_type_name(tp)} (got {value!r})") from None
+
+
+def _mapping(value, key: str, from_cli: bool) -> dict:
+    """A free-form mapping with string keys (model.kwargs: the values are the user's, passed on
+    as they are); on the command line a JSON or flow-style YAML mapping, e.g. '{d_model: 64}'."""
+    if from_cli and isinstance(value, str):
+        import yaml
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise _Refused from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise _Refused
+    try:
+        json.dumps(value)  # recorded in config.json and the export's config.json
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must hold plain values (numbers, strings, booleans, lists, mappings); "
+                          f"got {value!r}") from None
+    return dict(value)
 
 
 def _sequence(value, tp, key: str, from_cli: bool):

@@ -39,7 +39,8 @@ def banner(t) -> str:
         f"{topo.device} / {topo.backend}" + _threads_text(t),
         f"  strategy     {strategy.describe()}   [{strategy.path}]",
         *([f"  precision    {strategy.precision} ({strategy.ds.precision_why})"] if strategy.ds.precision_why else []),
-        f"  model        {t.cfg.model.name}: {human(total)} params ({human(trainable)} trainable)" + _lora_text(t),
+        f"  model        {t.cfg.model.name}: {human(total)} params ({human(trainable)} trainable)" + _lora_text(t)
+        + _own_code_text(t),
         f"  data         {data.describe}: "
         + ("an endless stream" if data.stream is not None else f"{len(data.train)} train samples")
         + (f", {len(data.val)} val" if data.val is not None else ""),
@@ -70,6 +71,16 @@ def _threads_text(t) -> str:
     """On a CPU: torch's threads per rank (train/training/hardware.py cpu_threads)."""
     threads = t.resolved_config.get("resolved", {}).get("hardware", {}).get("cpu_threads")
     return f", {threads} torch thread(s) per rank" if t.topo.device == "cpu" and threads else ""
+
+
+def _own_code_text(t) -> str:
+    """Code that is not zerotrain's: a py: factory's loss, an hf: directory's own modeling code."""
+    m = t.cfg.model
+    if m.trust_remote_code:
+        return ", trust_remote_code: runs the directory's own modeling code"
+    if t.workload.family == "py":
+        return f", your factory, loss {t.workload.model_config.get('loss')}"
+    return ""
 
 
 def _lora_text(t) -> str:

@@ -140,6 +140,9 @@ def load_data(cfg: RunConfig, rt: Runtime) -> RunData:
 def _seq_len(cfg: RunConfig, spec: ModelSpec) -> Optional[int]:
     ctx = spec.context
     seq_len = cfg.data.seq_len or ctx
+    if cfg.data.kind in ("text", "tokens", "sft", "stream") and seq_len is None and spec.family == "py":
+        raise ConfigError(f'data.seq_len: model.name "{cfg.model.name}" is your own model, whose context zerotrain '
+                          f"does not know; set data.seq_len (tokens per sample)")
     if cfg.data.kind in ("text", "tokens", "sft", "stream") and seq_len is None:
         raise ConfigError(f'data.kind "{cfg.data.kind}" is language-model data but model.name "{cfg.model.name}" '
                           f"is not a language model; use a GPT preset or hf:<dir>, or another data.kind")
@@ -245,11 +248,12 @@ def build_model(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed) -
     partitioned = strategy.partitions_parameters
     if partitioned and acc.is_main_process:
         print(f"zerotrain: {partition_summary(workload.model, dist.topo.world_size)}", flush=True)
-    if workload.moe is not None:  # sparse-MoE blocks: leaves of partitioned parameters before the engine hooks them
+    moe = workload.moe_info  # sparse-MoE blocks (hf: or py: models): leaves of partitioned parameters
+    if moe is not None:      # before the engine hooks them
         if partitioned and not testhooks.fire("no_moe_leaf"):
-            make_leaf(workload.model, workload.moe.info)
+            make_leaf(workload.model, moe)
         if acc.is_main_process:
-            print(f"zerotrain: {workload.moe.info.banner()}", flush=True)
+            print(f"zerotrain: {moe.banner(aux=workload.moe is not None)}", flush=True)
     channels_last = hardware.use_channels_last(cfg, strategy, workload.family, rt.cuda)
     if channels_last:
         workload.model.to(memory_format=torch.channels_last)
