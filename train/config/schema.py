@@ -177,10 +177,12 @@ class CheckpointConfig:
 @dataclass
 class WandbConfig:
     mode: Optional[str] = "auto"
-    """auto | online | offline | disabled. auto: $WANDB_MODE if set (WANDB_DISABLED=true: disabled),
-    else online when W&B credentials exist (WANDB_API_KEY, ~/.netrc from `wandb login`), else an
-    offline run; off with a note when the wandb package is missing. online / offline / disabled set
-    here win over $WANDB_MODE. offline writes <run_dir>/wandb/ (or $WANDB_DIR) for a later `wandb sync`."""
+    """auto | online | offline | disabled; online / offline / disabled set here win over the
+    environment. auto follows wandb's own rules (docs/observability.md): WANDB_DISABLED=true: disabled;
+    else the mode wandb's settings give ($WANDB_MODE over `wandb offline`'s settings file); wandb's
+    default, online, only when wandb finds credentials (`wandb login`, WANDB_API_KEY), else an offline
+    run; off with a note when the wandb package is missing. offline writes <run_dir>/wandb/ (or
+    $WANDB_DIR) for a later `wandb sync`. Used when logging.trackers lists wandb."""
     project: str = "zerotrain"
     """W&B project the run is logged to."""
     entity: Optional[str] = None
