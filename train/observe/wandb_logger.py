@@ -80,14 +80,15 @@ def choose(configured: Optional[str]) -> WandbMode:
     """The mode W&B runs in (module docstring: the precedence)."""
     if configured not in (None, "auto"):
         return WandbMode(configured, f"logging.wandb.mode {configured}", True)
-    disabled = os.environ.get("WANDB_DISABLED", "").strip()
+    disabled, env = os.environ.get("WANDB_DISABLED", "").strip(), os.environ.get("WANDB_MODE", "").strip()
     if disabled.lower() in ("1", "true", "yes", "on"):
         return WandbMode("disabled", f"WANDB_DISABLED={disabled}", True)
+    if env == "disabled":  # wandb's own top source: settled without importing wandb
+        return WandbMode("disabled", "WANDB_MODE=disabled", True)
     if not installed():
         return WandbMode("disabled", "the wandb package is not installed", False)
     settings = _settings()
     mode = {"dryrun": "offline", "run": "online", "shared": "online"}.get(settings.mode, settings.mode)
-    env = os.environ.get("WANDB_MODE")
     if mode != "online" or env:
         return WandbMode(mode, f"WANDB_MODE={env}" if env else f"mode = {mode} in wandb's settings", True)
     if has_credentials(settings):
@@ -113,7 +114,6 @@ def problem(cfg) -> Optional[str]:
 class WandbTracker(WandBTracker):
     """Accelerate's WandBTracker that finishes with the run's outcome (its finish() always
     reports success), keeps events in the summary and says where the run went."""
-
     exit_code = 0
 
     def event(self, values: dict, step: Optional[int] = None):
