@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from models.errors import ConfigError
+from zerotrain.models.errors import ConfigError
 
 
 @dataclass

@@ -10,10 +10,10 @@ import json
 import pytest
 from helpers import TINY, run_train
 
-from train.config import load_config
-from train.errors import ConfigError
-from train.observe.metrics import JsonlTracker, Loggers
-from train.observe.trackers import missing
+from zerotrain.train.config import load_config
+from zerotrain.train.errors import ConfigError
+from zerotrain.train.observe.metrics import JsonlTracker, Loggers
+from zerotrain.train.observe.trackers import missing
 
 
 # ---------------------------------------------------------------------------- logging.trackers

@@ -17,9 +17,9 @@ from helpers import REPO, TINY, run_train, subprocess_env, train_losses
 from wandb_offline import (FAKE_API_KEY, iter_payloads, observed_run, read_run, run_files,
                            wandb_env)
 
-from train.config import load_config
-from train.errors import ConfigError
-from train.observe.wandb_logger import choose
+from zerotrain.train.config import load_config
+from zerotrain.train.errors import ConfigError
+from zerotrain.train.observe.wandb_logger import choose
 
 
 # ---------------------------------------------------------------------------- the real 2-process run
@@ -113,10 +113,10 @@ def test_resumed_training_continues_the_same_wandb_run(observed, tmp_path):
 _START_TWICE = r"""
 import json, sys
 from pathlib import Path
-from train.config import load_config
-from train.checkpoint.state import TrainState
-from train.observe import wandb_logger
-from train.observe.metrics import Loggers
+from zerotrain.train.config import load_config
+from zerotrain.train.checkpoint.state import TrainState
+from zerotrain.train.observe import wandb_logger
+from zerotrain.train.observe.metrics import Loggers
 from accelerate import PartialState
 
 PartialState(cpu=True)  # as Trainer has it: Accelerate's trackers log through its state
@@ -168,10 +168,10 @@ _START_CASES = r"""
 import os, sys
 from pathlib import Path
 import wandb
-from train.config import load_config
-from train.errors import ConfigError
-from train.observe import wandb_logger
-from train.observe.metrics import Loggers
+from zerotrain.train.config import load_config
+from zerotrain.train.errors import ConfigError
+from zerotrain.train.observe import wandb_logger
+from zerotrain.train.observe.metrics import Loggers
 from accelerate import PartialState
 
 PartialState(cpu=True)
@@ -312,7 +312,7 @@ def test_bad_wandb_settings_are_one_error_with_the_fix(clean_wandb, monkeypatch)
     monkeypatch.setenv("WANDB_API_KEY", "short")
     import wandb
     wandb.teardown()
-    from train.observe.wandb_logger import problem
+    from zerotrain.train.observe.wandb_logger import problem
     with pytest.raises(ConfigError, match="W&B credentials are unusable.*40.*--logging.wandb.mode offline"):
         problem(load_config(None, []))
 

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from models import lora as lora_names
-from train.checkpoint import files as ckpt_files
-from train.checkpoint.weights import EXPORT_DTYPES, WeightsReader, write_weights
-from train.errors import CheckpointError, ConfigError
+from zerotrain.models import lora as lora_names
+from zerotrain.train.checkpoint import files as ckpt_files
+from zerotrain.train.checkpoint.weights import EXPORT_DTYPES, WeightsReader, write_weights
+from zerotrain.train.errors import CheckpointError, ConfigError
 
 
 def base_files(base_dir: str) -> dict[str, int]:

@@ -9,11 +9,11 @@ schema.py (+ data_section.py) the sections, loader.py the strict loading, batch.
 arithmetic; the names other modules use are re-exported here.
 """
 
-from models.config import ModelConfig
-from train.config.batch import Batch
-from train.config.data_section import DataConfig, SourceConfig
-from train.config.loader import load_config, read_mapping
-from train.config.schema import (CheckpointConfig, DistributedConfig, LoggingConfig, OptimConfig, RunConfig,
+from zerotrain.models.config import ModelConfig
+from zerotrain.train.config.batch import Batch
+from zerotrain.train.config.data_section import DataConfig, SourceConfig
+from zerotrain.train.config.loader import load_config, read_mapping
+from zerotrain.train.config.schema import (CheckpointConfig, DistributedConfig, LoggingConfig, OptimConfig, RunConfig,
                                  TrainConfig, WandbConfig)
 
 __all__ = ["Batch", "CheckpointConfig", "DataConfig", "DistributedConfig", "LoggingConfig", "ModelConfig",

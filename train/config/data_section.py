@@ -8,7 +8,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
-from train.errors import ConfigError, did_you_mean
+from zerotrain.train.errors import ConfigError, did_you_mean
 
 
 @dataclass

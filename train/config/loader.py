@@ -13,8 +13,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from train.config.schema import RunConfig
-from train.errors import ConfigError, did_you_mean
+from zerotrain.train.config.schema import RunConfig
+from zerotrain.train.errors import ConfigError, did_you_mean
 
 
 def _hints(cls) -> dict[str, Any]:

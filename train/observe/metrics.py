@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from accelerate.tracking import GeneralTracker
 
-from train import process_group
+from zerotrain.train import process_group
 
 
 def _clean(v):

@@ -20,9 +20,9 @@ from typing import Optional
 
 from accelerate.tracking import MLflowTracker
 
-from train.errors import ConfigError
-from train.observe import wandb_logger
-from train.observe.metrics import JsonlTracker, Loggers
+from zerotrain.train.errors import ConfigError
+from zerotrain.train.observe import wandb_logger
+from zerotrain.train.observe.metrics import JsonlTracker, Loggers
 
 NAMES = ("jsonl", "wandb", "tensorboard", "mlflow")
 _PIP = {"tensorboard": "tensorboard", "mlflow": "mlflow"}

@@ -23,7 +23,7 @@ from typing import Optional
 
 from accelerate.tracking import WandBTracker
 
-from train.errors import ConfigError
+from zerotrain.train.errors import ConfigError
 
 LOGIN_HINT = "`wandb login` or WANDB_API_KEY to log online"
 

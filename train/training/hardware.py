@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from train.config import DataConfig, RunConfig
-from train.errors import ConfigError
+from zerotrain.train.config import DataConfig, RunConfig
+from zerotrain.train.errors import ConfigError
 
 
 def float32_matmul_precision(cfg: RunConfig, cuda: bool) -> str | None:
@@ -81,7 +81,7 @@ SHARD_WORKERS = 1  # auto workers per rank for a sharded corpus (DataConfig.num_
 
 def is_sharded_corpus(data: DataConfig) -> bool:
     """data.path, or any data.sources entry, is a shard directory (a disk-sized corpus)."""
-    from train.data.shards import is_sharded
+    from zerotrain.train.data.shards import is_sharded
     if data.kind != "tokens":
         return False
     paths = [s.path for s in data.sources] if data.sources else [data.path]
