@@ -1,12 +1,13 @@
-"""W&B logging: one offline run per training, read back from its .wandb file (no network),
-matching metrics.jsonl and carrying the resolved config; resume continues the run id;
-mode selection (auto: online with credentials, offline without, the env's WANDB_MODE /
-WANDB_DISABLED); credential detection; online without credentials fails early; the API key
-never leaks."""
+"""W&B logging: one offline run per training, rank 0 only, read back from its .wandb file (no
+network), matching metrics.jsonl and carrying the resolved config; resume continues the run id;
+the mode and credentials as wandb's own settings resolve them (auto: online with credentials,
+offline without); online without credentials fails early; the API key never leaks. The other
+trackers and the writer they share: tests/test_trackers.py."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +17,9 @@ from helpers import REPO, TINY, run_train, subprocess_env, train_losses
 from wandb_offline import (FAKE_API_KEY, iter_payloads, observed_run, read_run, run_files,
                            wandb_env)
 
+from zerotrain.train.config import load_config
 from zerotrain.train.errors import ConfigError
-from zerotrain.train.observe.wandb_logger import choose, credential_source, resolve_mode
+from zerotrain.train.observe.wandb_logger import choose
 
 
 # ---------------------------------------------------------------------------- the real 2-process run
@@ -111,28 +113,29 @@ def test_resumed_training_continues_the_same_wandb_run(observed, tmp_path):
 _START_TWICE = r"""
 import json, sys
 from pathlib import Path
-from accelerate import Accelerator
 from zerotrain.train.config import load_config
 from zerotrain.train.checkpoint.state import TrainState
 from zerotrain.train.observe import wandb_logger
+from zerotrain.train.observe.metrics import Loggers
+from accelerate import PartialState
 
+PartialState(cpu=True)  # as Trainer has it: Accelerate's trackers log through its state
 run_dir = Path(sys.argv[1])
 cfg = load_config(None, [("logging.wandb.mode", "offline"), ("logging.wandb.project", "resume-test")])
 saved_id, ids = None, []
 for first_step in (0, 3):  # a training to step 3, then its resume from a checkpoint holding saved_id
-    acc = Accelerator(cpu=True, log_with=wandb_logger.log_with(cfg))
     state = TrainState(step=first_step, wandb_run_id=saved_id)
-    sink, _, state.wandb_run_id = wandb_logger.start(acc, cfg, state.wandb_run_id, run_dir,
-                                                     {"model": {"name": "x"}, "big": "z" * 70_000})
+    tracker, _ = wandb_logger.start(cfg, state.wandb_run_id, run_dir, {"model": {"name": "x"}, "big": "z" * 70_000})
+    state.wandb_run_id = tracker.run.id
+    loggers = Loggers([])
+    loggers.add(tracker)
     for step in range(first_step + 1, first_step + 4):
-        sink.log({"loss": 1.0 / step}, step)
+        loggers.log({"loss": 1.0 / step}, step)
     if first_step:
-        sink.mark_preempting()  # the resumed session is stopped by SIGTERM (Trainer.finish)
-    sink.close()
-    acc.end_training()
-    ids.append(sink.run.id)
+        loggers.submit(tracker.mark_preempting)  # the resumed session is stopped by SIGTERM (Trainer.finish)
+    loggers.close()
+    ids.append(tracker.run.id)
     saved_id = state.wandb_run_id  # what the checkpoint stores
-    assert saved_id == sink.run.id
 print(json.dumps(ids))
 """
 
@@ -164,34 +167,34 @@ def test_start_resumes_the_run_id_kept_in_train_state(tmp_path):
 _START_CASES = r"""
 import os, sys
 from pathlib import Path
-from accelerate import Accelerator
+import wandb
 from zerotrain.train.config import load_config
 from zerotrain.train.errors import ConfigError
-from zerotrain.train.checkpoint.state import TrainState
 from zerotrain.train.observe import wandb_logger
+from zerotrain.train.observe.metrics import Loggers
+from accelerate import PartialState
+
+PartialState(cpu=True)
 
 def start(mode, run_dir, **env):
+    wandb.teardown()  # a new process's view of the environment (wandb keeps its settings per process)
     os.environ.update(env)
-    if not os.environ.get("WANDB_MODE"):
-        os.environ.pop("WANDB_MODE", None)
     cfg = load_config(None, [("logging.wandb.mode", mode)])
-    acc = Accelerator(cpu=True, log_with=wandb_logger.log_with(cfg))
-    state = TrainState()
     try:
-        sink, status, state.wandb_run_id = wandb_logger.start(acc, cfg, state.wandb_run_id, Path(run_dir), {})
+        tracker, status = wandb_logger.start(cfg, None, Path(run_dir), {})
         print("STATUS:", status)
-        print("ID:", state.wandb_run_id)
-        if sink:
-            sink.log({"loss": 1.0}, 1)
-            sink.close()
+        if tracker:
+            print("ID:", tracker.run.id)
+            loggers = Loggers([])
+            loggers.add(tracker)
+            loggers.log({"loss": 1.0}, 1)
+            loggers.close()
     except ConfigError as e:
         print("ERROR:", e)
-    acc.end_training()  # a failed tracker must not break clean-up (it would hide the message)
-    print("IMPORTED:", "wandb" in sys.modules)
     print("clean exit")
 
 base = Path(sys.argv[1])
-# auto with WANDB_MODE=disabled (a key set): nothing written, wandb never imported.
+# auto with WANDB_MODE=disabled (a key set): nothing written.
 start("auto", base / "disabled", WANDB_MODE="disabled")
 # A key but no reachable server: wandb.init times out.
 unreachable = dict(WANDB_MODE="", WANDB_BASE_URL="http://127.0.0.1:9", WANDB_INIT_TIMEOUT="3")
@@ -215,12 +218,12 @@ def start_cases(tmp_path_factory):
 def test_auto_with_wandb_mode_disabled_writes_nothing(start_cases):
     base, (disabled, *_) = start_cases
     assert "STATUS: W&B disabled (WANDB_MODE=disabled)" in disabled
-    assert "IMPORTED: False" in disabled and not (base / "disabled").exists()
+    assert "ID:" not in disabled and not (base / "disabled").exists()
 
 
 def test_online_with_unreachable_server_is_one_clear_error(start_cases):
     """A key but no reachable server: wandb.init times out; the user gets one message with the
-    fix (never the key), and clean-up still works."""
+    fix (never the key)."""
     online = start_cases[1][1]
     error = next(line for line in online.splitlines() if line.startswith("ERROR: "))
     assert error.startswith("ERROR: W&B could not start the run") and "--logging.wandb.mode offline" in error
@@ -238,90 +241,80 @@ def test_auto_falls_back_to_an_offline_run_when_online_cannot_start(start_cases)
     assert f"STATUS: W&B offline run in {sync_dir}; upload with: wandb sync {sync_dir}  (auto: online failed" in auto
 
 
-# ---------------------------------------------------------------------------- modes and credentials
+# ---------------------------------------------------------------------------- modes and credentials: wandb's rules
+
+@pytest.fixture
+def clean_wandb(tmp_path, monkeypatch):
+    """A process whose only W&B sources are the ones a test sets: no WANDB_* variables, HOME and
+    the working directory in tmp_path, wandb's per-process settings forgotten before and after."""
+    import wandb
+    for name in [k for k in os.environ if k.startswith("WANDB_") or k == "NETRC"]:
+        monkeypatch.delenv(name)
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / "config"))
+    monkeypatch.chdir(cwd)
+    wandb.teardown()
+    yield home, cwd
+    wandb.teardown()
+
 
 @pytest.mark.parametrize("configured, env, expected", [
     (None, {"WANDB_MODE": "offline"}, "offline"),
-    ("auto", {"WANDB_MODE": "ONLINE"}, "online"),
-    ("auto", {"WANDB_MODE": "dryrun"}, "offline"),
+    ("auto", {"WANDB_MODE": "dryrun"}, "offline"),         # wandb's older spelling
     ("auto", {"WANDB_MODE": "disabled", "WANDB_API_KEY": FAKE_API_KEY}, "disabled"),
+    ("auto", {"WANDB_MODE": "online"}, "online"),
     ("auto", {"WANDB_DISABLED": "true", "WANDB_MODE": "online"}, "disabled"),  # transformers' switch
-    ("offline", {"WANDB_MODE": "disabled"}, "offline"),   # the run's own setting wins
+    ("auto", {"WANDB_MODE": ""}, "offline"),                # empty counts as unset: no credentials
+    ("offline", {"WANDB_MODE": "disabled"}, "offline"),     # the run's own setting wins
     ("disabled", {"WANDB_MODE": "online"}, "disabled"),
     ("online", {"WANDB_DISABLED": "true"}, "online"),
 ])
-def test_mode_resolution(configured, env, expected):
-    assert resolve_mode(configured, env) == expected
+def test_mode_resolution(clean_wandb, monkeypatch, configured, env, expected):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert choose(configured).mode == expected
 
 
-def _no_credentials(home: Path) -> dict:
-    """An environment whose only W&B sources are files under `home` (none yet)."""
-    return {"HOME": str(home), "WANDB_CONFIG_DIR": str(home / ".config" / "wandb")}
-
-
-def test_auto_is_online_with_credentials_offline_without_and_off_without_the_package(tmp_path):
-    env, cwd = _no_credentials(tmp_path), tmp_path / "cwd"
-    got = choose("auto", env, cwd, have_wandb=True)
+def test_auto_is_online_where_wandb_finds_credentials_offline_where_not(clean_wandb, monkeypatch):
+    """wandb's own lookup decides: its key variable, the netrc entry `wandb login` writes (for
+    the server wandb 0.31 talks to by default, api.wandb.ai behind api.forge.coreweave.com), and
+    a `wandb offline` in the workspace's settings file."""
+    import wandb
+    home, cwd = clean_wandb
+    got = choose("auto")
     assert (got.mode, got.requested) == ("offline", False) and "wandb login" in got.reason
-    assert choose(None, env, cwd, have_wandb=True) == got  # null in a run file = auto
-    got = choose("auto", {**env, "WANDB_API_KEY": FAKE_API_KEY}, cwd, have_wandb=True)
-    assert (got.mode, got.reason, got.requested) == ("online", "credentials from WANDB_API_KEY", False)
-    got = choose("auto", {**env, "WANDB_API_KEY": FAKE_API_KEY}, cwd, have_wandb=False)
-    assert (got.mode, got.requested) == ("disabled", False) and "not installed" in got.reason
-    # `wandb offline` / `wandb disabled` write mode into ./wandb/settings: honoured by auto.
-    (cwd / "wandb").mkdir(parents=True)
-    (cwd / "wandb" / "settings").write_text("[default]\nmode = offline\n")
-    got = choose("auto", {**env, "WANDB_API_KEY": FAKE_API_KEY}, cwd, have_wandb=True)
-    assert (got.mode, got.requested, got.reason) == ("offline", True, f"mode = offline in {cwd / 'wandb' / 'settings'}")
-    assert choose("auto", {**env, "WANDB_MODE": "online"}, cwd).mode == "online"  # the env var wins over it
-    assert all(FAKE_API_KEY not in c.reason for c in (got, choose("auto", {**env, "WANDB_API_KEY": FAKE_API_KEY})))
+    netrc = home / ".netrc"
+    netrc.write_text(f"machine github.com\n  login user\n  password {FAKE_API_KEY}\n")  # not W&B's host
+    wandb.teardown()
+    assert choose("auto").mode == "offline"
+    netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {FAKE_API_KEY}\n")
+    netrc.chmod(0o600)
+    wandb.teardown()
+    got = choose("auto")
+    assert (got.mode, got.requested) == ("online", False) and FAKE_API_KEY not in got.reason
+    (cwd / "wandb").mkdir()
+    (cwd / "wandb" / "settings").write_text("[default]\nmode = offline\n")  # what `wandb offline` writes
+    wandb.teardown()
+    assert (choose("auto").mode, choose("auto").requested) == ("offline", True)
+    monkeypatch.setenv("WANDB_MODE", "online")  # the variable wins over the file (wandb's precedence)
+    wandb.teardown()
+    assert choose("auto").mode == "online"
 
 
-def _netrc(path: Path, host: str, password: str = FAKE_API_KEY) -> Path:
-    path.write_text(f"machine {host}\n  login user\n  password {password}\n")
-    path.chmod(0o600)
-    return path
-
-
-def test_credential_source_reads_what_wandb_login_writes(tmp_path):
-    home = tmp_path / "home"
-    (home / ".config" / "wandb").mkdir(parents=True)
-    env, cwd = _no_credentials(home), tmp_path
-    assert credential_source(env, cwd) is None
-    assert credential_source({**env, "WANDB_API_KEY": FAKE_API_KEY}, cwd) == "WANDB_API_KEY"
-    assert credential_source({**env, "WANDB_API_KEY": ""}, cwd) is None  # set but empty: no key
-
-    # ~/.netrc from `wandb login`: a password for api.wandb.ai; another host's entry is no W&B key.
-    _netrc(home / ".netrc", "github.com")
-    assert credential_source(env, cwd) is None
-    _netrc(home / ".netrc", "api.wandb.ai")
-    assert credential_source(env, cwd) == "~/.netrc"
-    _netrc(home / ".netrc", "api.forge.coreweave.com")  # wandb 0.31's default server
-    assert credential_source(env, cwd) == "~/.netrc"
-    _netrc(home / ".netrc", "api.wandb.ai", password='""')
-    assert credential_source(env, cwd) is None  # an entry without a key (wandb ignores it too)
-
-    # A self-hosted server ($WANDB_BASE_URL, or base_url in wandb's settings): its host's entry counts.
-    _netrc(home / ".netrc", "wandb.example.com:8080")
-    assert credential_source(env, cwd) is None
-    assert credential_source({**env, "WANDB_BASE_URL": "https://wandb.example.com:8080"}, cwd) == "~/.netrc"
-    (home / ".config" / "wandb" / "settings").write_text("[default]\nbase_url = https://wandb.example.com:8080\n")
-    assert credential_source(env, cwd) == "~/.netrc"
-
-    # $NETRC names another file; a malformed file is ignored, as wandb does.
-    elsewhere = _netrc(tmp_path / "netrc", "api.wandb.ai")
-    (home / ".config" / "wandb" / "settings").unlink()
-    assert credential_source({**env, "NETRC": str(elsewhere)}, cwd) == str(elsewhere)
-    elsewhere.write_text("machine\n")
-    assert credential_source({**env, "NETRC": str(elsewhere)}, cwd) is None
-    # An api_key in wandb's settings file.
-    (home / ".config" / "wandb" / "settings").write_text(f"[default]\napi_key = {FAKE_API_KEY}\n")
-    assert credential_source(env, cwd) == "wandb settings"
-
-
-def test_bad_wandb_mode_env_names_the_variable():
-    with pytest.raises(ConfigError, match='WANDB_MODE="sometimes".*--logging.wandb.mode'):
-        resolve_mode(None, {"WANDB_MODE": "sometimes"})
+def test_bad_wandb_settings_are_one_error_with_the_fix(clean_wandb, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "sometimes")
+    with pytest.raises(ConfigError, match="wandb rejects its settings.*sometimes.*--logging.wandb.mode"):
+        choose("auto")
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_API_KEY", "short")
+    import wandb
+    wandb.teardown()
+    from zerotrain.train.observe.wandb_logger import problem
+    with pytest.raises(ConfigError, match="W&B credentials are unusable.*40.*--logging.wandb.mode offline"):
+        problem(load_config(None, []))
 
 
 @pytest.mark.multiproc
@@ -360,48 +353,3 @@ def test_online_without_credentials_fails_early_with_a_fix(tmp_path):
     assert "wandb login" in proc.stderr and "--logging.wandb.mode offline" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     assert "Traceback" not in proc.stderr
-
-
-# ---------------------------------------------------------------------------- off the step's critical path
-
-def test_sink_calls_wandb_on_a_writer_thread_in_order():
-    """A log line costs the step no wandb work (issue 24): log() returns while the tracker's
-    own call is still blocked; close() runs what is queued, in order, then finishes the run."""
-    import threading
-    from types import SimpleNamespace
-
-    from zerotrain.train.observe.wandb_logger import WandbSink
-    gate, calls = threading.Event(), []
-
-    class Acc:
-        def log(self, metrics, step):
-            gate.wait(30)
-            calls.append(("log", step, metrics["loss"], threading.current_thread().name))
-
-    run = SimpleNamespace(settings=SimpleNamespace(mode="offline"), summary={},
-                          finish=lambda exit_code: calls.append(("finish", exit_code)))
-    sink = WandbSink(Acc(), run)
-    metrics = {"loss": 1.0}
-    sink.log(metrics, 1)
-    metrics["loss"] = 2.0  # the caller reuses its dict: the row keeps what was logged
-    sink.log(metrics, 2)
-    assert calls == []  # both returned with the tracker still blocked
-    gate.set()
-    sink.close()
-    assert calls == [("log", 1, 1.0, "zerotrain-wandb"), ("log", 2, 2.0, "zerotrain-wandb"), ("finish", 0)]
-
-
-def test_sink_reraises_a_writer_error_on_the_training_thread():
-    from types import SimpleNamespace
-
-    from zerotrain.train.observe.wandb_logger import WandbSink
-
-    class Acc:
-        def log(self, metrics, step):
-            raise RuntimeError("wandb broke")
-
-    run = SimpleNamespace(settings=SimpleNamespace(mode="offline"), summary={}, finish=lambda exit_code: None)
-    sink = WandbSink(Acc(), run)
-    sink.log({"loss": 1.0}, 1)
-    with pytest.raises(RuntimeError, match="wandb broke"):
-        sink.close()

@@ -177,10 +177,12 @@ class CheckpointConfig:
 @dataclass
 class WandbConfig:
     mode: Optional[str] = "auto"
-    """auto | online | offline | disabled. auto: $WANDB_MODE if set (WANDB_DISABLED=true: disabled),
-    else online when W&B credentials exist (WANDB_API_KEY, ~/.netrc from `wandb login`), else an
-    offline run; off with a note when the wandb package is missing. online / offline / disabled set
-    here win over $WANDB_MODE. offline writes <run_dir>/wandb/ (or $WANDB_DIR) for a later `wandb sync`."""
+    """auto | online | offline | disabled; online / offline / disabled set here win over the
+    environment. auto follows wandb's own rules (docs/observability.md): WANDB_DISABLED=true: disabled;
+    else the mode wandb's settings give ($WANDB_MODE over `wandb offline`'s settings file); wandb's
+    default, online, only when wandb finds credentials (`wandb login`, WANDB_API_KEY), else an offline
+    run; off with a note when the wandb package is missing. offline writes <run_dir>/wandb/ (or
+    $WANDB_DIR) for a later `wandb sync`. Used when logging.trackers lists wandb."""
     project: str = "zerotrain"
     """W&B project the run is logged to."""
     entity: Optional[str] = None
@@ -207,7 +209,12 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     every_steps: int = 10
-    """Log metrics (console, metrics.jsonl, W&B) every N optimizer steps."""
+    """Log metrics (console and logging.trackers) every N optimizer steps."""
+    trackers: list[str] = field(default_factory=lambda: ["jsonl", "wandb"])
+    """Where metrics go, Accelerate trackers on rank 0: jsonl (<run_dir>/metrics.jsonl), wandb
+    (logging.wandb), tensorboard (<run_dir>/tensorboard), mlflow ($MLFLOW_TRACKING_URI, else a file
+    store in <run_dir>/mlruns), e.g. --logging.trackers jsonl,tensorboard. A listed tracker whose
+    package is missing stops the run before the model is built (exit 2)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     peak_flops: Optional[float] = None
     """Per-device peak FLOP/s for MFU (--peak-flops 989e12); None = the detected GPU's dense
@@ -216,6 +223,12 @@ class LoggingConfig:
     def __post_init__(self):
         if self.every_steps <= 0:
             raise ConfigError(f"logging.every_steps must be positive (got {self.every_steps})")
+        known = ("jsonl", "wandb", "tensorboard", "mlflow")  # train/observe/trackers.py NAMES
+        bad = [t for t in self.trackers if t not in known]
+        if bad or len(set(self.trackers)) != len(self.trackers):
+            raise ConfigError(f"logging.trackers {','.join(self.trackers)}: "
+                              + (f'unknown tracker "{bad[0]}"' if bad else "a tracker listed twice")
+                              + f"; choose from {', '.join(known)}, e.g. --logging.trackers jsonl,wandb")
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise ConfigError(f"logging.peak_flops must be positive (got {self.peak_flops})")
 

@@ -169,8 +169,7 @@ def default_ds_config() -> tuple[str, str]:
     return name, f"ZeRO-2, {label}: {why}"
 
 
-def build_accelerator(mixed_precision: str, batch: Batch, timeout_s: int, log_with: str | None = None,
-                      handlers: tuple = (), **backend):
+def build_accelerator(mixed_precision: str, batch: Batch, timeout_s: int, handlers: tuple = (), **backend):
     """The Accelerator for one backend: `handlers` and `backend` (a DeepSpeedPlugin, or cpu=)
     come from the strategy (train/strategy/); the rest is the same for every backend."""
     from accelerate import Accelerator
@@ -186,7 +185,6 @@ def build_accelerator(mixed_precision: str, batch: Batch, timeout_s: int, log_wi
         dataloader_config=DataLoaderConfiguration(split_batches=True, even_batches=True, non_blocking=cuda),
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=batch.accum, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,
-        log_with=log_with,  # "wandb" or None; trackers start later, on the main process (wandb_logger.py)
     )
     _PEERS["timeout_s"] = timeout_s
     with rendezvous_errors(timeout_s):  # the process group (and its TCP store) is created here

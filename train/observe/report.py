@@ -62,8 +62,8 @@ def banner(t) -> str:
         lines.append(f"  resumed      at step {t.state.step} ({human(t.state.tokens_seen)} tokens seen)")
     lines.append(f"  run dir      {t.run_dir}")
     lines.append(f"  full config: {t.run_dir / 'config.json'}")
-    if t.wandb_status:  # rank 0: where W&B data goes, or why W&B is off (wandb_logger.start)
-        lines.append(f"  {t.wandb_status}")
+    for line in t.tracker_lines:  # rank 0: where W&B / TensorBoard / MLflow data goes, or why W&B is off
+        lines.append(f"  {line}")
     return "\n".join(lines)
 
 
@@ -145,7 +145,8 @@ def summary(t, result: dict, elapsed: float, sample: str | None, exported: str |
                      f"{el.world} process(es) on {len(el.nodes)} node(s)")
     if exported:
         lines.append(f"  weights      {exported}")
-    lines.append(f"  metrics      {t.run_dir / 'metrics.jsonl'}  (plot: zerotrain plot {t.run_dir})")
+    if "jsonl" in t.cfg.logging.trackers:
+        lines.append(f"  metrics      {t.run_dir / 'metrics.jsonl'}  (plot: zerotrain plot {t.run_dir})")
     if t.wandb:
         lines.append(f"  wandb        {t.wandb.location}")
     if sample is not None:

@@ -91,7 +91,7 @@ class Strategy:
             return family == "vision" and cuda
         return bool(want)
 
-    def build_accelerator(self, batch, timeout_s: int, log_with: Optional[str] = None):
+    def build_accelerator(self, batch, timeout_s: int):
         raise NotImplementedError
 
     def init_context(self):

@@ -3,7 +3,6 @@ fused AdamW, and torch's GradScaler under fp16."""
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
@@ -20,14 +19,14 @@ class DDPStrategy(Strategy):
         raise ConfigError(f"{flag} needs a ZeRO DeepSpeed JSON, not plain DDP ({self.path}); use e.g. "
                           f"--ds-config ds_configs/zero3.json or set distributed.sequence_parallel 1")
 
-    def build_accelerator(self, batch, timeout_s: int, log_with: Optional[str] = None):
+    def build_accelerator(self, batch, timeout_s: int):
         from accelerate.utils import DistributedDataParallelKwargs, GradScalerKwargs
 
         from zerotrain.train.launch.distributed import build_accelerator
         handlers = [DistributedDataParallelKwargs(**self.ds.ddp_kwargs)]
         if self.ds.grad_scaler:  # fp16: the JSON's loss-scale settings (train/strategy/ds_config.grad_scaler_args)
             handlers.append(GradScalerKwargs(**self.ds.grad_scaler))
-        return build_accelerator(self.ds.accelerate_mixed_precision, batch, timeout_s, log_with, tuple(handlers),
+        return build_accelerator(self.ds.accelerate_mixed_precision, batch, timeout_s, tuple(handlers),
                                  cpu=not torch.cuda.is_available())
 
     def build_optimizer(self, model, optim_cfg):

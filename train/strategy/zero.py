@@ -44,12 +44,12 @@ class ZeroStrategy(Strategy):
                               f"or remove it")
         return False
 
-    def build_accelerator(self, batch, timeout_s: int, log_with: Optional[str] = None):
+    def build_accelerator(self, batch, timeout_s: int):
         from accelerate.utils import DeepSpeedPlugin
 
         from zerotrain.train.launch.distributed import build_accelerator
         plugin = DeepSpeedPlugin(hf_ds_config=self.ds.resolved, zero3_init_flag=self.partitions_parameters)
-        return build_accelerator(self.ds.accelerate_mixed_precision, batch, timeout_s, log_with, deepspeed_plugin=plugin)
+        return build_accelerator(self.ds.accelerate_mixed_precision, batch, timeout_s, deepspeed_plugin=plugin)
 
     def init_context(self):
         """Build the model already partitioned under ZeRO-3 (a model larger than one device's

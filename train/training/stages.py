@@ -32,8 +32,8 @@ from zerotrain.train.launch import distributed as dist_
 from zerotrain.train.launch import elastic as elastic_
 from zerotrain.train.launch import host_settings, shm_buffers
 from zerotrain.train.launch import sequence_parallel as sp_
-from zerotrain.train.observe import wandb_logger
-from zerotrain.train.observe.metrics import JsonlLogger, Loggers
+from zerotrain.train.observe import trackers
+from zerotrain.train.observe.metrics import Loggers
 from zerotrain.train.plan import memory_check
 from zerotrain.train.plan import memory_plan as plan_
 from zerotrain.train.training import hardware
@@ -184,12 +184,12 @@ def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, d
     strategy, choice, view = _ds_setup(cfg, ds_config_cli, rt, data)
     ds = strategy.ds
     _sweep_shm_buffers()  # before DeepSpeed creates this job's own
-    acc = strategy.build_accelerator(rt.batch, cfg.distributed.timeout_s, log_with=wandb_logger.log_with(cfg))
+    acc = strategy.build_accelerator(rt.batch, cfg.distributed.timeout_s)
     hardware.keep_cpu_threads(rt.threads)
     topo = dist_.topology(rt.launcher, "nccl" if rt.cuda else "gloo")
     dist_.check_world(acc, topo)
     sp = sp_.SPRun.join(rt.sp_size, topo.rank, topo.world_size, data.spec.family) if rt.sp_size > 1 else None
-    wandb_logger.preflight(acc, cfg)  # W&B online without credentials: every rank stops here
+    trackers.preflight(acc, cfg)  # a tracker's package missing, W&B online without credentials: every rank stops
     rank_facts = _rank_facts(acc, topo, strategy)
     planned = plan_.make(cfg, data.spec, ds, data.bundle, rt.batch, data.seq_len, rt.world, topo.rank, topo.device,
                          acc.is_main_process, view, choice)  # and the memory check
@@ -342,7 +342,7 @@ def _write_rank_info(run_dir: Path, topo: Topology, facts: dict) -> None:
 
 @dataclass
 class Services:
-    loggers: Loggers                      # metrics.jsonl on rank 0 (W&B joins at Trainer.start)
+    loggers: Loggers                      # metrics.jsonl on rank 0 (the other trackers join at Trainer.start)
     memory_plan: MemoryPlan               # the run's memory plan (choose_strategy's): banner lines, plan/*
     checkpointer: Checkpointer
     state: TrainState                     # where training starts: restored or fresh
@@ -353,7 +353,7 @@ def start_services(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed
     """Loggers, the memory plan, the checkpointer, and the state the run starts from: a resumed
     checkpoint (checkpoint.resume) or initial weights (model.init_from) are restored here."""
     acc, strategy, topo, workload = dist.acc, dist.strategy, dist.topo, model.workload
-    loggers = Loggers([JsonlLogger(rt.run_dir / "metrics.jsonl")] if acc.is_main_process else [])
+    loggers = trackers.jsonl(acc, cfg, rt.run_dir)
     # The banner's "model states" and "memory" lines; the plan is compared with mem/* at step 2.
     memory_plan = dist.planned  # made once, before the model existed (train/plan/memory_plan.py)
     checkpointer = Checkpointer(cfg=cfg.checkpoint, run_dir=rt.run_dir, rank=topo.rank, world=topo.world_size,

@@ -36,7 +36,7 @@ from zerotrain.train import process_group, testhooks
 from zerotrain.train.checkpoint.cadence import SaveCadence
 from zerotrain.train.checkpoint.state import TrainState
 from zerotrain.train.data.position import DataPosition
-from zerotrain.train.observe import report, wandb_logger
+from zerotrain.train.observe import report, trackers
 from zerotrain.train.observe.memory import MemoryReport
 from zerotrain.train.observe.metrics import reduce_window
 from zerotrain.train.observe.perf import device_peak_flops, throughput
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from zerotrain.train.launch.elastic import ElasticRun
     from zerotrain.train.launch.sequence_parallel import SPRun
     from zerotrain.train.observe.metrics import Loggers
-    from zerotrain.train.observe.wandb_logger import WandbSink
+    from zerotrain.train.observe.wandb_logger import WandbTracker
     from zerotrain.train.plan.memory_plan import MemoryPlan
 
 
@@ -90,7 +90,7 @@ class Trainer:
     sampler: GlobalBatchSampler           # the resumable global data order, positioned from `state`
     val_loader: Optional[DataLoader]
     # -- services
-    loggers: Loggers                      # metrics sinks: metrics.jsonl on rank 0, W&B added by start()
+    loggers: Loggers                      # logging.trackers on rank 0: metrics.jsonl, the others added by start()
     checkpointer: Optional[Checkpointer]  # save / export; None: the run writes no checkpoint
     memory_plan: Optional[MemoryPlan]     # the run's one memory plan: banner lines, plan/* metrics
     # -- where training stands: saved in checkpoints; a resumed run passes the restored one
@@ -107,8 +107,8 @@ class Trainer:
     evaluator: Evaluator = field(init=False)     # val/* metrics (train.eval_every), the closing sample text
     last_eval: dict = field(init=False, default_factory=dict)
     stop_reason: Optional[str] = field(init=False, default=None)       # None | "signal" | "diverged"
-    wandb: Optional[WandbSink] = field(init=False, default=None)        # rank 0's W&B sink, once start() ran
-    wandb_status: Optional[str] = field(init=False, default=None)      # rank 0's banner line about W&B
+    wandb: Optional[WandbTracker] = field(init=False, default=None)     # rank 0's W&B tracker, once start() ran
+    tracker_lines: list = field(init=False, default_factory=list)      # rank 0's banner lines: where W&B, TensorBoard, MLflow log
     start_counts: tuple = field(init=False, default=(0, 0, 0))         # (step, samples, tokens) at start()
     _t_start: float = field(init=False, default=0.0)
     _finished: bool = field(init=False, default=False)  # finish() completed: close() reports success to W&B
@@ -321,10 +321,8 @@ class Trainer:
     # ------------------------------------------------------------------ start / finish / close
     def start(self):
         # After build() restored the checkpoint state: a resumed run continues its W&B run.
-        self.wandb, self.wandb_status, self.state.wandb_run_id = wandb_logger.start(
-            self.acc, self.cfg, self.state.wandb_run_id, self.run_dir, self.resolved_config)
-        if self.wandb:
-            self.loggers.sinks.append(self.wandb)
+        self.wandb, self.tracker_lines, self.state.wandb_run_id = trackers.start(
+            self.acc, self.cfg, self.loggers, self.state.wandb_run_id, self.run_dir, self.resolved_config)
         if self.elastic:
             self.elastic.note_wandb(self.state.wandb_run_id)
         self._t_start = time.perf_counter()
@@ -351,7 +349,7 @@ class Trainer:
                 final["final/steps_recomputed"] = self.elastic.steps_recomputed
             self.loggers.log(final, self.state.step)
             if self.wandb and self.stop_reason == "signal":
-                self.wandb.mark_preempting()
+                self.loggers.submit(self.wandb.mark_preempting)
             print(report.summary(self, result, elapsed, sample, exported, ckpt), flush=True)
         self._finished = True
 
