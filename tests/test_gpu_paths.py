@@ -104,7 +104,7 @@ def test_default_ds_config_suits_the_hardware(monkeypatch):
 
 def test_tf32_is_on_for_cuda_fp32_matmuls_unless_disabled():
     assert hardware.float32_matmul_precision(load_config(None), cuda=True) == "high"
-    assert hardware.float32_matmul_precision(load_config(None, [("train.tf32", "false")]), cuda=True) == "highest"
+    assert hardware.float32_matmul_precision(load_config(None, [("hardware.tf32", "false")]), cuda=True) == "highest"
     assert hardware.float32_matmul_precision(load_config(None), cuda=False) is None
 
 
@@ -165,9 +165,9 @@ def test_channels_last_is_for_vision_under_ddp_on_cuda(tmp_path):
 
 
 def test_compile_is_refused_under_zero3(tmp_path):
-    cfg = load_config(None, [("train.compile", "true")])
+    cfg = load_config(None, [("hardware.compile", "true")])
     _ds(tmp_path, "zero2").check_run(cfg)
-    with pytest.raises(ConfigError, match="train.compile with ZeRO-3"):
+    with pytest.raises(ConfigError, match="hardware.compile with ZeRO-3"):
         _ds(tmp_path, "zero3").check_run(cfg)
 
 

@@ -173,7 +173,7 @@ def test_lora_round_trip_under_partitioned_zero3(tmp_path, corpus):
             str(corpus["tokens"]), "--data.seq_len", str(SEQ), "--train.micro_batch_size", "4",
             "--train.grad_accum_steps", "2", "--train.max_steps", "6", "--train.eval_every", "0",
             "--train.eval_batches", "null", "--optim.lr", "1e-2", "--optim.warmup_steps", "1",
-            "--train.progress", "false", "--logging.every_steps", "1", "--checkpoint.every_steps", "3",
+            "--logging.progress", "false", "--logging.every_steps", "1", "--checkpoint.every_steps", "3",
             "--checkpoint.keep_last", "3", "--checkpoint.export_dtype", "fp32"]
     env = {"HF_HUB_OFFLINE": "1"}
     a = tmp_path / "a"

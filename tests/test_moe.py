@@ -64,8 +64,8 @@ def run_args(moe, run_dir: Path, ds: str) -> list[str]:
     return ["--model.name", f"hf:{moe.model}", "--data.kind", "tokens", "--data.path", str(moe.tokens),
             "--data.seq_len", str(SEQ), "--train.micro_batch_size", str(MICRO), "--train.grad_accum_steps",
             str(ACCUM), "--train.max_steps", str(STEPS), "--train.eval_every", "0", "--train.eval_batches", "null",
-            "--train.seed", str(SEED), "--optim.lr", "3e-3", "--optim.warmup_steps", "2", "--train.progress", "false",
-            "--logging.every_steps", "1", "--train.trace_data", "true", "--checkpoint.every_steps", "3",
+            "--train.seed", str(SEED), "--optim.lr", "3e-3", "--optim.warmup_steps", "2", "--logging.progress", "false",
+            "--logging.every_steps", "1", "--debug.trace_data", "true", "--checkpoint.every_steps", "3",
             "--checkpoint.save_at_end", "true", "--checkpoint.export", "true", "--checkpoint.export_dtype", "fp32",
             "--ds-config", ds, "--train.run_dir", str(run_dir)]
 

@@ -49,7 +49,7 @@ def _sp_check(tmp_path, n: int, *overrides, ds_json: str = "ds_configs/zero3.jso
     (2, ["data.seq_len=63"], "ds_configs/zero3.json",
      "distributed.sequence_parallel 2 does not divide data.seq_len 63"),
     (2, [], "ds_configs/ddp.json", "distributed.sequence_parallel 2 needs a ZeRO DeepSpeed JSON, not plain DDP"),
-    (2, ["train.compile=true"], "ds_configs/zero3.json", "with train.compile true is not supported"),
+    (2, ["hardware.compile=true"], "ds_configs/zero3.json", "with hardware.compile true is not supported"),
 ], ids=["heads", "kv-heads", "seq-len", "ddp", "compile"])
 def test_combinations_sp_cannot_run_are_refused_in_one_line(tmp_path, n, overrides, ds_json, message):
     from train.errors import ConfigError

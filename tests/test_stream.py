@@ -329,7 +329,7 @@ def test_two_processes_train_from_jsonl_and_one_process_resumes_the_stream(tmp_p
     common = ["--ds-config", fp32(tmp_path, "ddp"), "--model.name", "gpt-tiny", "--data.kind", "stream",
               "--data.path", str(d / "train.jsonl"), "--data.seq_len", "32", "--data.shuffle_windows", "4",
               "--data.num_workers", "1", "--train.eval_every", "0", "--train.eval_batches", "1",
-              "--train.trace_data", "true", "--train.progress", "false", "--train.sample_tokens", "0",
+              "--debug.trace_data", "true", "--logging.progress", "false", "--train.sample_tokens", "0",
               "--logging.every_steps", "1", "--optim.warmup_steps", "1", "--optim.lr", "3e-3",
               "--checkpoint.export", "false", "--train.max_steps", "6"]
     a, b = tmp_path / "a", tmp_path / "b"
