@@ -59,7 +59,7 @@ def test_unknown_targets_and_non_lms_are_refused_in_one_line(tmp_path):
     assert str(e.value) == (f"model.lora.target_modules: qproj is not a Linear module of hf:{d}; its Linear modules "
                             f"are: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj")
     for name in ("resnet18", "linear"):
-        with pytest.raises(ConfigError, match=f"LoRA fine-tunes language models .* {name!r} is a "):
+        with pytest.raises(ConfigError, match=f"^model.lora is not a key of model family .* \\({name}\\); its keys: "):
             resolve(ModelConfig(name=name, lora=LoraConfig()))
     with pytest.raises(ConfigError, match="needs model.init_from"):  # a random GPT has nothing to adapt
         build_workload(resolve(ModelConfig(name="gpt-tiny", lora=LoraConfig())), lm_bundle(256))

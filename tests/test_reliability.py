@@ -86,7 +86,7 @@ BAD_CONFIGS = {
     "mixture: with data.path": (lambda t: mixture_args(t, "[{{path: '{a}', weight: 1}}]", "--data.path", "x.bin"),
                                 "data.sources and data.path are both set"),
     "mixture: not token data": (lambda t: mixture_args(t, "[{{path: '{a}', weight: 1}}]", "--data.kind", "text"),
-                                'data.sources mixes token files: set data.kind to tokens (got "text")'),
+                                "data.sources is not a key of data.kind text (its keys: kind, path, seq_len"),
     "mixture: two tokenizers": (lambda t: mixture_args(t, "[{{path: '{a}', weight: 1}}, {{path: '{b}', weight: 1}}]"),
                                 "b.bin were tokenized differently"),
     "mixture: missing file": (lambda t: mixture_args(t, "[{{path: '{a}', weight: 1}}, {{path: nope.bin, weight: 1}}]"),

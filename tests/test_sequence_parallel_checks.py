@@ -32,8 +32,9 @@ def _sp_check(tmp_path, n: int, *overrides, ds_json: str = "ds_configs/zero3.jso
     from train.launch import sequence_parallel as sp_
     from train.strategy import for_setup
     from train.strategy.ds_config import load_ds_setup
-    pairs = [("model.name", "gpt-tiny"), ("data.seq_len", "64"), ("distributed.sequence_parallel", str(n)),
-             *[tuple(o.split("=", 1)) for o in overrides]]
+    more = [tuple(o.split("=", 1)) for o in overrides]
+    seq = [] if ("data.kind", "imagefolder") in more else [("data.seq_len", "64")]  # a key of LM data only
+    pairs = [("model.name", "gpt-tiny"), *seq, ("distributed.sequence_parallel", str(n)), *more]
     cfg = load_config(None, pairs)
     spec = resolve_model(cfg.model)
     batch = cfg.train.batch(1)

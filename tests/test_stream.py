@@ -284,13 +284,14 @@ def test_close_ends_the_tokenizer_workers_at_once(tmp_path):
     ds.close()  # twice is harmless (close, then garbage collection or exit)
 
 @pytest.mark.parametrize("overrides,needle", [
-    ([("data.text_field", "body")], 'data.text_field is for data.kind stream (got "text")'),
-    ([("data.kind", "tokens"), ("data.shuffle_windows", "8")], "data.shuffle_windows is for data.kind stream"),
+    ([("data.text_field", "body")], "--data.text_field is not a key of data.kind text (its keys: kind, path, "),
+    ([("data.kind", "tokens"), ("data.shuffle_windows", "8")],
+     "--data.shuffle_windows is not a key of data.kind tokens (its keys: "),
     ([("data.kind", "stream"), ("data.shuffle_windows", "0")], "data.shuffle_windows must be >= 1"),
     ([("data.kind", "stream"), ("data.text_field", "")], "data.text_field is empty"),
     ([("data.kind", "stream"), ("train.epochs", "2")], "train.epochs: a stream (data.kind stream) has no known length"),
     ([("data.kind", "stream"), ("data.sources", "[{path: a.jsonl, weight: 1}]")],
-     "data.sources cannot mix streamed files (data.kind stream): `zerotrain prepare"),
+     "--data.sources is not a key of data.kind stream (its keys: "),
 ])
 def test_bad_stream_configs_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as e:

@@ -51,7 +51,10 @@ def _not_a_key(variant, key: str, dotted: str) -> ConfigError:
     names = [f.name for f in dataclasses.fields(variant)]
     others = [v.tag_text() for v in variant.variants().values()
               if v is not variant and key in {f.name for f in dataclasses.fields(v)}]
-    elsewhere = f"; {' and '.join(others)} {'has' if len(others) == 1 else 'have'} it" if others else ""
+    if len(others) > 1:  # "data.kind text, tokens and sft have it"
+        others = [", ".join([others[0]] + [o.rsplit(" ", 1)[1] for o in others[1:-1]]) + " and "
+                  + others[-1].rsplit(" ", 1)[1]]
+    elsewhere = f"; {others[0]} {'have' if ' and ' in others[0] else 'has'} it" if others else ""
     return ConfigError(f"{dotted} is not a key of {variant.tag_text()} (its keys: {', '.join(names)})"
                        f"{did_you_mean(key, names)}{elsewhere}")
 
