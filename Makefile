@@ -44,7 +44,7 @@ install: $(STAMP)
 
 # DeepSpeed's JIT ops (CPU comm op on CPU machines, CPU Adam for offload), built once.
 ops: $(STAMP)
-	@$(PY) -m train.commands.prebuild
+	@$(PY) -m zerotrain.train.commands.prebuild
 
 train: ops
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) train/main.py --config $(RUN) --ds-config $(DS_CONFIG)

@@ -28,9 +28,9 @@ def measure(T: int, d_model: int, checkpointing: bool) -> dict:
     import torch
     import torch.nn.functional as F
     sys.path.insert(0, str(REPO))
-    from models.gpt import GPT, PRESETS
-    from train.plan.activations import activation_bytes
-    from train.plan.shapes import BatchShape
+    from zerotrain.models.gpt import GPT, PRESETS
+    from zerotrain.train.plan.activations import activation_bytes
+    from zerotrain.train.plan.shapes import BatchShape
     torch.set_num_threads(1)
     cfg = dataclasses.replace(PRESETS["gpt-small-cpu"], d_model=d_model, seq_len=T,
                               activation_checkpointing=checkpointing)

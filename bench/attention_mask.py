@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from models.gpt import GPT, document_mask, preset  # noqa: E402
+from zerotrain.models.gpt import GPT, document_mask, preset  # noqa: E402
 
 
 def doc_ids_for(B: int, T: int, seed: int = 0) -> torch.Tensor:

@@ -111,7 +111,7 @@ def rows(run: Path) -> list[dict]:
 
 def num_params(model_cfg: dict) -> int:
     import torch
-    from models.gpt import GPT, preset
+    from zerotrain.models.gpt import GPT, preset
     with torch.device("meta"):
         m = GPT(preset(model_cfg["name"], d_model=model_cfg.get("d_model"), n_layer=model_cfg.get("n_layer")))
     return sum(p.numel() for p in m.parameters())
@@ -162,8 +162,8 @@ def _vote_worker(rank: int, world: int, port: int, iters: int, out: str):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from train.checkpoint.cadence import SaveCadence
-    from train.training.stop import StopVote
+    from zerotrain.train.checkpoint.cadence import SaveCadence
+    from zerotrain.train.training.stop import StopVote
 
     class Acc:
         num_processes = world
@@ -208,7 +208,7 @@ def _vote_worker(rank: int, world: int, port: int, iters: int, out: str):
 def vote_cost(a, work: Path) -> dict:
     import timeit
     import torch.multiprocessing as mp
-    from train.checkpoint.cadence import SaveCadence
+    from zerotrain.train.checkpoint.cadence import SaveCadence
     out = work / "vote.json"
     mp.start_processes(_vote_worker, args=(2, free_port(), a.vote_iters, str(out)), nprocs=2, start_method="spawn")
     got = json.loads(out.read_text())

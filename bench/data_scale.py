@@ -85,8 +85,8 @@ def generate(out: Path, nbytes: int, shard_tokens: int, seed: int = 0, vocab: in
     """A shard set of nbytes of uint16 tokens < vocab, written and hashed by ShardWriter."""
     import numpy as np
 
-    from train.data.prepare_pool import ShardWriter, manifest_meta, write_manifest
-    from train.data.shards import MANIFEST
+    from zerotrain.train.data.prepare_pool import ShardWriter, manifest_meta, write_manifest
+    from zerotrain.train.data.shards import MANIFEST
     source = {"generator": "bench/data_scale.py", "bytes": nbytes, "shard_tokens": shard_tokens, "seed": seed,
               "vocab": vocab}
     if (out / MANIFEST).is_file():

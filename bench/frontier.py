@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memcap  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from train.launch.host_settings import GLIBC_GROWTH  # noqa: E402
+from zerotrain.train.launch.host_settings import GLIBC_GROWTH  # noqa: E402
 from stages import BIN, REPO, free_port, machine, peaks  # noqa: E402
 
 OPTIONS = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")

@@ -205,7 +205,7 @@ def check_agree(name: str, runs: dict[str, Path], rtol: float, note: str = "") -
 
 def _flops_per_token(model: str, overrides: dict, seq_len: int) -> int:
     sys.path.insert(0, str(REPO))
-    from models.gpt import preset
+    from zerotrain.models.gpt import preset
     return preset(model, **overrides).flops_per_token(seq_len)
 
 
@@ -357,10 +357,10 @@ def ds_json(src: Path, dst: Path, precision: str, initial_scale_power: int | Non
 def validate_ds(path: Path, train_args: list[str], cuda: bool) -> dict:
     """Resolve a DeepSpeed JSON the way train/training/build.py does (cuda=True: as on a GPU)."""
     sys.path.insert(0, str(REPO))
-    from models import resolve as resolve_model
-    from train.args import parse_train_args
-    from train.config import load_config
-    from train.strategy.ds_config import load_ds_setup
+    from zerotrain.models import resolve as resolve_model
+    from zerotrain.train.args import parse_train_args
+    from zerotrain.train.config import load_config
+    from zerotrain.train.strategy.ds_config import load_ds_setup
     targs = parse_train_args(train_args)
     cfg = load_config(targs.config, targs.overrides)
     batch = cfg.train.batch(1)
@@ -422,7 +422,7 @@ def env_check(expect_cuda: bool, note: str, site: str | None = None) -> int:
             fig.update(device=torch.cuda.get_device_name(0), device_count=torch.cuda.device_count(),
                        device_mem_bytes=p.total_memory, capability=f"{p.major}.{p.minor}")
             sys.path.insert(0, str(REPO))
-            from train.observe.perf import device_peak_flops
+            from zerotrain.train.observe.perf import device_peak_flops
             fig["peak_flops"] = device_peak_flops()
     except Exception as e:  # noqa: BLE001 - reported, not raised
         return record("env", False, f"import torch failed: {e}", fig)

@@ -48,7 +48,7 @@ def parse(argv):
 
 
 def measure(a, cfg, device, mode: str) -> dict:
-    from models.gpt import GPT
+    from zerotrain.models.gpt import GPT
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -98,8 +98,8 @@ def measure(a, cfg, device, mode: str) -> dict:
 
 def main(argv=None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
-    from models.gpt import preset
-    from train.observe.perf import device_peak_flops
+    from zerotrain.models.gpt import preset
+    from zerotrain.train.observe.perf import device_peak_flops
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
     cfg = preset(a.preset, d_model=a.d_model, n_layer=a.n_layer, vocab_size=a.vocab_size,
                  seq_len=a.seq_len)

@@ -29,7 +29,7 @@ def corpus_listing() -> str:
     import sysconfig
     from itertools import islice
     sys.path.insert(0, str(REPO))
-    from train.data.text import default_corpus_files
+    from zerotrain.train.data.text import default_corpus_files
     root = Path(sysconfig.get_paths()["stdlib"])
     t0 = time.perf_counter()
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from models.losses import cross_entropy  # noqa: E402
+from zerotrain.models.losses import cross_entropy  # noqa: E402
 
 N, V = 16 * 1024, 50304
 

@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models import build_workload, resolve  # noqa: E402
-from train.config import DataConfig, ModelConfig  # noqa: E402
-from train.data import build_data  # noqa: E402
+from zerotrain.models import build_workload, resolve  # noqa: E402
+from zerotrain.train.config import DataConfig, ModelConfig  # noqa: E402
+from zerotrain.train.data import build_data  # noqa: E402
 
 
 def write_records(path: Path, n: int, seq_len: int, seed: int = 0) -> Path:

@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from models.gpt import GPT, preset  # noqa: E402
+from zerotrain.models.gpt import GPT, preset  # noqa: E402
 
 
 def parse(argv):

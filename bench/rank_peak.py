@@ -45,7 +45,7 @@ def _dump():
         pass
     # The trainer restarts the peak statistics at every log line (train/observe/metrics.py) and keeps
     # the largest it saw: the run's peak.
-    metrics = sys.modules.get("train.observe.metrics")
+    metrics = sys.modules.get("zerotrain.train.observe.metrics")
     if metrics is not None:
         peak, reserved = metrics.lifetime_peaks()
         if "cuda_max_allocated_bytes" in info:

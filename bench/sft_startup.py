@@ -44,9 +44,9 @@ def timed(fn):
 
 def main() -> int:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 20_000
-    from train.commands.prepare import main as prepare
-    from train.config import DataConfig
-    from train.data import build_data
+    from zerotrain.train.commands.prepare import main as prepare
+    from zerotrain.train.config import DataConfig
+    from zerotrain.train.data import build_data
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
         tok = make_tokenizer(d / "tok", [random_text(50_000, s) for s in range(4)], vocab_size=1024)

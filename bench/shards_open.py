@@ -21,9 +21,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO)]
 
-from train.config import DataConfig  # noqa: E402
-from train.data import build_data  # noqa: E402
-from train.data.shards import FORMAT, MANIFEST, VERSION, file_digest  # noqa: E402
+from zerotrain.train.config import DataConfig  # noqa: E402
+from zerotrain.train.data import build_data  # noqa: E402
+from zerotrain.train.data.shards import FORMAT, MANIFEST, VERSION, file_digest  # noqa: E402
 
 
 def make(d: Path, n: int, tokens: int = 4096) -> None:

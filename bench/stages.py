@@ -158,7 +158,7 @@ def launch(a, script: str, args: list[str], peak_dir: Path, log: Path, extra_env
 
 def _sweep_shm():
     sys.path.insert(0, str(REPO))
-    from train.launch import shm_buffers
+    from zerotrain.train.launch import shm_buffers
     shm_buffers.sweep_stale(min_age_s=0.0)
 
 

@@ -66,13 +66,13 @@ def rank_main(a) -> dict:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from models.gpt import GPT, preset
-    from models.losses import cross_entropy
-    from train.checkpoint.cadence import SaveCadence
-    from train.optim.optimizer import set_lr
-    from train.optim.schedule import lr_at
-    from train.training.stop import StopVote
-    from train.training.trainer import Trainer
+    from zerotrain.models.gpt import GPT, preset
+    from zerotrain.models.losses import cross_entropy
+    from zerotrain.train.checkpoint.cadence import SaveCadence
+    from zerotrain.train.optim.optimizer import set_lr
+    from zerotrain.train.optim.schedule import lr_at
+    from zerotrain.train.training.stop import StopVote
+    from zerotrain.train.training.trainer import Trainer
 
     torch.distributed.init_process_group("gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -123,7 +123,7 @@ def rank_main(a) -> dict:
         cross_entropy(logits, targets).backward()
     t_torch, t_chunked = timed(torch_ce, a.reps // 3), timed(chunked_ce, a.reps // 3)
 
-    from train.config import OptimConfig
+    from zerotrain.train.config import OptimConfig
     optim_cfg = OptimConfig()
     health = []
     at = 5

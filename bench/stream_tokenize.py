@@ -65,7 +65,7 @@ def parse(argv):
 
 
 def documents():
-    from train.data.text import default_corpus_files
+    from zerotrain.train.data.text import default_corpus_files
     for f in default_corpus_files():
         try:
             yield f.read_text(encoding="utf-8")
@@ -117,7 +117,7 @@ def generate(d: Path, mb: float, vocab: int) -> dict:
 
 
 def throughput(path: Path, tokenizer, workers: int, seq_len: int, seconds: float) -> dict:
-    from train.data.stream import StreamCorpus, StreamWindows
+    from zerotrain.train.data.stream import StreamCorpus, StreamWindows
     corpus = StreamCorpus(str(path), "text", seed=0)
     ds = StreamWindows(corpus, seq_len, tokenizer, workers, group=1024, val_fraction=0.0)
     ds[0]  # pool started and the first chunk tokenized: measure the steady state from here

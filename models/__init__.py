@@ -18,9 +18,9 @@ import contextlib
 import math
 from typing import TYPE_CHECKING, Optional
 
-from models.config import ModelSection
-from models.errors import ConfigError, did_you_mean
-from models.spec import ModelSpec
+from zerotrain.models.config import ModelSection
+from zerotrain.models.errors import ConfigError, did_you_mean
+from zerotrain.models.spec import ModelSpec
 
 # torch and the builders are imported in the functions that use them: train/config/ and
 # train/errors.py import models.config and models.errors, which runs this file first, and the
@@ -28,17 +28,17 @@ from models.spec import ModelSpec
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from models.workload import Workload
+    from zerotrain.models.workload import Workload
 
 
 def resolve(cfg: ModelSection) -> ModelSpec:
     """The run's model, resolved once: the name checked (a ConfigError names the choices before
     any data is read), what is known before the data, a local model's config.json read. The
     section's variant is the family (models/config.py): keys of other families never get here."""
-    from models import gpt
+    from zerotrain.models import gpt
     name = cfg.name
     if cfg.family == "hf":
-        from models.hf import spec_fields
+        from zerotrain.models.hf import spec_fields
         return ModelSpec(cfg, "hf", **spec_fields(name[3:]))
     if cfg.family == "gpt" and name in gpt.PRESETS:
         g = gpt_config(cfg, vocab_size=None)
@@ -48,7 +48,7 @@ def resolve(cfg: ModelSection) -> ModelSpec:
     if cfg.family == "py":
         raise ConfigError(f'model.name "{name}": user model factories (py:<module>:<function>) are not built by '
                           f"this zerotrain; use a GPT preset, hf:<dir>, a torchvision classifier or linear")
-    from models.vision import is_vision
+    from zerotrain.models.vision import is_vision
     if cfg.family == "vision" and is_vision(name):
         return ModelSpec(cfg, "vision")
     raise ConfigError(f'model.name "{name}" is unknown{did_you_mean(name, list(gpt.PRESETS) + ["linear"])}: use a '
@@ -66,7 +66,7 @@ def hidden_size_of(spec: ModelSpec, data=None) -> Optional[int]:
     if spec.family == "linear":
         return max(1, math.isqrt(data.num_features + 1))
     if spec.family == "vision":
-        from models.vision import arch_info
+        from zerotrain.models.vision import arch_info
         info = arch_info(spec.name, spec.config.num_classes or data.num_classes, data.extra["image_size"])
         return max(1, math.isqrt(max(math.prod(s) for s in info.shapes.values())))
     return None
@@ -94,7 +94,7 @@ def partition_summary(model: nn.Module, world_size: int) -> str:
     """How the model was built under ZeRO-3: partitioned at construction (every parameter a
     DeepSpeed ZeRO-3 parameter holding only its shard) or whole. LoRA adapters are built whole
     on purpose (models/lora.py) and partitioned by the DeepSpeed engine: said, not warned about."""
-    from models.lora import is_adapter
+    from zerotrain.models.lora import is_adapter
     adapters = [p for n, p in model.named_parameters() if is_adapter(n)]
     c = partition_counts(model, leave_out=adapters)
     lora = (f"; {len(adapters)} LoRA adapter tensors ({sum(p.numel() for p in adapters) / 1e6:.3f}M parameters) "
@@ -108,7 +108,7 @@ def partition_summary(model: nn.Module, world_size: int) -> str:
 
 def gpt_config(cfg: ModelSection, vocab_size):
     """The GPTConfig that model section builds (vocab_size: the data's, unless model.vocab_size)."""
-    from models import gpt
+    from zerotrain.models import gpt
     try:
         return gpt.preset(cfg.name, n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
                           d_model=cfg.d_model, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size or vocab_size,
@@ -125,28 +125,28 @@ def meta_model(spec: ModelSpec, data) -> tuple[nn.Module, dict, Optional[int]]:
     import torch
     width = hidden_size_of(spec, data)
     if spec.family == "hf":
-        from models.hf import meta_hf, tied_names
+        from zerotrain.models.hf import meta_hf, tied_names
         model, model_config = meta_hf(spec)
         if spec.config.lora is not None:
-            from models import lora
+            from zerotrain.models import lora
             lora.apply(model, spec, tied_names(model), meta=True)
         return model, model_config, width
     if spec.family == "gpt":
-        from models import gpt
+        from zerotrain.models import gpt
         gcfg = gpt_config(spec.config, vocab_size=data.vocab_size if data is not None else None)
         with torch.device("meta"):
             model = gpt.GPT(gcfg)
         if spec.config.lora is not None:
-            from models import lora
+            from zerotrain.models import lora
             lora.apply(model, spec, _gpt_tied(gcfg), meta=True)
         return model, {"family": "gpt", **gcfg.to_dict()}, width
     if spec.family == "linear":
-        from models.linear import LinearRegression
+        from zerotrain.models.linear import LinearRegression
         with torch.device("meta"):
             model = LinearRegression(data.num_features)
         return model, {"family": "linear", "num_features": data.num_features}, width
     if spec.family == "vision":
-        from models.vision import meta_vision
+        from zerotrain.models.vision import meta_vision
         model, model_config = meta_vision(spec.config, data)
         return model, model_config, width
     raise AssertionError(spec.family)  # resolve makes only the families above
@@ -159,7 +159,7 @@ def build_workload(spec: ModelSpec, data, init_context=contextlib.nullcontext) -
     workload = _build(spec, data, init_context)
     if spec.config.lora is not None:
         # After the base exists (partitioned under ZeRO-3) and outside init_context: models/lora.py says why.
-        from models import lora
+        from zerotrain.models import lora
         workload.lora = lora.apply(workload.model, spec, workload.tied)
     return workload
 
@@ -169,13 +169,13 @@ def _gpt_tied(gcfg) -> list:
 
 
 def _build(spec: ModelSpec, data, init_context) -> Workload:
-    from models.workload import Workload
+    from zerotrain.models.workload import Workload
     name, cfg = spec.name, spec.config
     if spec.family == "hf":
-        from models.hf import build_hf
+        from zerotrain.models.hf import build_hf
         return build_hf(spec, data, init_context)
     if spec.family == "gpt":
-        from models import gpt
+        from zerotrain.models import gpt
         if data.task != "lm":
             raise ConfigError(f"model.name {name} is a language model but data.kind gives a {data.task} task")
         gcfg = gpt_config(cfg, vocab_size=data.vocab_size)
@@ -190,7 +190,7 @@ def _build(spec: ModelSpec, data, init_context) -> Workload:
                         hidden_size=gcfg.d_model, flops_per_item=float(gcfg.flops_per_token(data.seq_len)),
                         tied=_gpt_tied(gcfg))
     if spec.family == "linear":
-        from models.linear import LinearRegression
+        from zerotrain.models.linear import LinearRegression
         if data.task != "regress":
             raise ConfigError(f'model.name "linear" needs data.kind = "regression" (got a {data.task} task)')
         with init_context():
@@ -199,6 +199,6 @@ def _build(spec: ModelSpec, data, init_context) -> Workload:
                         model_config={"family": "linear", "num_features": data.num_features},
                         flops_per_item=6.0 * (data.num_features + 1))
     if spec.family == "vision":
-        from models.vision import build_vision
+        from zerotrain.models.vision import build_vision
         return build_vision(cfg, data, init_context)
     raise AssertionError(spec.family)  # resolve makes only the families above

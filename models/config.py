@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Optional
 
-from models.errors import ConfigError, did_you_mean
+from zerotrain.models.errors import ConfigError, did_you_mean
 
 
 @dataclass

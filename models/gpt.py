@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from models.ulysses import heads_to_seq, seq_to_heads
+from zerotrain.models.ulysses import heads_to_seq, seq_to_heads
 
 
 @dataclass

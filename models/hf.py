@@ -22,9 +22,9 @@ from typing import Optional
 
 import torch
 
-from models.errors import CheckpointError, ConfigError, DataError
-from models.spec import ModelSpec
-from models.workload import Workload, restore_buffers
+from zerotrain.models.errors import CheckpointError, ConfigError, DataError
+from zerotrain.models.spec import ModelSpec
+from zerotrain.models.workload import Workload, restore_buffers
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -186,7 +186,7 @@ def build_hf(spec: ModelSpec, data, init_context):
 
 def _moe(model, config, spec: ModelSpec):
     """models/moe.py's accumulators for a sparse-MoE model; None (and the override refused) for a dense one."""
-    from models.moe import MoEStats, detect
+    from zerotrain.models.moe import MoEStats, detect
     info = detect(model, config, spec.config.router_aux_loss_coef)
     if info is None:
         if spec.config.router_aux_loss_coef is not None:

@@ -34,9 +34,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from models.config import LoraConfig
-from models.errors import ConfigError
-from models.spec import ModelSpec
+from zerotrain.models.config import LoraConfig
+from zerotrain.models.errors import ConfigError
+from zerotrain.models.spec import ModelSpec
 
 ADAPTER = "default"  # peft's adapter name; PEFT files leave it out of their keys
 ADAPTER_CONFIG = "adapter_config.json"
@@ -120,7 +120,7 @@ def base_weights_dir(spec: ModelSpec) -> str:
     """Where the frozen base weights come from (re-read on every resume, and by a merged export):
     model.init_from, or the hf: directory's own weights. A random base is refused: there is
     nothing to adapt, and a checkpoint without the base could not be exported."""
-    from models.hf import model_dir, weight_files
+    from zerotrain.models.hf import model_dir, weight_files
     cfg = spec.config
     if cfg.init_from:
         return str(Path(cfg.init_from).expanduser().resolve())

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from models.config import ModelSection
+from zerotrain.models.config import ModelSection
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,7 @@ def _attach_hf(model, sp: SeqParallel | None) -> int:
         return 1
     if cfg._attn_implementation != HF_NAME:
         if cfg._attn_implementation not in (None, "sdpa"):
-            from models.errors import ConfigError
+            from zerotrain.models.errors import ConfigError
             raise ConfigError(f'distributed.sequence_parallel: the model uses attn_implementation '
                               f'"{cfg._attn_implementation}", which the Ulysses all-to-all cannot wrap; use "sdpa" '
                               f"(attn_implementation in its config.json)")

@@ -28,9 +28,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from models.config import VisionModel
-from models.errors import CheckpointError, ConfigError
-from models.workload import Workload, restore_buffers
+from zerotrain.models.config import VisionModel
+from zerotrain.models.errors import CheckpointError, ConfigError
+from zerotrain.models.workload import Workload, restore_buffers
 
 _INIT_FUNCS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
                "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_")
@@ -281,7 +281,7 @@ CHECKPOINT_UNITS = {
 def enable_activation_checkpointing(model: nn.Module, name: str) -> int:
     """Recompute each block of a torchvision classifier in backward (models/checkpointing.py);
     ConfigError for an architecture where that is not possible. Returns the number of units."""
-    from models.checkpointing import checkpoint_modules
+    from zerotrain.models.checkpointing import checkpoint_modules
     prefix = next((p for p in CHECKPOINT_UNITS if name.startswith(p)), None)
     if prefix is None:
         families = ", ".join(p.rstrip("_") + "*" for p in CHECKPOINT_UNITS)

@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.losses import IGNORE_INDEX, cross_entropy, token_losses
+from zerotrain.models.losses import IGNORE_INDEX, cross_entropy, token_losses
 
 if TYPE_CHECKING:
-    from models.moe import MoEStats
+    from zerotrain.models.moe import MoEStats
 
 
 @dataclass

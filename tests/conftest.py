@@ -33,7 +33,7 @@ def pytest_sessionfinish(session, exitstatus):
     ranks released them left behind. Safe under pytest-xdist (every worker and the controller
     run it): only buffers that no process has open or mapped and whose master port nobody
     listens on go (train/launch/shm_buffers.py), never one of a launch still running."""
-    from train.launch.shm_buffers import sweep_stale
+    from zerotrain.train.launch.shm_buffers import sweep_stale
     sweep_stale(min_age_s=0)
 
 
@@ -135,7 +135,7 @@ def clean_env(monkeypatch):
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """Text -> a local BPE tokenizer -> token files (train + sibling val) via `zerotrain prepare`."""
-    from train.commands.prepare import main as prepare
+    from zerotrain.train.commands.prepare import main as prepare
     d = tmp_path_factory.mktemp("hf")
     docs = {f"doc{i}.txt": random_text(4000, 100 + i) for i in range(4)}
     src = write_texts(d / "src", docs)

@@ -32,12 +32,12 @@ def main():
     from accelerate.utils import set_seed
     from torch.utils.data import default_collate
 
-    from models import build_workload
-    from models import resolve as resolve_model
-    from train.config import load_config
-    from train.data import build_data
-    from train.data.sampler import GlobalBatchSampler
-    from train.optim.optimizer import param_groups
+    from zerotrain.models import build_workload
+    from zerotrain.models import resolve as resolve_model
+    from zerotrain.train.config import load_config
+    from zerotrain.train.data import build_data
+    from zerotrain.train.data.sampler import GlobalBatchSampler
+    from zerotrain.train.optim.optimizer import param_groups
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO))
 
 import deepspeed.accelerator.cpu_accelerator as cpu_accelerator  # noqa: E402
 
-import train.strategy.ds_config  # noqa: E402
+import zerotrain.train.strategy.ds_config as ds_config  # noqa: E402
 
 cpu_accelerator.CPU_Accelerator.is_fp16_supported = lambda self: True
 _load_ds_setup = train.strategy.ds_config.load_ds_setup
@@ -32,5 +32,5 @@ train.strategy.ds_config.load_ds_setup = _load_ds_setup_as_on_cuda
 
 if __name__ == "__main__":
     sys.argv[0] = str(REPO / "train" / "main.py")
-    from train.main import run_as_script
+    from zerotrain.train.main import run_as_script
     run_as_script()

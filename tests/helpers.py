@@ -155,7 +155,7 @@ def assert_resumable_checkpoint(ckpt_root: Path, step: int) -> dict:
     sha256: what --resume checks before loading), and its train state puts the data position
     at that step's boundary. What a resume needs from a save, without a launch (resuming a
     complete checkpoint exactly is tests/test_checkpoint.py's promise). Returns meta.json."""
-    from train.checkpoint import files as io
+    from zerotrain.train.checkpoint import files as io
     ckpt = ckpt_root / (ckpt_root / io.LATEST).read_text().strip()
     assert ckpt.name == io.step_dir_name(step), ckpt
     manifest = io.read_manifest(ckpt)
@@ -198,7 +198,7 @@ STAGE_ARGS = [*TINY, "--model.d_model", "256", "--model.n_layer", "2", "--train.
 def run_main(capsys, argv) -> tuple[int, str]:
     """train/main.py's main() in this process, expected to exit: (exit code, stderr)."""
     import pytest
-    from train.main import main as train_main
+    from zerotrain.train.main import main as train_main
     with pytest.raises(SystemExit) as e:
         train_main(argv)
     err = capsys.readouterr().err
@@ -269,7 +269,7 @@ def save_tiny(kind: str, out: Path, vocab: int, tokenizer_dir: Path | None = Non
 
 
 def lm_bundle(vocab: int, max_token: int | None = None):
-    from train.data import DataBundle
+    from zerotrain.train.data import DataBundle
     return DataBundle(train=None, val=None, task="lm", describe="", vocab_size=vocab, seq_len=SEQ,
                       extra={} if max_token is None else {"max_token": max_token, "token_file": "x.bin"})
 
@@ -279,8 +279,8 @@ def hf_val_loss(model, tokens_path: Path) -> tuple[float, int]:
     import torch
     import torch.nn.functional as F
 
-    from train.config import DataConfig
-    from train.data import build_data
+    from zerotrain.train.config import DataConfig
+    from zerotrain.train.data import build_data
     data = build_data(DataConfig(kind="tokens", path=str(tokens_path)), SEQ, 0)
     losses = []
     with torch.no_grad():
@@ -331,7 +331,7 @@ def write_shard_dir(path: Path, tokens, shard_tokens: int, vocab_size: int = 256
     (train/data/prepare_pool.py ShardWriter + manifest_meta) without tokenizing anything."""
     import numpy as np
 
-    from train.data.prepare_pool import ShardWriter, manifest_meta, write_manifest
+    from zerotrain.train.data.prepare_pool import ShardWriter, manifest_meta, write_manifest
     path.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(path, "shard", np.uint16, shard_tokens, [], on_shard=lambda entry: None)
     writer.write(np.asarray(tokens, dtype=np.uint16), lambda k: None)

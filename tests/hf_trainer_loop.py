@@ -27,11 +27,11 @@ def main():
     from accelerate.utils import set_seed
     from transformers import Trainer, TrainingArguments
 
-    from models import build_workload
-    from models import resolve as resolve_model
-    from train.config import load_config
-    from train.data import build_data
-    from train.data.sampler import GlobalBatchSampler
+    from zerotrain.models import build_workload
+    from zerotrain.models import resolve as resolve_model
+    from zerotrain.train.config import load_config
+    from zerotrain.train.data import build_data
+    from zerotrain.train.data.sampler import GlobalBatchSampler
 
     cfg = load_config(cfg_path)
     assert cfg.optim.schedule == "constant" and cfg.optim.warmup_steps == 0 and cfg.optim.weight_decay == 0

@@ -20,15 +20,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from train.launch import device_env  # noqa: E402
+from zerotrain.train.launch import device_env  # noqa: E402
 
 device_env.apply()
 
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-import train.training.stop as stop_mod  # noqa: E402
-import train.training.trainer as trainer_mod  # noqa: E402
+import zerotrain.train.training.stop as stop_mod  # noqa: E402
+import zerotrain.train.training.trainer as trainer_mod  # noqa: E402
 
 READS = {"item", "tolist", "__float__", "__bool__", "__int__", "__index__", "numpy", "cpu", "__format__"}
 OURS = (str(REPO / "train") + os.sep, str(REPO / "models") + os.sep)
@@ -107,6 +107,6 @@ if __name__ == "__main__":
     import atexit
     atexit.register(_dump)
     sys.argv[0] = str(REPO / "train" / "main.py")
-    from train.main import run_as_script
+    from zerotrain.train.main import run_as_script
     with PROBE:
         run_as_script()

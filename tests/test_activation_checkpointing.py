@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import build_workload, resolve
-from train.config import ModelConfig
-from train.data import DataBundle
-from train.errors import ConfigError
+from zerotrain.models import build_workload, resolve
+from zerotrain.train.config import ModelConfig
+from zerotrain.train.data import DataBundle
+from zerotrain.train.errors import ConfigError
 
 IMAGES = DataBundle(train=None, val=None, task="classify", describe="", num_classes=4, class_names=list("abcd"),
                     extra={"image_size": 32})

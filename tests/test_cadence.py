@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from helpers import free_port
-from train.checkpoint.cadence import SaveCadence
-from train.config import load_config
-from train.errors import ConfigError
-from train.launch import shm_buffers
+from zerotrain.train.checkpoint.cadence import SaveCadence
+from zerotrain.train.config import load_config
+from zerotrain.train.errors import ConfigError
+from zerotrain.train.launch import shm_buffers
 
 
 class FakeClock:
@@ -94,7 +94,7 @@ def test_the_stop_vote_carries_the_ticket_one_step_late():
     stop flag and the ticket come back together, one call later."""
     import torch
     import torch.distributed as dist
-    from train.training.stop import StopVote
+    from zerotrain.train.training.stop import StopVote
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
     store = dist.HashStore()

@@ -199,7 +199,7 @@ def test_zero2_two_procs_to_zero3_one_proc_keeps_moments_and_never_unpickles(wor
 # ---------------------------------------------------------------------------- exported weights
 
 def _gpt_from_export(d: Path):
-    from models.gpt import GPT, GPTConfig
+    from zerotrain.models.gpt import GPT, GPTConfig
     cfg = json.loads((d / "config.json").read_text())
     assert cfg.pop("family") == "gpt"
     return GPT(GPTConfig.from_dict(cfg))
@@ -225,15 +225,15 @@ def _check_hf_layout(d: Path, dtype: torch.dtype):
 
 
 def _offline_export(src: Path, out: Path, *args):
-    from train.cli import main
+    from zerotrain.train.cli import main
     assert main(["export", str(src), str(out), *args]) == 0
 
 
 @pytest.mark.multiproc
 def test_zero3_export_equals_checkpoint_and_reproduces_the_runs_val_loss(work, ref_z3):
-    from train.config import DataConfig
-    from train.data import build_data
-    from train.checkpoint.weights import load_weights
+    from zerotrain.train.config import DataConfig
+    from zerotrain.train.data import build_data
+    from zerotrain.train.checkpoint.weights import load_weights
     live = ref_z3.dir / "export"
     tensors = _check_hf_layout(live, torch.float32)
     # DeepSpeed's own ZeRO-3 gather (live export) == the pieces every rank wrote (offline export).
@@ -253,8 +253,8 @@ def test_zero3_export_equals_checkpoint_and_reproduces_the_runs_val_loss(work, r
 
 @pytest.mark.multiproc
 def test_zero2_bf16_export_ties_once_and_matches_offline_export(work, ref_z2):
-    from models.gpt import GPT
-    from train.checkpoint.weights import load_weights
+    from zerotrain.models.gpt import GPT
+    from zerotrain.train.checkpoint.weights import load_weights
     live = ref_z2.dir / "export"
     tensors = _check_hf_layout(live, torch.bfloat16)
     offline = work / "z2_offline"
@@ -329,7 +329,7 @@ def _damaged_copies(src: Path, dst: Path):
 @pytest.mark.multiproc
 def test_damaged_checkpoint_is_refused_naming_the_file(work, ref_z2, capsys):
     # `zerotrain export` runs the same verify() as a resume (there each rank hashes a share of the files).
-    from train.cli import main
+    from zerotrain.train.cli import main
     for c, damaged, why in _damaged_copies(ckpt(ref_z2.dir, 2), work / "damaged"):
         with pytest.raises(SystemExit) as e:
             main(["export", str(c), str(work / "never")])
@@ -341,8 +341,8 @@ def test_damaged_checkpoint_is_refused_naming_the_file(work, ref_z2, capsys):
 # ---------------------------------------------------------------------------- units (no launch)
 
 def test_piece_reader_reassembles_any_range_and_names_holes(tmp_path):
-    from train.checkpoint import files as io
-    from train.errors import CheckpointError
+    from zerotrain.train.checkpoint import files as io
+    from zerotrain.train.errors import CheckpointError
     full = torch.arange(12, dtype=torch.float32)
     io.save_tensors({io.piece_key("param", "w", 0): full[:5].clone()}, tmp_path / "a.safetensors")
     io.save_tensors({io.piece_key("param", "w", 5): full[5:].clone()}, tmp_path / "b.safetensors")
@@ -359,7 +359,7 @@ def test_rng_state_round_trips_through_json():
     import random
 
     import numpy as np
-    from train.checkpoint import files as io
+    from zerotrain.train.checkpoint import files as io
     s = json.loads(json.dumps(io.rng_state()))
     a = (random.random(), np.random.rand(), torch.rand(3))
     io.set_rng_state(s)
@@ -368,8 +368,8 @@ def test_rng_state_round_trips_through_json():
 
 
 def test_checkpoint_resolution_prefers_latest_and_skips_incomplete(tmp_path):
-    from train.checkpoint import files as io
-    from train.errors import CheckpointError
+    from zerotrain.train.checkpoint import files as io
+    from zerotrain.train.errors import CheckpointError
     root = tmp_path / "run" / "checkpoints"
     for step, complete in ((2, True), (4, True), (6, True), (8, False)):
         d = root / io.step_dir_name(step)
@@ -386,7 +386,7 @@ def test_checkpoint_resolution_prefers_latest_and_skips_incomplete(tmp_path):
 
 
 def test_shape_mismatch_lists_missing_extra_and_resized_names():
-    from train.checkpoint.manager import shape_mismatch
+    from zerotrain.train.checkpoint.manager import shape_mismatch
     assert shape_mismatch({"a": (2,)}, {"a": [2]}, "model", "weights") is None
     msg = shape_mismatch({"a": (2,), "b": (3, 4), "c": (1,)}, {"a": (2,), "b": (3, 8), "d": (5,)}, "model", "weights")
     assert "in model only (1):\n    c" in msg and "in weights only (1):\n    d" in msg
@@ -394,8 +394,8 @@ def test_shape_mismatch_lists_missing_extra_and_resized_names():
 
 
 def test_max_shard_size_is_validated():
-    from train.config import CheckpointConfig
-    from train.errors import ConfigError
+    from zerotrain.train.config import CheckpointConfig
+    from zerotrain.train.errors import ConfigError
     assert CheckpointConfig(max_shard_size="500MB").max_shard_size == "500MB"
     with pytest.raises(ConfigError, match="max_shard_size"):
         CheckpointConfig(max_shard_size="lots")
@@ -405,7 +405,7 @@ def test_version_1_meta_is_read_as_the_engine_component():
     """A checkpoint of format version 1 kept the engine's counters and fp16 scaler at meta.json's
     top level; version 2 keeps {name: state} of the registered components. Both give the "engine"
     component the same record (a launched v1 -> v2 resume: the closing note of issue 36)."""
-    from train.checkpoint.files import VERSION, component_states
+    from zerotrain.train.checkpoint.files import VERSION, component_states
     counters = {"global_steps": 4, "global_samples": 32, "skipped_steps": 1}
     scaler = {"kind": "deepspeed", "cur_scale": 1024.0, "cur_iter": 4, "last_overflow_iter": 2, "cur_hysteresis": 2}
     v1 = {"version": 1, "train_state": {"step": 4}, "engine": counters, "loss_scaler": scaler}
@@ -419,8 +419,8 @@ def test_version_1_meta_is_read_as_the_engine_component():
 def test_registered_components_are_saved_and_restored_by_name(tmp_path):
     """The Checkpointer keeps {name: state_dict()} of what is registered and hands each its record
     back after the TrainState, without knowing what the component is."""
-    from train.checkpoint.manager import Checkpointer
-    from train.checkpoint.state import TrainState
+    from zerotrain.train.checkpoint.manager import Checkpointer
+    from zerotrain.train.checkpoint.state import TrainState
 
     class Counter:
         def __init__(self):
@@ -464,7 +464,7 @@ def test_the_same_weights_are_written_to_the_same_bytes(tmp_path):
 
     from safetensors import safe_open
 
-    from train.checkpoint import files
+    from zerotrain.train.checkpoint import files
     meta = {"format": "pt", **{f"alias{i}.weight": "tok_emb.weight" for i in range(5)}}
     tensors = {"tok_emb.weight": torch.arange(6.0).reshape(2, 3)}
     digests = set()

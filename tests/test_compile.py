@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from models import gpt
+from zerotrain.models import gpt
 
 
 def test_compiled_gpt_keeps_names_and_matches_eager():

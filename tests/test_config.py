@@ -7,11 +7,11 @@ import json
 import pytest
 
 from helpers import REPO
-from train.args import parse_train_args
-from train.config import RunConfig, load_config
-from train.strategy.ds_config import load_ds_setup
-from train.errors import ConfigError
-from train.optim.schedule import lr_at
+from zerotrain.train.args import parse_train_args
+from zerotrain.train.config import RunConfig, load_config
+from zerotrain.train.strategy.ds_config import load_ds_setup
+from zerotrain.train.errors import ConfigError
+from zerotrain.train.optim.schedule import lr_at
 
 
 def write(tmp_path, name, text):

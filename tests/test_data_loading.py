@@ -14,12 +14,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from helpers import source_tokens, write_shard_dir
-from train.config import DataConfig, SourceConfig
-from train.data import build_data, mixture, sampler as sampler_mod, shards
-from train.data.mixture import MixtureSampler
-from train.data.permutation import FeistelPermutation
-from train.data.sampler import GlobalBatchSampler
-from train.training import hardware
+from zerotrain.train.config import DataConfig, SourceConfig
+from zerotrain.train.data import build_data, mixture, sampler as sampler_mod, shards
+from zerotrain.train.data.mixture import MixtureSampler
+from zerotrain.train.data.permutation import FeistelPermutation
+from zerotrain.train.data.sampler import GlobalBatchSampler
+from zerotrain.train.training import hardware
 
 SEQ = 16
 
@@ -176,7 +176,7 @@ def test_bench_corpora_are_real_shard_sets_that_verify(tmp_path):
     from helpers import REPO
     sys.path.insert(0, str(REPO / "bench"))
     import data_scale
-    from train.data.shards import Corpus
+    from zerotrain.train.data.shards import Corpus
     d = tmp_path / "c"
     meta = data_scale.generate(d, 2_000_000, shard_tokens=300_000)
     assert len(meta["shards"]) == 4 and meta["num_tokens"] == 1_000_000 and meta["max_token"] <= 255
@@ -190,7 +190,7 @@ def test_bench_corpora_are_real_shard_sets_that_verify(tmp_path):
 
 
 def test_an_up_sampled_source_draws_each_cycle_once_per_epoch(monkeypatch):
-    from train.data.mixture import MixturePlan
+    from zerotrain.train.data.mixture import MixturePlan
     draws = []
     real = np.random.default_rng
     monkeypatch.setattr(np.random, "default_rng", lambda seed: draws.append(tuple(seed)) or real(seed))

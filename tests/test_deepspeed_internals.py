@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import train.strategy.internals as ds
+import zerotrain.train.strategy.internals as ds
 
 # name -> (stage, bf16)
 ENGINES = {"zero0-fp32": (0, False), "zero0-bf16": (0, True), "zero1-bf16": (1, True), "zero2-bf16": (2, True),

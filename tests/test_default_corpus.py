@@ -8,7 +8,7 @@ import sysconfig
 from itertools import islice
 from pathlib import Path
 
-from train.data.text import default_corpus_files, read_bytes
+from zerotrain.train.data.text import default_corpus_files, read_bytes
 
 
 def test_lazy_walk_equals_the_sorted_scan_and_stops_early():

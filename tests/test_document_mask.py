@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from helpers import save_tiny, write_shard_dir, write_token_file
-from models import build_workload, resolve
-from train.config import DataConfig, ModelConfig, SourceConfig
-from train.data import build_data
-from train.data.document_mask import document_fields
-from train.errors import ConfigError, DataError
+from zerotrain.models import build_workload, resolve
+from zerotrain.train.config import DataConfig, ModelConfig, SourceConfig
+from zerotrain.train.data import build_data
+from zerotrain.train.data.document_mask import document_fields
+from zerotrain.train.errors import ConfigError, DataError
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -107,8 +107,8 @@ def test_a_masked_window_computes_each_document_as_if_alone(tmp_path, family):
 def test_the_model_sees_the_document_mask_through_the_packing_check(tmp_path):
     """A model whose attention cannot isolate documents is refused naming data.document_mask."""
     from transformers import FalconMambaConfig, FalconMambaForCausalLM
-    from models.errors import ConfigError as ModelConfigError
-    from models.hf import check_packing
+    from zerotrain.models.errors import ConfigError as ModelConfigError
+    from zerotrain.models.hf import check_packing
     data = masked(token_file(tmp_path / "c.bin", corpus_tokens()))
     assert data.extra["packed"] == "data.document_mask"
     mamba = FalconMambaForCausalLM(FalconMambaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
@@ -206,8 +206,8 @@ def test_mixture_sources_must_end_documents_with_the_same_id(tmp_path):
 
 
 def test_prepare_records_the_separator_that_ends_each_document(tmp_path):
-    from train.commands.prepare import write_tokens
-    from train.data.prep_sources import ByteTokenizer
+    from zerotrain.train.commands.prepare import write_tokens
+    from zerotrain.train.data.prep_sources import ByteTokenizer
     (tmp_path / "a.txt").write_text("one\n")
     meta = write_tokens([tmp_path / "a.txt"], ByteTokenizer(), tmp_path / "out.bin")
     assert meta["separator"] == [10]

@@ -335,9 +335,9 @@ def test_only_a_restart_of_the_same_job_resumes_by_itself(tmp_path):
     """A start is a restart when the rendezvous run id matches elastic.json and one of its
     launchers (torchrun agents: boot id, pid, start time) already ran this job; a relaunched job in
     the same run dir has only new agents and starts fresh; an explicit --resume still wins."""
-    from train.config import RunConfig
-    from train.errors import ConfigError
-    from train.launch.elastic import PROGRESS, RECORD, ElasticRun
+    from zerotrain.train.config import RunConfig
+    from zerotrain.train.errors import ConfigError
+    from zerotrain.train.launch.elastic import PROGRESS, RECORD, ElasticRun
     a, b, c = _node(0, "boot:100:7", 100), _node(1, "boot:200:9", 200, "h1"), _node(1, "boot:300:11", 300, "h2")
     (tmp_path / RECORD).write_text(json.dumps({"run_id": "job", "agents": [a["agent"], b["agent"]], "nodes": [a, b],
                                                "world_size": 2, "global_batch": 16, "restarts": 0,

@@ -33,7 +33,7 @@ FRONTIER = ["--model.name", "gpt-small-cpu", "--model.d_model", "1024", "--model
 
 
 def frontier_config():
-    from train.config import load_config
+    from zerotrain.train.config import load_config
     return load_config(None, [(k[2:], v) for k, v in zip(FRONTIER[::2], FRONTIER[1::2])])
 
 
@@ -62,10 +62,10 @@ def frontier(tmp_path_factory):
     why = memcap.can_cap()
     if why is not None:
         pytest.skip(f"cannot create a memory cgroup here ({why}): the fit frontier needs a kernel-enforced limit")
-    from models import gpt_config
-    from train.plan.estimate import Device, estimate
-    from train.plan.shapes import BatchShape, gpt_shape
-    from train.strategy.option import Option
+    from zerotrain.models import gpt_config
+    from zerotrain.train.plan.estimate import Device, estimate
+    from zerotrain.train.plan.shapes import BatchShape, gpt_shape
+    from zerotrain.train.strategy.option import Option
     work = tmp_path_factory.mktemp("frontier")
     family = fp32_family(work / "fp32")
     out = {"family": family, "work": work}
@@ -156,7 +156,7 @@ def test_auto_without_a_cap_takes_ddp_and_both_runs_train_the_same_model(frontie
 
 
 def test_cgroup_limit_is_the_tightest_ancestor(tmp_path, monkeypatch):
-    from train.launch import device_memory as dm
+    from zerotrain.train.launch import device_memory as dm
     root = tmp_path / "cg"
     leaf = root / "memory" / "job" / "rank0"
     leaf.mkdir(parents=True)
@@ -174,7 +174,7 @@ def test_cgroup_limit_is_the_tightest_ancestor(tmp_path, monkeypatch):
 def test_the_ram_share_counts_the_local_ranks_before_the_accelerator_exists(monkeypatch):
     """The budget is measured before Accelerate starts (and sets LOCAL_WORLD_SIZE): under the
     deepspeed launcher only LOCAL_SIZE says how many ranks share the node's RAM."""
-    from train.launch import device_memory as dm
+    from zerotrain.train.launch import device_memory as dm
     monkeypatch.setattr(dm, "owned_bytes", lambda: GiB)
     monkeypatch.setattr(dm, "mem_available", lambda: 8 * GiB)
     monkeypatch.setattr(dm, "cgroup_limit", lambda: None)
@@ -187,11 +187,11 @@ def test_the_ram_share_counts_the_local_ranks_before_the_accelerator_exists(monk
 
 def test_auto_and_the_check_pick_by_the_plan(tmp_path):
     """In-process: the same arithmetic the launches use, on chosen budgets."""
-    from models import resolve as resolve_model
-    from train.plan import memory_check
-    from train.data import build_data
-    from train.launch.device_memory import Budget
-    from train.strategy.ds_config import load_ds_setup
+    from zerotrain.models import resolve as resolve_model
+    from zerotrain.train.plan import memory_check
+    from zerotrain.train.data import build_data
+    from zerotrain.train.launch.device_memory import Budget
+    from zerotrain.train.strategy.ds_config import load_ds_setup
     family = fp32_family(tmp_path / "fp32")
     cfg = frontier_config()
     spec = resolve_model(cfg.model)
@@ -229,7 +229,7 @@ def test_memcap_kills_over_the_limit_and_says_so():
 
 
 def test_zerotrain_check_validates_every_candidate_of_auto(capsys):
-    from train.commands.check import main
+    from zerotrain.train.commands.check import main
     assert main(["--ds-config", "auto"]) == 0
     out = capsys.readouterr().out
     assert "--ds-config auto: chooses at start-up among ddp.json, zero1.json, zero2.json, zero3.json" in out
@@ -241,11 +241,11 @@ def test_advice_and_auto_agree_under_a_cap_inside_the_margin(tmp_path):
     plus the 10% margin. The memory check of a DDP run (refused) and --ds-config auto over the same
     JSONs give ZeRO-3 one estimate, state the margin's arithmetic and advise the same way out,
     and following it runs; with room for the margin both land on ZeRO-3."""
-    from models import resolve as resolve_model
-    from train.data import build_data
-    from train.strategy.ds_config import load_ds_setup
-    from train.launch.device_memory import Budget
-    from train.plan import memory_check
+    from zerotrain.models import resolve as resolve_model
+    from zerotrain.train.data import build_data
+    from zerotrain.train.strategy.ds_config import load_ds_setup
+    from zerotrain.train.launch.device_memory import Budget
+    from zerotrain.train.plan import memory_check
     family = fp32_family(tmp_path / "fp32")
     cfg = frontier_config()
     spec, data, batch = resolve_model(cfg.model), build_data(cfg.data, 64, cfg.train.seed), cfg.train.batch(2)
@@ -291,12 +291,12 @@ def test_advice_and_auto_agree_under_a_cap_inside_the_margin(tmp_path):
 def test_the_check_and_auto_measure_the_budget_once_at_the_same_point(monkeypatch):
     """One runtime for every option, whichever path asks: the rank's view is taken once, before the
     process group and the Accelerator; the planner adds each option's own start-up growth."""
-    from train.launch import device_memory
-    from train.plan import estimate as est
-    from train.plan import memory_check
-    from train.plan.shapes import BatchShape, count_shape
-    from train.strategy import cost
-    from train.strategy.option import Option
+    from zerotrain.train.launch import device_memory
+    from zerotrain.train.plan import estimate as est
+    from zerotrain.train.plan import memory_check
+    from zerotrain.train.plan.shapes import BatchShape, count_shape
+    from zerotrain.train.strategy import cost
+    from zerotrain.train.strategy.option import Option
     views = iter([(3 * GiB, "first view", None, 300 * 2 ** 20), (3 * GiB, "second view", None, 345 * 2 ** 20)])
     monkeypatch.setattr(memory_check, "local_budget", lambda: next(views))
     cfg = frontier_config()
@@ -318,12 +318,12 @@ def test_one_memory_plan_serves_the_check_the_banner_and_the_report(tmp_path, ca
     ZeRO-2 the rank holding the most straddling gradients) and this rank's (the banner, plan/*),
     from one sizing of the model; with the check off, no budget and nothing checked, the same
     rank's estimate on a bare device."""
-    from models import resolve as resolve_model
-    from train.data import build_data
-    from train.plan import memory_check, memory_plan
-    from train.plan.estimate import Device, estimate
-    from train.strategy.ds_config import load_ds_setup
-    from train.strategy.option import Option
+    from zerotrain.models import resolve as resolve_model
+    from zerotrain.train.data import build_data
+    from zerotrain.train.plan import memory_check, memory_plan
+    from zerotrain.train.plan.estimate import Device, estimate
+    from zerotrain.train.strategy.ds_config import load_ds_setup
+    from zerotrain.train.strategy.option import Option
     family = fp32_family(tmp_path / "fp32")
     cfg = frontier_config()
     spec, data, batch = resolve_model(cfg.model), build_data(cfg.data, 64, cfg.train.seed), cfg.train.batch(4)

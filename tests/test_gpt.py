@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.gpt import GPT, PRESETS, Attention, GPTConfig, apply_rope, preset
+from zerotrain.models.gpt import GPT, PRESETS, Attention, GPTConfig, apply_rope, preset
 
 
 def tiny(**overrides) -> GPTConfig:

@@ -97,7 +97,7 @@ def test_agreement_checker(tmp_path):
 
 
 def test_mfu_checker_reports_a_miss_with_its_number(tmp_path):
-    from models.gpt import preset
+    from zerotrain.models.gpt import preset
     fpt = preset("gpt2-124m").flops_per_token(1024)
     tps = 0.42 * 989e12 / fpt  # 42% MFU on an H200
     rows = [{"step": 10 * i, "loss": 10.0 - 0.1 * i, "tokens_per_s": tps, "mfu": 0.42, "step_time_s": 0.1}
@@ -156,7 +156,7 @@ def test_fp16_json_of_every_shipped_config_is_accepted_on_a_gpu(tmp_path, cfg):
 
 
 def test_token_file_is_what_training_reads(tmp_path):
-    from train.data.tokens import TokenFile
+    from zerotrain.train.data.tokens import TokenFile
     meta = gpu_checks.write_tokens(tmp_path / "t.bin", vocab=50304, n=100_000, seed=0)
     f = TokenFile(tmp_path / "t.bin", None)
     assert f.num_tokens == 100_000 and f.vocab_size == 50304 and f.max_token == meta["max_token"] < 50304
@@ -205,7 +205,7 @@ def test_dry_run(tmp_path):
     assert agree["max_rel_spread"] < 1e-4  # fp32: the stages differ by summation order only
 
     # MFU: the trainer's figure and the independent timing use the same FLOPs and peak
-    from models.gpt import preset
+    from zerotrain.models.gpt import preset
     fpt = preset("gpt-tiny", vocab_size=512).flops_per_token(64)
     t, ind = checks["mfu_trainer"], checks["mfu_independent"]
     assert t["flops_per_token"] == ind["flops_per_token"] == fpt

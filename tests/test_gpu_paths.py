@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from helpers import REPO
-from train.launch import device_env
-from train.training import hardware
-from train.config import load_config
-from train.strategy.ds_config import load_ds_setup
-from train.errors import ConfigError
+from zerotrain.train.launch import device_env
+from zerotrain.train.training import hardware
+from zerotrain.train.config import load_config
+from zerotrain.train.strategy.ds_config import load_ds_setup
+from zerotrain.train.errors import ConfigError
 
 SHIPPED = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json"))
 
@@ -90,7 +90,7 @@ def test_ddp_fp16_settings_without_a_grad_scaler_meaning_are_refused(tmp_path, f
 
 # ------------------------------------------------------------------ hardware options
 def test_default_ds_config_suits_the_hardware(monkeypatch):
-    from train.launch.distributed import default_ds_config
+    from zerotrain.train.launch.distributed import default_ds_config
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_ds_config()[0] == "zero2_fp32.json"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -127,7 +127,7 @@ def test_the_deepspeed_launchers_node_ranks_reach_accelerate(monkeypatch):
     LOCAL_WORLD_SIZE=1 back: 2 DDP ranks x 2 threads on 2 cores ran at about 0.6 of the 1-thread
     speed (BENCHMARKS.md). normalize_env says how many ranks share the node, for every reader."""
     from accelerate.utils.environment import get_cpu_distributed_information
-    from train.launch import distributed
+    from zerotrain.train.launch import distributed
     for k in ("LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(k, raising=False)
     node1_of_2 = {"CROSS_RANK": "1", "CROSS_SIZE": "2", "LOCAL_SIZE": "4", "RANK": "5", "WORLD_SIZE": "8",
@@ -144,7 +144,7 @@ def test_the_deepspeed_launchers_node_ranks_reach_accelerate(monkeypatch):
 
 def _ds(tmp_path, name):
     """The Strategy of a shipped JSON (train/strategy/), resolved as a GPU run would."""
-    from train.strategy import for_setup
+    from zerotrain.train.strategy import for_setup
     cfg = load_config(None)
     return for_setup(load_ds_setup(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100, cuda=True,
                                    hidden_size=64))
@@ -199,7 +199,7 @@ def test_peak_memory_restarts_at_each_log_line():
     import sys
     script = """
 import torch
-from train.observe import metrics
+from zerotrain.train.observe import metrics
 metrics.reset_peak_memory()
 big = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched; above glibc's mmap threshold: freed to the OS
 with_big = metrics.peak_memory()[0]

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from helpers import SEQ, accelerate_yaml, fp32, hf_val_loss, lm_bundle, metrics, rank_infos, run_train, save_tiny
-from models import build_workload, resolve
-from train.config import ModelConfig
-from train.data import DataBundle
-from train.errors import ConfigError, DataError
+from zerotrain.models import build_workload, resolve
+from zerotrain.train.config import ModelConfig
+from zerotrain.train.data import DataBundle
+from zerotrain.train.errors import ConfigError, DataError
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may touch the network
 
@@ -53,7 +53,7 @@ def test_flops_count_the_lm_head_matmul_tied_or_not(tmp_path, kind):
     storage, not compute: tied and untied models of the same shapes do the same FLOPs."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from models import gpt
+    from zerotrain.models import gpt
     V, D, L, P, FFN, KV = 96, 32, 2, 64, 64, 16  # vocab, width, layers, positions, Llama MLP, Llama k/v width
     flops = {}
     for tied in (True, False):
@@ -99,7 +99,7 @@ def test_bad_directories_and_vocabularies_are_user_errors(tmp_path, corpus):
 
 
 def test_save_hf_config_makes_a_loadable_directory(tmp_path, corpus):
-    from models.hf import save_hf_config
+    from zerotrain.models.hf import save_hf_config
     from transformers import AutoConfig, AutoTokenizer
     d = save_tiny("llama", tmp_path / "src", corpus["vocab"], tokenizer_dir=corpus["tok_dir"])
     wl = build_workload(resolve(ModelConfig(name=f"hf:{d}")), lm_bundle(corpus["vocab"]))

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 from helpers import REPO, subprocess_env
 
-from train.config import load_config
-from train.launch import device_env, host_settings
-from train.launch.device_memory import Budget
+from zerotrain.train.config import load_config
+from zerotrain.train.launch import device_env, host_settings
+from zerotrain.train.launch.device_memory import Budget
 
 GiB = 2 ** 30
 

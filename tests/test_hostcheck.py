@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, free_port, subprocess_env
-from train.errors import ConfigError
-from train.launch.hostcheck import parse_hostfile
+from zerotrain.train.errors import ConfigError
+from zerotrain.train.launch.hostcheck import parse_hostfile
 
 
 def check(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """`zerotrain check` as a user runs it. --cuda only skips probing for a GPU (importing torch,
     ~4 s here); the hostfile checks do not depend on it."""
-    return subprocess.run([sys.executable, "-m", "train.cli", "check", "--cuda", *args], cwd=REPO, env=subprocess_env(),
+    return subprocess.run([sys.executable, "-m", "zerotrain.train.cli", "check", "--cuda", *args], cwd=REPO, env=subprocess_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -145,7 +145,7 @@ def test_hosts_are_probed_in_parallel_with_a_timeout_and_pdsh_is_looked_for(tmp_
     server: ssh waits for the greeting until ConnectTimeout, 5 s): checked together in about
     one timeout, not four, each named. Without pdsh on PATH a multi-host hostfile is reported
     for that too (DeepSpeed's default multi-node launcher)."""
-    from train.launch.hostcheck import CONNECT_TIMEOUT_S, check_hosts
+    from zerotrain.train.launch.hostcheck import CONNECT_TIMEOUT_S, check_hosts
     silent = socket.socket()
     silent.bind(("0.0.0.0", 0))
     silent.listen(16)   # the kernel completes the handshakes; nobody ever answers
@@ -205,6 +205,6 @@ def test_no_ssh_check_and_an_accelerate_launch_without_ssh_skip_the_probe(tmp_pa
 def test_ssh_failures_are_told_apart(stderr, what, fix):
     """The failures this machine cannot produce for real (no sshd, no second host), from ssh's
     own messages (OpenSSH 9, LC_ALL=C as the probe runs it)."""
-    from train.launch.hostcheck import Host, _classify
+    from zerotrain.train.launch.hostcheck import Host, _classify
     p = _classify(Host("node1", 8, 1), None, 255, stderr, "/work", "/work/.venv/bin/python")
     assert (p.ok, p.what) == (False, what) and fix in p.fix and p.detail == stderr.splitlines()[-1]

@@ -43,7 +43,7 @@ def run_yaml(tmp_path_factory) -> str:
 
 
 def zt_import(argv, capsys=None) -> tuple[int, str]:
-    from train.commands.import_ckpt import main
+    from zerotrain.train.commands.import_ckpt import main
     try:
         code = main(argv)
     except SystemExit as e:
@@ -54,7 +54,7 @@ def zt_import(argv, capsys=None) -> tuple[int, str]:
 
 def read_ckpt(ckpt: Path) -> dict[tuple[str, str], torch.Tensor]:
     """Every (kind, name) of an imported checkpoint, whole (shape from meta.json)."""
-    from train.checkpoint import files as io
+    from zerotrain.train.checkpoint import files as io
     meta = io.read_json(ckpt / io.META, "meta")
     r = io.PieceReader(sorted(ckpt.glob("*.safetensors")))
     out = {}
@@ -71,11 +71,11 @@ def read_ckpt(ckpt: Path) -> dict[tuple[str, str], torch.Tensor]:
 def _zero0_checkpoint(run_yaml: str, root: Path, *, d_model: int | None = None, extra: dict | None = None) -> Path:
     """A ZeRO-0 save_checkpoint directory as DeepSpeed writes it (one mp_rank_00 file holding the
     module and the torch optimizer's state dict), after one AdamW step of the run's model."""
-    from models import build_workload
-    from models import resolve as resolve_model
-    from train.config import load_config
-    from train.data import build_data
-    from train.optim.optimizer import param_groups
+    from zerotrain.models import build_workload
+    from zerotrain.models import resolve as resolve_model
+    from zerotrain.train.config import load_config
+    from zerotrain.train.data import build_data
+    from zerotrain.train.optim.optimizer import param_groups
     cfg = load_config(run_yaml)
     if d_model:
         cfg.model.d_model = d_model
@@ -110,7 +110,7 @@ def test_zero0_round_trip_without_a_launch(run_yaml, tmp_path, capsys):
     for name, t in module.items():
         if name != "lm_head.weight":
             assert torch.equal(got[("param", name)], t), name
-    from train.checkpoint import files as io
+    from zerotrain.train.checkpoint import files as io
     meta = io.read_json(tmp_path / "z" / io.META, "meta")
     assert meta["train_state"]["step"] == 1 and meta["data"]["global_batch"] == 8
     assert all(p["optimizer_step"] == 1 for p in meta["params"].values())
@@ -132,7 +132,7 @@ def test_a_code_running_pickle_is_refused_without_running(run_yaml, tmp_path, ca
     code, err = zt_import([str(step), "--out", str(tmp_path / "z"), "--config", run_yaml, "--trust-pickle"], capsys)
     assert code == 2 and ("refused to unpickle posix.system" in err or "refused to unpickle os.system" in err), err
     assert not marker.exists() and not (tmp_path / "z").exists()
-    from train.checkpoint.safe_unpickle import UnsafePickle, restricted_load
+    from zerotrain.train.checkpoint.safe_unpickle import UnsafePickle, restricted_load
     with pytest.raises(UnsafePickle):
         restricted_load(step / "mp_rank_00_model_states.pt")
     assert not marker.exists()
@@ -346,7 +346,7 @@ def test_imported_state_equals_deepspeeds(native, imported, stage):
             assert torch.equal(got[(kind, name)], moments[kind][name].float()), (kind, name)
             worst = max(worst, float((got[(kind, name)] - moments[kind][name]).abs().max()))
     assert worst == 0.0
-    from train.checkpoint import files as io
+    from zerotrain.train.checkpoint import files as io
     meta = io.read_json(imported[stage] / io.META, "meta")
     assert meta["train_state"]["step"] == SAVE_AT and meta["train_state"]["offset"] == SAVE_AT * 8
     assert {p["optimizer_step"] for p in meta["params"].values()} == {SAVE_AT}

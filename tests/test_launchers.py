@@ -8,9 +8,9 @@ import zlib
 import pytest
 
 from helpers import accelerate_yaml, cached_run, data_trace, rank_infos, small_run_args, train_losses
-from train.config import DataConfig
-from train.data import build_data
-from train.data.sampler import GlobalBatchSampler
+from zerotrain.train.config import DataConfig
+from zerotrain.train.data import build_data
+from zerotrain.train.data.sampler import GlobalBatchSampler
 
 pytestmark = pytest.mark.multiproc
 STEPS, MICRO, SEED = 4, 4, 1234
@@ -87,7 +87,7 @@ def test_the_deepspeed_launcher_leaves_no_shared_memory_buffer(runs):
     /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> (66 MB) per rank and never
     removes it: each rank unlinks its own once every rank has mapped it (train/launch/shm_buffers.py)."""
     from pathlib import Path
-    from train.launch import shm_buffers
+    from zerotrain.train.launch import shm_buffers
     released = [Path(i["shm_buffer_released"]) for i in rank_infos(runs["deepspeed"][1])]
     assert [shm_buffers.parse_name(p.name)["rank"] for p in released] == [0, 1]
     assert not [p for p in released if p.exists()]
@@ -98,7 +98,7 @@ def test_ddp_ranks_under_the_deepspeed_launcher_keep_their_share_of_the_cores(tm
     the node's cores, also once Accelerate's multi-CPU DDP has started (it sets its own count), and
     the banner says so. 2 ranks x every core oversubscribed 2 cores: DDP ran at about 0.6 of the
     1-thread speed (BENCHMARKS.md, trainer overhead)."""
-    from train.training import hardware
+    from zerotrain.train.training import hardware
     run_dir = cached_run(tmp_path_factory, "deepspeed", 2, args_for(fp32_configs["ddp"]),
                          env={"OMP_NUM_THREADS": None})
     share = hardware.cores_per_rank(2)

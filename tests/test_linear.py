@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from helpers import fp32, metrics, rank_infos, run_train
-from models import build_workload, resolve
-from train.config import DataConfig, ModelConfig
-from train.data import build_data
-from train.data.regression import true_params
-from train.errors import ConfigError
+from zerotrain.models import build_workload, resolve
+from zerotrain.train.config import DataConfig, ModelConfig
+from zerotrain.train.data import build_data
+from zerotrain.train.data.regression import true_params
+from zerotrain.train.errors import ConfigError
 
 
 def regression(**kw):

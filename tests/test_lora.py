@@ -16,11 +16,11 @@ import torch
 
 from helpers import (SEQ, assert_zero3_planned_to_the_byte, fp32, hf_val_loss, lm_bundle, metrics, rank_infos,
                      run_train, save_tiny, train_losses)
-from models import build_workload, resolve
-from models.config import LoraConfig
-from models.lora import adapter_key, is_adapter
-from train.config import ModelConfig, load_config
-from train.errors import ConfigError
+from zerotrain.models import build_workload, resolve
+from zerotrain.models.config import LoraConfig
+from zerotrain.models.lora import adapter_key, is_adapter
+from zerotrain.train.config import ModelConfig, load_config
+from zerotrain.train.errors import ConfigError
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -28,7 +28,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # ----------------------------------------------------------------------------- config
 
 def test_lora_section_from_run_file_and_flags(tmp_path):
-    from train.args import options_help
+    from zerotrain.train.args import options_help
     assert load_config().model.lora is None  # off unless set
     cfg = load_config(overrides=[("model.lora.r", "4"), ("model.lora.target_modules", "q_proj,v_proj")])
     assert cfg.model.lora == LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
@@ -91,10 +91,10 @@ def test_hf_adapters_are_the_only_trainable_tensors_and_start_as_the_base(tmp_pa
 
 
 def test_gpt_projections_take_adapters_and_only_they_get_gradients(tmp_path):
-    from models.config import ModelConfig as MC
+    from zerotrain.models.config import ModelConfig as MC
     spec = resolve(MC(name="gpt-tiny", init_from=str(tmp_path), lora=LoraConfig(r=2)))
-    from models import gpt as gpt_module
-    from models import gpt_config, lora
+    from zerotrain.models import gpt as gpt_module
+    from zerotrain.models import gpt_config, lora
     torch.manual_seed(0)
     model = gpt_module.GPT(gpt_config(spec.config, vocab_size=256))
     x = torch.randint(0, 256, (2, 16))
@@ -110,7 +110,7 @@ def test_gpt_projections_take_adapters_and_only_they_get_gradients(tmp_path):
 
 
 def test_plan_counts_optimizer_state_for_the_adapters_only(tmp_path, capsys):
-    from train.commands.plan import main as plan
+    from zerotrain.train.commands.plan import main as plan
     full, lora = tmp_path / "full.yaml", tmp_path / "lora.yaml"
     full.write_text("model: {name: gpt-small-cpu}\n")
     lora.write_text("model: {name: gpt-small-cpu, lora: {r: 8, target_modules: [qkv, proj]}}\n")
@@ -118,7 +118,7 @@ def test_plan_counts_optimizer_state_for_the_adapters_only(tmp_path, capsys):
     for f in (full, lora):
         assert plan([str(f), "--json", "--gpus-per-node", "2", "--device-mem", "80GB"]) == 0
         out[f.stem] = json.loads(capsys.readouterr().out)
-    from models.gpt import PRESETS
+    from zerotrain.models.gpt import PRESETS
     g = PRESETS["gpt-small-cpu"]
     kv = g.n_kv_head * g.head_dim
     adapter = g.n_layer * 8 * ((g.d_model + g.d_model + 2 * kv) + (g.d_model + g.d_model))  # r x (in + out)
@@ -130,8 +130,8 @@ def test_plan_counts_optimizer_state_for_the_adapters_only(tmp_path, capsys):
 
 
 def test_resume_needs_the_same_adapter_on_the_same_base(tmp_path):
-    from train.checkpoint.adapter import base_files, check_resume
-    from train.errors import CheckpointError
+    from zerotrain.train.checkpoint.adapter import base_files, check_resume
+    from zerotrain.train.errors import CheckpointError
     (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
     lora = {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": ["q_proj"], "base": str(tmp_path)}
     saved = {**lora, "base_files": base_files(str(tmp_path))}
@@ -151,7 +151,7 @@ def test_resume_needs_the_same_adapter_on_the_same_base(tmp_path):
 
 def _adapter_from_checkpoint(ckpt) -> dict:
     """The adapter assembled from every rank's pieces (what the ranks held, gathered offline)."""
-    from train.checkpoint import files as io
+    from zerotrain.train.checkpoint import files as io
     manifest, meta = io.read_manifest(ckpt), io.read_json(ckpt / io.META, "meta")
     reader = io.PieceReader([ckpt / f for f in manifest["files"] if f.endswith(".safetensors")])
     out = {n: reader.read("param", n, 0, math.prod(p["shape"])).view(p["shape"]) for n, p in meta["params"].items()}
@@ -165,7 +165,7 @@ def test_lora_round_trip_under_partitioned_zero3(tmp_path, corpus):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from train.commands.export import main as export
+    from zerotrain.train.commands.export import main as export
     src = save_tiny("llama", tmp_path / "llama", corpus["vocab"], tokenizer_dir=corpus["tok_dir"])
     ds = fp32(tmp_path, "zero3")
     args = ["--model.name", f"hf:{src}", "--model.lora.r", "16", "--model.lora.alpha", "32",
@@ -262,10 +262,10 @@ def test_gpt_lora_on_init_from_weights_merges_back(tmp_path):
     fp32), the frozen base re-read on a resume on 2 processes under ZeRO-1, and the merged export
     equal to base + adapter."""
     from helpers import TINY
-    from models import gpt, gpt_config
-    from models import lora as lora_mod
-    from train.checkpoint.weights import load_weights, write_weights
-    from train.commands.export import main as export
+    from zerotrain.models import gpt, gpt_config
+    from zerotrain.models import lora as lora_mod
+    from zerotrain.train.checkpoint.weights import load_weights, write_weights
+    from zerotrain.train.commands.export import main as export
     gcfg = gpt_config(ModelConfig(name="gpt-tiny"), vocab_size=256)
     torch.manual_seed(0)
     base = gpt.GPT(gcfg)

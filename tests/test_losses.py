@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.losses import cross_entropy, token_losses
+from zerotrain.models.losses import cross_entropy, token_losses
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # (N, V, chunk_bytes): several chunks with a ragged last one (small and GPT-2 vocabularies), one row
@@ -183,9 +183,9 @@ def test_saves_the_logits_themselves_and_no_fp32_copy():
 # ----------------------------------------------------------------------------- Workload
 
 def _gpt_workload(vocab=97, seq=16):
-    from models import build_workload, resolve
-    from train.config import ModelConfig
-    from train.data import DataBundle
+    from zerotrain.models import build_workload, resolve
+    from zerotrain.train.config import ModelConfig
+    from zerotrain.train.data import DataBundle
     data = DataBundle(train=None, val=None, task="lm", describe="", vocab_size=vocab, seq_len=seq)
     torch.manual_seed(0)
     return build_workload(resolve(ModelConfig(name="gpt-tiny", n_layer=1, d_model=32, n_head=2, seq_len=seq)), data)
@@ -231,8 +231,8 @@ def test_hf_workload_uses_the_same_loss(tmp_path):
     pytest.importorskip("transformers")
     from helpers import lm_bundle, save_tiny
 
-    from models import build_workload, resolve
-    from train.config import ModelConfig
+    from zerotrain.models import build_workload, resolve
+    from zerotrain.train.config import ModelConfig
     for kind in ("gpt2", "llama"):
         d = save_tiny(kind, tmp_path / kind, 120)
         wl = build_workload(resolve(ModelConfig(name=f"hf:{d}")), lm_bundle(120))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import TINY, assert_zero3_planned_to_the_byte, metrics, rank_infos, run_train
-from train.observe.memory import StepProbe, measure
+from zerotrain.train.observe.memory import StepProbe, measure
 
 
 def _adam_step(model, opt):
@@ -69,7 +69,7 @@ def runs(fp32_stage_runs):
 
 
 def _psi() -> int:
-    from models.gpt import preset
+    from zerotrain.models.gpt import preset
     return preset("gpt-tiny", d_model=256, n_layer=2).num_params()
 
 
@@ -132,9 +132,9 @@ def test_frozen_parameters_under_zero3_are_planned_to_the_byte(tmp_path, fp32_co
     The plan counts every frozen tensor as DeepSpeed holds it. (The untied case, an hf: Llama, is
     tests/test_lora.py's ZeRO-3 round trip.) Before, the embedding counted twice: DeepSpeed's
     pre-forward prefetch had gathered it when the measurement ran (it is "gathered" now)."""
-    from models import gpt, gpt_config
-    from train.checkpoint.weights import write_weights
-    from train.config import ModelConfig
+    from zerotrain.models import gpt, gpt_config
+    from zerotrain.train.checkpoint.weights import write_weights
+    from zerotrain.train.config import ModelConfig
     gcfg = gpt_config(ModelConfig(name="gpt-tiny"), vocab_size=256)
     torch.manual_seed(0)
     params = dict(gpt.GPT(gcfg).named_parameters())

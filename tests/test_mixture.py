@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from helpers import data_trace, fp32, metrics, run_train, source_tokens, write_token_file
-from train.config import DataConfig, SourceConfig, load_config
-from train.data import build_data
-from train.data.mixture import InterleavedVal, MixturePlan, MixtureSampler, largest_remainder
-from train.errors import ConfigError, DataError
+from zerotrain.train.config import DataConfig, SourceConfig, load_config
+from zerotrain.train.data import build_data
+from zerotrain.train.data.mixture import InterleavedVal, MixturePlan, MixtureSampler, largest_remainder
+from zerotrain.train.errors import ConfigError, DataError
 
 SEQ = 16
 
@@ -222,7 +222,7 @@ def test_two_processes_equal_one_process_resumed_three_times(tmp_path):
     batches step by step, and the same per-source token counts, which are the trace's own.
     The first source is a shard directory (`zerotrain prepare --out DIR`, 4 shards): sharded
     sets train end to end too."""
-    from train.commands.prepare import main as prepare
+    from zerotrain.train.commands.prepare import main as prepare
     seq, lengths, weights = 32, [24, 6, 16], [0.5, 0.3, 0.2]  # 45 sequences (shard tails): 11 steps of 4, 8 used
     paths = make_sources(tmp_path, lengths, seq_len=seq)
     raw = tmp_path / "src0.raw"  # source 0's ids (< 64) as bytes, for byte-level prepare

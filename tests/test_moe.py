@@ -32,8 +32,8 @@ def banded_tokens(path: Path, n_windows: int = 40) -> Path:
     (micro-batch 1, Accelerate's split_batches)."""
     import numpy as np
 
-    from train.config import DataConfig
-    from train.data import build_data
+    from zerotrain.train.config import DataConfig
+    from zerotrain.train.data import build_data
     rng = np.random.default_rng(0)
     write_token_file(path, rng.integers(0, MOE_VOCAB, n_windows * SEQ + 1), vocab_size=MOE_VOCAB)
     n_train = len(build_data(DataConfig(kind="tokens", path=str(path)), SEQ, SEED).train)
@@ -91,9 +91,9 @@ def ddp(moe, tmp_path_factory):
 
 @pytest.mark.parametrize("kind,cls", [("qwen3_moe", "Qwen3MoeSparseMoeBlock"), ("mixtral", "MixtralSparseMoeBlock")])
 def test_sparse_blocks_are_found_from_the_modules(tmp_path, kind, cls):
-    from models import build_workload, resolve
-    from models.config import ModelConfig
-    from models.moe import detect
+    from zerotrain.models import build_workload, resolve
+    from zerotrain.models.config import ModelConfig
+    from zerotrain.models.moe import detect
     from helpers import lm_bundle, save_tiny
     d = save_tiny_moe(tmp_path / kind, kind)
     wl = build_workload(resolve(ModelConfig(name=f"hf:{d}")), lm_bundle(MOE_VOCAB))
@@ -104,13 +104,13 @@ def test_sparse_blocks_are_found_from_the_modules(tmp_path, kind, cls):
     # Active FLOPs: 6 per active weight; the 6 experts a token skips in each layer do not count.
     skipped = sum(p.numel() for n, p in wl.model.named_parameters() if ".experts." in n) * 6 // 8
     assert info.active_params_delta == skipped
-    from models.hf import flops_per_token
+    from zerotrain.models.hf import flops_per_token
     assert wl.flops_per_item == flops_per_token(wl.model, 32, 2, SEQ) - 6 * skipped
     # A dense model has none; the override is refused there, and for non-hf models.
     llama = save_tiny("llama", tmp_path / "llama", MOE_VOCAB)
     assert detect(build_workload(resolve(ModelConfig(name=f"hf:{llama}")), lm_bundle(MOE_VOCAB)).model,
                   None) is None
-    from models.errors import ConfigError
+    from zerotrain.models.errors import ConfigError
     with pytest.raises(ConfigError, match="model.router_aux_loss_coef: .* has no sparse mixture-of-experts block"):
         build_workload(resolve(ModelConfig(name=f"hf:{llama}", router_aux_loss_coef=0.1)), lm_bundle(MOE_VOCAB))
     with pytest.raises(ConfigError, match="^model.router_aux_loss_coef is not a key of model family gpt"):
@@ -120,8 +120,8 @@ def test_sparse_blocks_are_found_from_the_modules(tmp_path, kind, cls):
 
 
 def test_run_file_coefficient_overrides_the_models_and_weights_the_aux_loss(tmp_path):
-    from models import build_workload, resolve
-    from models.config import ModelConfig
+    from zerotrain.models import build_workload, resolve
+    from zerotrain.models.config import ModelConfig
     from helpers import lm_bundle
     d = save_tiny_moe(tmp_path / "m")
     batch = {"input_ids": torch.randint(0, MOE_VOCAB, (2, SEQ)), "labels": torch.randint(0, MOE_VOCAB, (2, SEQ))}
@@ -148,8 +148,8 @@ def test_zero3_trains_every_parameter_partitioned_with_ranks_on_disjoint_experts
         assert z["partitioned_tensors"] == z["tensors"] and z["whole_tensors"] == 0, z
         assert z["held_elements"] <= z["partitioned_elements"] / 2 + z["partitioned_tensors"], z
     # Each rank's windows are all of one band, and layer 0 sends the two bands to disjoint experts.
-    from train.config import DataConfig
-    from train.data import build_data
+    from zerotrain.train.config import DataConfig
+    from zerotrain.train.data import build_data
     data = build_data(DataConfig(kind="tokens", path=str(moe.tokens)), SEQ, SEED)
     import zlib
     crc = {zlib.crc32(data.train[i]["input_ids"].numpy().tobytes()): i for i in range(len(data.train))}
@@ -274,13 +274,13 @@ def test_lora_on_the_moe_model_under_zero3_saves_an_adapter_peft_loads(moe, tmp_
 def test_planner_counts_total_and_active_parameters_and_the_gathered_block(tmp_path, capsys):
     """Memory follows every parameter, FLOPs the active ones; under ZeRO-3 a whole sparse block
     (all its experts) is gathered at once even when stage3_max_live_parameters is smaller."""
-    from train.commands import plan as plan_cli
-    from train.plan.estimate import estimate
-    from train.plan.memory_check import model_shape
-    from train.plan.shapes import BatchShape
-    from train.strategy.option import Option
-    from models import resolve
-    from models.config import ModelConfig
+    from zerotrain.train.commands import plan as plan_cli
+    from zerotrain.train.plan.estimate import estimate
+    from zerotrain.train.plan.memory_check import model_shape
+    from zerotrain.train.plan.shapes import BatchShape
+    from zerotrain.train.strategy.option import Option
+    from zerotrain.models import resolve
+    from zerotrain.models.config import ModelConfig
     d = save_tiny_moe(tmp_path / "m")
     shape = model_shape(resolve(ModelConfig(name=f"hf:{d}")), None)
     experts = 2 * 8 * (2 * 16 * 32 + 32 * 16)          # 2 layers x 8 experts x (gate_up + down)
@@ -302,8 +302,8 @@ def test_planner_counts_total_and_active_parameters_and_the_gathered_block(tmp_p
 def _skewed_training(d: Path, coef: float, steps: int = 40) -> list[list[int]]:
     """The banded model trained in process on band-0 tokens only (layer 0 routes them all to
     experts 0-3) with the trainer's loss; the layer-0 expert load of each step."""
-    from models import build_workload, resolve
-    from models.config import ModelConfig
+    from zerotrain.models import build_workload, resolve
+    from zerotrain.models.config import ModelConfig
     from helpers import lm_bundle
     torch.manual_seed(0)
     wl = build_workload(resolve(ModelConfig(name=f"hf:{d}", router_aux_loss_coef=coef)), lm_bundle(MOE_VOCAB))
@@ -334,8 +334,8 @@ def test_aux_loss_moves_the_router_towards_balance_on_skewed_data(tmp_path):
 
 
 def test_an_idle_expert_is_warned_about_after_five_intervals(tmp_path):
-    from models import build_workload, resolve
-    from models.config import ModelConfig
+    from zerotrain.models import build_workload, resolve
+    from zerotrain.models.config import ModelConfig
     from helpers import lm_bundle
     wl = build_workload(resolve(ModelConfig(name=f"hf:{save_tiny_moe(tmp_path / 'm')}")), lm_bundle(MOE_VOCAB))
     x = torch.randint(0, MOE_VOCAB // 2, (2, SEQ))  # band 0 only: layer 0's experts 4-7 get nothing

@@ -115,7 +115,7 @@ def test_deepspeed_hostfile_over_ssh_trains_like_one_node(two_nodes, fp32_config
 def assert_one_checkpoint_written_collectively(run_dir: Path):
     """checkpoint.save_at_end: one complete checkpoint, each rank's shard in it (rank 1's
     written on node1), every file matching the manifest rank 0 wrote after all of them."""
-    from train.checkpoint.files import check_file, complete_checkpoints, newest_checkpoint, read_manifest
+    from zerotrain.train.checkpoint.files import check_file, complete_checkpoints, newest_checkpoint, read_manifest
     root = run_dir / "checkpoints"
     (step, ckpt), *others = complete_checkpoints(root)
     assert (step, others, newest_checkpoint(root)) == (STEPS, [], ckpt)
@@ -275,7 +275,7 @@ def test_zerotrain_check_probes_the_hosts_over_ssh(two_nodes, tmp_path):
     """`zerotrain check --hostfile` (issue 12) from node0: both nodes answer passwordless ssh and
     pdsh is there; node0's own localhost too (the shipped hostfile). No launch: ssh only."""
     rig = two_nodes
-    cmd = [sys.executable, "-m", "train.cli", "check", "--cuda", "--hostfile"]
+    cmd = [sys.executable, "-m", "zerotrain.train.cli", "check", "--cuda", "--hostfile"]
     p = rig.run(rig.nodes[0], [*cmd, str(hostfile(tmp_path, rig))], timeout=120, check=False, cwd=REPO,
                 env=base_env())
     assert p.returncode == 0, p.stdout + p.stderr
@@ -289,7 +289,7 @@ def test_zerotrain_check_probes_the_hosts_over_ssh(two_nodes, tmp_path):
 
 # ---------------------------------------------------------------------------------------- no processes
 def test_node_layout_for_each_launcher():
-    from train.launch.distributed import node_layout
+    from zerotrain.train.launch.distributed import node_layout
     pdsh_node1 = {"CROSS_RANK": "1", "CROSS_SIZE": "2", "LOCAL_SIZE": "8", "RANK": "9", "WORLD_SIZE": "16"}
     assert node_layout(pdsh_node1, 9, 16) == (1, 2, 8)
     torchrun_node2 = {"GROUP_RANK": "2", "GROUP_WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "4"}
@@ -345,8 +345,8 @@ def test_deepspeed_env_refuses_what_would_break_the_launcher(tmp_path):
 
 
 def test_deepspeed_env_flags():
-    from train.commands.deepspeed_env import parse
-    from train.errors import ConfigError
+    from zerotrain.train.commands.deepspeed_env import parse
+    from zerotrain.train.errors import ConfigError
     opts = parse(["--set", "A=1", "--set=A=2", "--add", "X", "--add=Y", "--output=o.env", "--print"])
     assert opts == {"output": "o.env", "set": {"A": "2"}, "add": ["X", "Y"], "print": True, "check": None}
     for argv, message in ((["--out", "x"], "unknown argument '--out'"), (["--output"], "--output needs a value"),
@@ -362,7 +362,7 @@ def test_watchdog_names_a_silent_node_and_an_unreachable_store():
     node 1's heartbeat is played by this test."""
     import datetime
     import torch.distributed as td
-    from train.launch.distributed import PeerWatchdog
+    from zerotrain.train.launch.distributed import PeerWatchdog
     servers = [td.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)]
     client = td.TCPStore("127.0.0.1", servers[0].port, is_master=False, timeout=datetime.timedelta(seconds=2))
 

@@ -10,9 +10,9 @@ import pytest
 from helpers import metrics
 from wandb_offline import PEAK_FLOPS, observed_run
 
-from models.gpt import preset
-from train.observe import perf, report
-from train.cli import main as zerotrain
+from zerotrain.models.gpt import preset
+from zerotrain.train.observe import perf, report
+from zerotrain.train.cli import main as zerotrain
 
 # gpt-tiny by hand (models/gpt.py: V=256, T=64, L=2, D=64, 4 heads of 16, 2 KV heads, tied):
 #   attention  D*(D + 2*KV*16) + D*D = 64*128 + 4096          = 12288
@@ -135,7 +135,7 @@ def test_plot_missing_metrics_is_a_clear_error(tmp_path, capsys):
 def test_plot_series_keep_the_continued_training_after_a_resume(tmp_path):
     """metrics.jsonl appends: after a crash at step 3 and a resume from the step-2 checkpoint,
     step 3 appears twice; the curve must use the rows of the training that continued."""
-    from train.commands.plot import read_series
+    from zerotrain.train.commands.plot import read_series
     rows = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}, {"step": 3, "loss": 2.4},
             {"step": 3, "loss": 2.2}, {"step": 4, "loss": 2.0, "lr": 1e-3}, {"step": 4, "val/loss": "nan"}]
     (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)) + '\n{"step": 5, "lo')
@@ -147,7 +147,7 @@ def test_plot_series_keep_the_continued_training_after_a_resume(tmp_path):
 def test_memory_line_puts_the_planned_peak_against_the_budget():
     from types import SimpleNamespace as NS
     budget = NS(bytes=8 * 2**30, source="the memory cgroup limit of /sys/fs/cgroup/job")
-    from train.plan.memory_plan import MemoryPlan
+    from zerotrain.train.plan.memory_plan import MemoryPlan
     t = MemoryPlan(budget, None, NS(device_total=3 * 2**30), "")
     assert report._memory_text(t) == ("estimated peak 3.00 GiB of 8.00 GiB per rank (38%): "
                                       "the memory cgroup limit of /sys/fs/cgroup/job")
@@ -173,7 +173,7 @@ def test_only_torchs_deprecations_of_deepspeeds_two_collectives_are_silenced():
     import torch
     import torch.distributed as dist
 
-    from train.launch import library_warnings
+    from zerotrain.train.launch import library_warnings
     t = torch.zeros(2)
 
     def warned(call) -> list[str]:

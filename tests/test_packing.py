@@ -19,13 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from helpers import save_tiny
-from models import build_workload, resolve
-from models.losses import IGNORE_INDEX
-from models.workload import Workload
-from train.config import DataConfig, ModelConfig
-from train.data import build_data
-from train.data.packing import PackedSFT, best_fit_decreasing, pack_plan, packed_lengths
-from train.data.sft import SFTSequences
+from zerotrain.models import build_workload, resolve
+from zerotrain.models.losses import IGNORE_INDEX
+from zerotrain.models.workload import Workload
+from zerotrain.train.config import DataConfig, ModelConfig
+from zerotrain.train.data import build_data
+from zerotrain.train.data.packing import PackedSFT, best_fit_decreasing, pack_plan, packed_lengths
+from zerotrain.train.data.sft import SFTSequences
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -101,7 +101,7 @@ def test_packed_rows_carry_the_unpacked_samples_positions_and_documents():
 # ----------------------------------------------------------------------------- exactness
 
 def gpt_workload():
-    from train.data.bundle import DataBundle
+    from zerotrain.train.data.bundle import DataBundle
     torch.manual_seed(0)
     data = DataBundle(train=None, val=None, task="lm", describe="", vocab_size=256, seq_len=SEQ)
     return build_workload(resolve(ModelConfig(name="gpt-tiny", seq_len=64)), data)
@@ -214,7 +214,7 @@ def test_data_packing_builds_rows_from_jsonl(tmp_path):
 # ----------------------------------------------------------------------------- bad input: one line each
 
 def test_packing_with_a_kind_that_cannot_pack_is_refused():
-    from train.errors import ConfigError
+    from zerotrain.train.errors import ConfigError
     with pytest.raises(ConfigError, match=r"^data.packing is not a key of data.kind tokens; its keys: "):
         DataConfig(kind="tokens", packing=True)
 
@@ -223,8 +223,8 @@ def test_an_attention_that_cannot_isolate_documents_is_refused(tmp_path):
     """A state-space model (no attention mask at all: its state carries one record into the
     next) and an attention implementation outside the packed-sequence path are refused."""
     from transformers import FalconMambaConfig, FalconMambaForCausalLM
-    from models.errors import ConfigError
-    from models.hf import check_packing
+    from zerotrain.models.errors import ConfigError
+    from zerotrain.models.hf import check_packing
     torch.manual_seed(0)
     mamba = FalconMambaForCausalLM(FalconMambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
                                                      state_size=4))
@@ -279,8 +279,8 @@ def test_packed_ddp_run_and_unpacked_zero3_run_give_the_same_step_losses(tmp_pat
 def test_a_prepared_sft_set_packs_without_retokenising_and_trains(tmp_path, monkeypatch, clean_env):
     """`zerotrain prepare --sft` output packs into exactly the rows the JSONL packs into, without
     tokenising a record again, and a run with data.packing trains on it (in this process)."""
-    from train.commands.prepare import main as prepare
-    import train.data.sft as sft
+    from zerotrain.train.commands.prepare import main as prepare
+    import zerotrain.train.data.sft as sft
     src = tmp_path / "r.jsonl"
     src.write_text("".join(json.dumps({"prompt": f"q{i}:", "response": "r" * (3 + i % 11)}) + "\n" for i in range(64)))
     out = tmp_path / "r.bin"
@@ -297,7 +297,7 @@ def test_a_prepared_sft_set_packs_without_retokenising_and_trains(tmp_path, monk
         a, b = prepared.train[i], ref.train[i]
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     from helpers import fp32, metrics
-    from train.main import main
+    from zerotrain.train.main import main
     run = tmp_path / "run"
     assert main(["--model.name", "gpt-tiny", "--data.kind", "sft", "--data.path", str(out), "--data.seq_len", "32",
                  "--data.packing", "true", "--data.val_fraction", "0", "--train.max_steps", "3",

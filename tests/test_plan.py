@@ -9,14 +9,14 @@ import json
 import pytest
 import torch
 
-from train import paths
-from train.commands import plan as plan_cli
-from train.plan import estimate as plan
-from train.plan.activations import activation_bytes
-from train.plan.estimate import Cluster, estimate, make_plan
-from train.plan.shapes import BatchShape, count_shape, gpt_shape
-from train.strategy import cost
-from train.strategy.option import Option
+from zerotrain.train import paths
+from zerotrain.train.commands import plan as plan_cli
+from zerotrain.train.plan import estimate as plan
+from zerotrain.train.plan.activations import activation_bytes
+from zerotrain.train.plan.estimate import Cluster, estimate, make_plan
+from zerotrain.train.plan.shapes import BatchShape, count_shape, gpt_shape
+from zerotrain.train.strategy import cost
+from zerotrain.train.strategy.option import Option
 
 PSI, N = 1_000_000_000, 8           # 1e9 is a multiple of 2N: no flat-buffer padding
 OPTIONS = dict(plan.OPTIONS)
@@ -83,8 +83,8 @@ def test_offload_moves_optimizer_states_to_the_host():
 
 
 def test_gpt_shapes_match_the_real_model():
-    from models.gpt import GPT, PRESETS, preset
-    from train.optim.optimizer import param_groups
+    from zerotrain.models.gpt import GPT, PRESETS, preset
+    from zerotrain.train.optim.optimizer import param_groups
     for name in ("gpt-tiny", "gpt2-124m", "gpt-1.3b", "gpt-7b"):
         assert gpt_shape(name, PRESETS[name]).num_params == PRESETS[name].num_params()
     for cfg in (preset("gpt-tiny"), preset("gpt-tiny", tie_embeddings=False, n_layer=3)):
@@ -100,7 +100,7 @@ def test_zero12_partition_holds_whole_straddling_tensors():
 
 
 def test_zero3_keeps_small_tensors_whole():
-    from models.gpt import preset
+    from zerotrain.models.gpt import preset
     cfg = preset("gpt-tiny", d_model=256)     # proj (65k) and tok_emb (65k) are under the 1e5 threshold
     shape = gpt_shape("x", cfg)
     e = estimate(shape, strategy("zero3", "fp32"), 2, BatchShape(1, 64))
@@ -112,7 +112,7 @@ def test_zero3_keeps_small_tensors_whole():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_estimate_matches_saved_tensors(dtype):
     import torch.nn.functional as F
-    from models.gpt import GPT, preset
+    from zerotrain.models.gpt import GPT, preset
     cfg = preset("gpt-tiny", d_model=128, n_layer=3, seq_len=32)
     model = GPT(cfg).to(dtype).train()
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -140,7 +140,7 @@ def test_the_document_mask_is_saved_once_and_planned_once(dtype):
     per-layer copy), and the estimate counts it once. T >> d_model so that a per-layer copy
     would be far outside the tolerance."""
     import torch.nn.functional as F
-    from models.gpt import GPT, preset
+    from zerotrain.models.gpt import GPT, preset
     B, T = 2, 256
     cfg = preset("gpt-tiny", d_model=32, n_layer=3, seq_len=T)
     model = GPT(cfg).to(dtype).train()
@@ -169,7 +169,7 @@ def test_the_document_mask_is_saved_once_and_planned_once(dtype):
 
 
 def test_recommendation_moves_from_ddp_to_zero_to_offload_as_memory_shrinks():
-    from models.gpt import PRESETS
+    from zerotrain.models.gpt import PRESETS
     shape = gpt_shape("gpt-1.3b", PRESETS["gpt-1.3b"])
     batch = BatchShape(micro=1, seq_len=2048, accum=2, checkpointing=True)
 
@@ -232,8 +232,8 @@ def test_cli_errors_say_what_to_fix(argv, words, capsys):
 
 
 def test_plan_is_a_zerotrain_command():
-    from train.cli import COMMANDS
-    assert COMMANDS["plan"][:2] == ("train.commands.plan", "main")
+    from zerotrain.train.cli import COMMANDS
+    assert COMMANDS["plan"][:2] == ("zerotrain.train.commands.plan", "main")
 
 
 @pytest.mark.parametrize("model", ["gpt-tiny", "hf-llama", "hf-llama+lora", "linear"])
@@ -242,11 +242,11 @@ def test_the_runs_memory_plan_sizes_the_model_the_run_builds(model, tmp_path):
     the model on the meta device: the same tensors, in the same optimizer groups, frozen and
     trained, as the model build_workload then makes (what the banner and plan/* speak of)."""
     from helpers import save_tiny
-    from models import build_workload, resolve
-    from train.config import load_config
-    from train.data import build_data
-    from train.plan.memory_check import model_shape
-    from train.plan.shapes import module_shape
+    from zerotrain.models import build_workload, resolve
+    from zerotrain.train.config import load_config
+    from zerotrain.train.data import build_data
+    from zerotrain.train.plan.memory_check import model_shape
+    from zerotrain.train.plan.shapes import module_shape
     name, _, lora = model.partition("+")
     over = [("model.lora.r", "4")] if lora else []
     if name == "hf-llama":

@@ -14,9 +14,9 @@ import re
 
 import pytest
 
-from train.observe.report import human_bytes as hb
-from train.plan.activations import activation_bytes
-from train.plan.shapes import BatchShape
+from zerotrain.train.observe.report import human_bytes as hb
+from zerotrain.train.plan.activations import activation_bytes
+from zerotrain.train.plan.shapes import BatchShape
 
 MiB = 2 ** 20
 T = 4096
@@ -24,7 +24,7 @@ MARGIN = 0.9   # distributed.memory_margin 0.1 kept free
 
 
 def gpt(kv: int = 4):
-    from models.gpt import preset
+    from zerotrain.models.gpt import preset
     return preset("gpt-tiny", seq_len=T, n_kv_head=kv)
 
 
@@ -40,9 +40,9 @@ def hand(n: int, kv: int = 4) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def long_run():
-    from models import resolve
-    from train.config import load_config
-    from train.data import build_data
+    from zerotrain.models import resolve
+    from zerotrain.train.config import load_config
+    from zerotrain.train.data import build_data
 
     def make(kv=4, seq=T, sp=1, compile=False):
         cfg = load_config(None, [("model.name", "gpt-tiny"), ("model.seq_len", str(T)), ("model.n_kv_head", str(kv)),
@@ -54,14 +54,14 @@ def long_run():
 
 
 def budget(mib: float, kind: str = "cuda"):
-    from train.launch.device_memory import Budget
+    from zerotrain.train.launch.device_memory import Budget
     return Budget(int(mib * MiB), "a test budget", kind, 0)
 
 
 def refusal(run, world: int, mib: float, ds: str = "zero3", kind: str = "cuda") -> str:
     """The memory check's one line for the run under ds_configs/<ds>.json."""
-    from train.strategy.ds_config import load_ds_setup
-    from train.plan import memory_check
+    from zerotrain.train.strategy.ds_config import load_ds_setup
+    from zerotrain.train.plan import memory_check
     cfg, spec, data = run
     batch = cfg.train.batch(world // cfg.distributed.sequence_parallel)
     setup = load_ds_setup(f"ds_configs/{ds}.json", cfg, batch, 3, cuda=False, hidden_size=64)
@@ -72,7 +72,7 @@ def refusal(run, world: int, mib: float, ds: str = "zero3", kind: str = "cuda") 
 
 def auto(run, world: int, mib: float, kind: str = "cuda"):
     """--ds-config auto's AutoChoice, or its refusal line."""
-    from train.plan import memory_check
+    from zerotrain.train.plan import memory_check
     cfg, spec, data = run
     batch = cfg.train.batch(world // cfg.distributed.sequence_parallel)
     try:
@@ -88,8 +88,8 @@ def following(run, n: int):
 
 
 def test_the_check_names_the_smallest_sequence_parallel_that_fits_and_following_it_runs(long_run):
-    from train.strategy.ds_config import load_ds_setup
-    from train.plan import memory_check
+    from zerotrain.train.strategy.ds_config import load_ds_setup
+    from zerotrain.train.plan import memory_check
     run = long_run()
     a1, _ = hand(1)
     (a2, x2), (a4, x4) = hand(2), hand(4)
@@ -158,7 +158,7 @@ def test_only_sizes_the_run_can_use_are_named(long_run):
 def test_no_size_is_named_when_the_model_states_do_not_fit(long_run):
     """On CPU ranks the states include DeepSpeed's 64 MiB all-reduce workspace (and DDP's buckets):
     with 60 MiB no option holds its states and buffers, whatever the activations; with 100 MiB SP 2 fits."""
-    from train.plan import memory_check
+    from zerotrain.train.plan import memory_check
     cfg, spec, data = run = long_run()
     rows = memory_check._rows(memory_check.model_shape(spec, data), memory_check.plan_batch(cfg, cfg.train.batch(4), T),
                               4, memory_check._device(budget(60, "cpu")), memory_check.paths.DS_CONFIGS)
@@ -170,7 +170,7 @@ def test_no_size_is_named_when_the_model_states_do_not_fit(long_run):
 
 
 def test_zerotrain_plan_names_it_when_nothing_fits(tmp_path, capsys):
-    from train.commands.plan import main as plan
+    from zerotrain.train.commands.plan import main as plan
     run = tmp_path / "long.yaml"
     run.write_text(f"model:\n  name: gpt-tiny\n  seq_len: {T}\n  n_kv_head: 4\ndata:\n  seq_len: {T}\n"
                    f"train:\n  micro_batch_size: 1\n")

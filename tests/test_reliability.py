@@ -15,7 +15,7 @@ import pytest
 
 from helpers import (BAD_SFT_RECORDS, MAIN, REPO, TINY, assert_resumable_checkpoint, fp32, run_main,
                      source_tokens, subprocess_env, write_token_file)
-from train.commands.check import main as check_main
+from zerotrain.train.commands.check import main as check_main
 
 
 def write(tmp_path, name, text):
@@ -134,7 +134,7 @@ def _one_line_exit_2(p, *needles):
 def test_a_corrupt_image_read_by_a_dataloader_worker_is_one_line(tmp_path):
     """ImageFolder decodes in DataLoader workers by default (1 per rank here): the worker's
     DataError reaches the user as the line it gives in-process, not torch's wrapper and traceback."""
-    from train.data.make_shapes import make_shapes
+    from zerotrain.train.data.make_shapes import make_shapes
     root = make_shapes(tmp_path / "img", ["red", "blue"], per_class=4, val_per_class=1, size=16)
     broken = root / "train" / "blue" / "blue_00001.jpg"
     broken.write_bytes(b"not a jpeg at all")
@@ -153,9 +153,9 @@ def test_a_corrupt_image_only_rank_1_reads_is_the_same_line_from_rank_1(tmp_path
     worker each; every image rank 1 reads this epoch is corrupt, none of rank 0's. The user sees
     rank 1's line as in-process (prefixed with its rank), and only that: exit 2, no traceback."""
     from helpers import run_train
-    from train.config import TrainConfig
-    from train.data.make_shapes import make_shapes
-    from train.data.sampler import GlobalBatchSampler
+    from zerotrain.train.config import TrainConfig
+    from zerotrain.train.data.make_shapes import make_shapes
+    from zerotrain.train.data.sampler import GlobalBatchSampler
     root = make_shapes(tmp_path / "img", ["red", "blue"], per_class=4, val_per_class=1, size=16)
     files = sorted((root / "train").rglob("*.jpg"))  # ImageFolder's index order: classes, then files, sorted
     order = GlobalBatchSampler(len(files), micro=1, world=2, accum=1, seed=TrainConfig().seed).order(0).tolist()
@@ -305,7 +305,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0(tmp_path, fp32_config
     each of those checkpoints holds both ranks' files, so both ranks saved at that step."""
     import signal
     from helpers import metrics
-    from train.checkpoint import files as io
+    from zerotrain.train.checkpoint import files as io
     run = tmp_path / "run"
     args = [*TINY, "--ds-config", fp32_configs["zero2"], "--train.max_steps", "100000", "--train.eval_every", "0",
             "--logging.every_steps", "1", "--train.run_dir", str(run),

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from helpers import REPO
-from train.config import RunConfig, load_config, upgrade_saved
-from train.errors import ConfigError
+from zerotrain.train.config import RunConfig, load_config, upgrade_saved
+from zerotrain.train.errors import ConfigError
 
 SECTIONS = {f.name for f in dataclasses.fields(RunConfig)}
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -142,7 +142,7 @@ def test_overrides_switch_kind_and_family(tmp_path):
 
 
 def test_help_lists_each_variant_with_its_keys(capsys):
-    from train.args import parse_train_args
+    from zerotrain.train.args import parse_train_args
     with pytest.raises(SystemExit):
         parse_train_args(["--help"])
     out = capsys.readouterr().out

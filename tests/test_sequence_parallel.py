@@ -175,7 +175,7 @@ EOS = 10  # a newline: each line of the corpus is a document, dozens of them in 
 def doc_runs(work):
     """base6's 300 kB of text written as a byte-level token file, so the rows are base6's, with
     data.document_mask at EOS: 3 steps on 1 rank without SP and on 2 ranks with SP=2."""
-    from train.data.text import read_bytes
+    from zerotrain.train.data.text import read_bytes
     tok = write_token_file(work["dir"] / "doc_tokens" / "train.bin", read_bytes(None, 300000)[0])
     common = [*_without(LONG, "--data.max_bytes"), "--data.kind", "tokens", "--data.path", str(tok),
               "--data.document_mask", "true", "--data.eos_id", str(EOS)]
@@ -224,8 +224,8 @@ def test_sp_checkpoint_resumes_without_sp_and_the_reverse(work, base6, sp6):
 def test_replicated_batches_give_a_group_one_data_parallel_slice_in_the_plain_order():
     """SP=2 in a world of 4 (2 data-parallel ranks, micro 2): ranks 0,1 get data-parallel rank 0's
     rows, ranks 2,3 rank 1's, and a step's rows are those of a 1-process run without SP."""
-    from train.data.sampler import GlobalBatchSampler
-    from train.launch.sequence_parallel import ReplicatedBatches
+    from zerotrain.train.data.sampler import GlobalBatchSampler
+    from zerotrain.train.launch.sequence_parallel import ReplicatedBatches
     inner = GlobalBatchSampler(40, micro=2, world=2, accum=2, seed=3)
     rep = ReplicatedBatches(inner, n=2, micro=2)
     assert rep.batch_size == 8 and len(rep) == len(inner)
@@ -243,7 +243,7 @@ def test_replicated_batches_give_a_group_one_data_parallel_slice_in_the_plain_or
 def test_slice_batch_keeps_positions_and_documents_whole():
     import torch
 
-    from train.launch.sequence_parallel import SPRun
+    from zerotrain.train.launch.sequence_parallel import SPRun
     ids = torch.arange(16).view(2, 8)
     b = {"input_ids": ids, "labels": ids + 1, "position_ids": ids % 8, "doc_ids": ids // 4}
     out = SPRun(size=2, rank=1, group=None).slice_batch(b)

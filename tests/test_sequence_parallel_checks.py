@@ -16,8 +16,8 @@ SEQ_LEN = 4096
 # ---------------------------------------------------------------------------- up-front errors
 
 def test_sequence_parallel_must_be_a_whole_number_at_least_one():
-    from train.config import load_config
-    from train.errors import ConfigError
+    from zerotrain.train.config import load_config
+    from zerotrain.train.errors import ConfigError
     for bad in ("0", "-2"):
         with pytest.raises(ConfigError, match="distributed.sequence_parallel must be a whole number >= 1"):
             load_config(None, [("distributed.sequence_parallel", bad)])
@@ -27,11 +27,11 @@ def test_sequence_parallel_must_be_a_whole_number_at_least_one():
 
 def _sp_check(tmp_path, n: int, *overrides, ds_json: str = "ds_configs/zero3.json"):
     """train/launch/sequence_parallel.refuse_unsupported on a real config, model spec and strategy."""
-    from models import resolve as resolve_model
-    from train.config import load_config
-    from train.launch import sequence_parallel as sp_
-    from train.strategy import for_setup
-    from train.strategy.ds_config import load_ds_setup
+    from zerotrain.models import resolve as resolve_model
+    from zerotrain.train.config import load_config
+    from zerotrain.train.launch import sequence_parallel as sp_
+    from zerotrain.train.strategy import for_setup
+    from zerotrain.train.strategy.ds_config import load_ds_setup
     more = [tuple(o.split("=", 1)) for o in overrides]
     seq = [] if ("data.kind", "imagefolder") in more else [("data.seq_len", "64")]  # a key of LM data only
     pairs = [("model.name", "gpt-tiny"), *seq, ("distributed.sequence_parallel", str(n)), *more]
@@ -53,23 +53,23 @@ def _sp_check(tmp_path, n: int, *overrides, ds_json: str = "ds_configs/zero3.jso
     (2, ["hardware.compile=true"], "ds_configs/zero3.json", "with hardware.compile true is not supported"),
 ], ids=["heads", "kv-heads", "seq-len", "ddp", "compile"])
 def test_combinations_sp_cannot_run_are_refused_in_one_line(tmp_path, n, overrides, ds_json, message):
-    from train.errors import ConfigError
+    from zerotrain.train.errors import ConfigError
     with pytest.raises(ConfigError) as e:
         _sp_check(tmp_path, n, *overrides, ds_json=ds_json)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def test_sp_of_a_model_that_is_not_a_language_model_is_refused(tmp_path):
-    from train.errors import ConfigError
+    from zerotrain.train.errors import ConfigError
     with pytest.raises(ConfigError, match='sequence parallelism splits a language model.s sequence; model.name "resnet18"'):
         _sp_check(tmp_path, 2, "model.name=resnet18", "data.kind=imagefolder")
 
 
 def test_hf_attention_sp_cannot_wrap_is_refused(tmp_path):
-    from models.spec import ModelSpec
-    from train.config import load_config
-    from train.errors import ConfigError
-    from train.launch import sequence_parallel as sp_
+    from zerotrain.models.spec import ModelSpec
+    from zerotrain.train.config import load_config
+    from zerotrain.train.errors import ConfigError
+    from zerotrain.train.launch import sequence_parallel as sp_
     cfg = load_config(None, [("model.name", "hf:/x"), ("distributed.sequence_parallel", "2")])
     spec = ModelSpec(config=cfg.model, family="hf", hf_config={"num_attention_heads": 4, "num_key_value_heads": 2,
                                                                "_attn_implementation": "flash_attention_2"})
@@ -90,10 +90,10 @@ def test_hf_attention_sp_cannot_wrap_is_refused(tmp_path):
 def test_hf_packed_rows_under_sp_are_refused(pairs, flag):
     """The hf: attention under SP is plain causal over the whole row (the model's own mask is made
     per slice): rows of several documents would attend across them, so both flags are refused."""
-    from models.spec import ModelSpec
-    from train.config import load_config
-    from train.errors import ConfigError
-    from train.launch import sequence_parallel as sp_
+    from zerotrain.models.spec import ModelSpec
+    from zerotrain.train.config import load_config
+    from zerotrain.train.errors import ConfigError
+    from zerotrain.train.launch import sequence_parallel as sp_
     cfg = load_config(None, [("model.name", "hf:/x"), ("distributed.sequence_parallel", "2"), *pairs])
     spec = ModelSpec(config=cfg.model, family="hf", hf_config={"num_attention_heads": 4, "num_key_value_heads": 2})
 
@@ -119,9 +119,9 @@ def test_world_size_not_divisible_exits_2_in_one_line(capsys):
 def test_planner_divides_activations_by_n_and_counts_the_all_to_all_buffers():
     """Per rank: every saved activation is per token, so 1/N of them; the exchange buffers are
     q, k, v of one layer (send copy + receive buffer) on the local tokens."""
-    from models.gpt import preset
-    from train.plan.activations import activation_bytes, sp_exchange_bytes
-    from train.plan.shapes import BatchShape
+    from zerotrain.models.gpt import preset
+    from zerotrain.train.plan.activations import activation_bytes, sp_exchange_bytes
+    from zerotrain.train.plan.shapes import BatchShape
     g = preset("gpt-tiny", seq_len=SEQ_LEN)
     for ckpt in (False, True):
         one = BatchShape(1, SEQ_LEN, 1, ckpt, 1)
@@ -133,7 +133,7 @@ def test_planner_divides_activations_by_n_and_counts_the_all_to_all_buffers():
 
 
 def test_zerotrain_plan_sequence_parallel_flag(capsys):
-    from train.commands.plan import main as plan
+    from zerotrain.train.commands.plan import main as plan
     rows = {}
     for n in (1, 2):
         assert plan(["gpt-tiny", "--seq-len", "64", "--micro-batch", "1", "--json", "--sequence-parallel", str(n)]) == 0

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from helpers import BAD_SFT_RECORDS, fp32, make_tokenizer, metrics, random_text, run_main, run_train, save_tiny
-from models import build_workload, resolve
-from models.losses import IGNORE_INDEX, cross_entropy
-from train.config import DataConfig, ModelConfig
-from train.data import build_data
-from train.data.sft import BYTE_EOS
-from train.errors import DataError
+from zerotrain.models import build_workload, resolve
+from zerotrain.models.losses import IGNORE_INDEX, cross_entropy
+from zerotrain.train.config import DataConfig, ModelConfig
+from zerotrain.train.data import build_data
+from zerotrain.train.data.sft import BYTE_EOS
+from zerotrain.train.errors import DataError
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may touch the network
 
@@ -198,7 +198,7 @@ def test_step_loss_and_weights_do_not_depend_on_accumulation_processes_or_stage(
 # ----------------------------------------------------------------------------- prepared sets (prepare --sft)
 
 def prepare_sft(argv: list) -> int:
-    from train.commands.prepare import main as prepare
+    from zerotrain.train.commands.prepare import main as prepare
     return prepare(["--sft", *map(str, argv)])
 
 

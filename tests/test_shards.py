@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from helpers import make_tokenizer, random_text, write_texts
-from train.commands.prepare import main as prepare
-from train.config import DataConfig
-from train.data import build_data
-from train.errors import DataError
+from zerotrain.train.commands.prepare import main as prepare
+from zerotrain.train.config import DataConfig
+from zerotrain.train.data import build_data
+from zerotrain.train.errors import DataError
 
 DOCS = {f"d{i}.txt": random_text(3000 + 701 * i, i) for i in range(6)}
 

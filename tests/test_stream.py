@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from helpers import data_trace, fp32, make_tokenizer, metrics, random_text, run_train
-from train.config import DataConfig, load_config
-from train.data import build_data
-from train.data.stream import StreamCorpus, StreamSampler, StreamWindows
-from train.errors import ConfigError, DataError
+from zerotrain.train.config import DataConfig, load_config
+from zerotrain.train.data import build_data
+from zerotrain.train.data.stream import StreamCorpus, StreamSampler, StreamWindows
+from zerotrain.train.errors import ConfigError, DataError
 
 T = 16
 

@@ -21,15 +21,15 @@ PACKAGES = ("train", "models")
 # section) and models.errors (the user-error classes) sit at the bottom with train.config and
 # train.errors, which import them, while the rest of models/ is a component.
 LAYERS = [
-    ("entry points", ("train.main", "train.cli")),
-    ("commands", ("train.commands",)),
-    ("training", ("train.training", "train.args")),
-    ("planner", ("train.plan",)),
-    ("strategy", ("train.strategy",)),
-    ("components", ("train.checkpoint", "train.observe", "train.launch", "train.data", "train.optim",
+    ("entry points", ("zerotrain.train.main", "zerotrain.train.cli")),
+    ("commands", ("zerotrain.train.commands",)),
+    ("training", ("zerotrain.train.training", "zerotrain.train.args")),
+    ("planner", ("zerotrain.train.plan",)),
+    ("strategy", ("zerotrain.train.strategy",)),
+    ("components", ("zerotrain.train.checkpoint", "zerotrain.train.observe", "zerotrain.train.launch", "zerotrain.train.data", "zerotrain.train.optim",
                     "models")),
-    ("config", ("train.config", "train.strategy.ds_config", "train.strategy.internals", "train.errors", "train.paths",
-                "train.cli_args", "models.config", "models.errors", "train.testhooks", "train.process_group")),
+    ("config", ("zerotrain.train.config", "zerotrain.train.strategy.ds_config", "zerotrain.train.strategy.internals", "zerotrain.train.errors", "zerotrain.train.paths",
+                "zerotrain.train.cli_args", "zerotrain.models.config", "zerotrain.models.errors", "zerotrain.train.testhooks", "zerotrain.train.process_group")),
 ]
 
 
@@ -116,7 +116,7 @@ def test_models_import_nothing_from_train():
 def test_library_code_does_not_import_the_commands():
     """train/main.py and train/cli.py are entry points: nothing below them imports them."""
     graph = _graph()
-    entry = {"train.main", "train.cli"}
+    entry = {"zerotrain.train.main", "zerotrain.train.cli"}
     bad = {f"{m} imports {d}" for m, deps in graph.items() if m not in entry for d in deps & entry}
     assert not bad, sorted(bad)
 
@@ -165,11 +165,11 @@ def test_only_zerotrain_import_unpickles():
             elif isinstance(node, ast.Attribute) and node.attr == "load" and isinstance(node.value, ast.Name) \
                     and node.value.id == "torch":
                 users.add(name)
-    assert users == {"train.checkpoint.safe_unpickle", "models.vision"}, sorted(users)
+    assert users == {"zerotrain.train.checkpoint.safe_unpickle", "zerotrain.models.vision"}, sorted(users)
     graph = _graph()
-    importers = {m for m, deps in graph.items() if "train.checkpoint.safe_unpickle" in deps}
-    assert importers == {"train.checkpoint.importer"}, importers
-    assert {m for m, deps in graph.items() if "train.checkpoint.importer" in deps} == {"train.commands.import_ckpt"}
+    importers = {m for m, deps in graph.items() if "zerotrain.train.checkpoint.safe_unpickle" in deps}
+    assert importers == {"zerotrain.train.checkpoint.importer"}, importers
+    assert {m for m, deps in graph.items() if "zerotrain.train.checkpoint.importer" in deps} == {"zerotrain.train.commands.import_ckpt"}
 
 
 MAX_FUNCTION_LINES = 80
@@ -190,13 +190,13 @@ def test_every_production_function_fits_on_a_screen():
 
 
 def test_the_layering_sees_imports_hidden_in_strings(tmp_path):
-    """`sys.modules.get("train.launch.distributed")` in a bottom-layer module was an upward
+    """`sys.modules.get("zerotrain.train.launch.distributed")` in a bottom-layer module was an upward
     dependency the layering could not see."""
     f = tmp_path / "m.py"
-    f.write_text('import sys, importlib\nsys.modules.get("train.launch.distributed")\n'
-                 'importlib.import_module("train.plan.estimate")\n')
-    assert _imports(f, {"train.launch.distributed", "train.plan.estimate", "train.cli"}) == {
-        "train.launch.distributed", "train.plan.estimate"}
+    f.write_text('import sys, importlib\nsys.modules.get("zerotrain.train.launch.distributed")\n'
+                 'importlib.import_module("zerotrain.train.plan.estimate")\n')
+    assert _imports(f, {"zerotrain.train.launch.distributed", "zerotrain.train.plan.estimate", "zerotrain.train.cli"}) == {
+        "zerotrain.train.launch.distributed", "zerotrain.train.plan.estimate"}
 
 
 # Asking which backend or ZeRO stage runs is train/strategy/'s job (one object per backend owns what
@@ -222,7 +222,7 @@ def _backend_tests(path: Path) -> list[tuple[int, str, bool]]:
 def test_only_the_strategy_package_asks_which_backend_runs():
     found = []
     for name, path in sorted(_modules().items()):
-        if name.startswith("train.strategy"):
+        if name.startswith("zerotrain.train.strategy"):
             continue
         found += [(f"{path.relative_to(REPO)}:{n}", text, ok) for n, text, ok in _backend_tests(path)]
     undocumented = [f"{where}: {text}" for where, text, ok in found if not ok]

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from helpers import data_trace, fp32, make_tokenizer, metrics, random_text, run_train, write_texts
-from models import build_workload, resolve
-from train.config import DataConfig, ModelConfig
-from train.data import build_data
-from train.data.sampler import GlobalBatchSampler
-from train.errors import ConfigError, DataError
-from train.commands.prepare import main as prepare
+from zerotrain.models import build_workload, resolve
+from zerotrain.train.config import DataConfig, ModelConfig
+from zerotrain.train.data import build_data
+from zerotrain.train.data.sampler import GlobalBatchSampler
+from zerotrain.train.errors import ConfigError, DataError
+from zerotrain.train.commands.prepare import main as prepare
 
 
 def tokens_data(path, seq_len=16, **kw):
@@ -131,7 +131,7 @@ def test_ids_beyond_the_model_vocabulary_are_refused(tmp_path):
     assert data.extra["max_token"] == 300 and data.vocab_size == 301
     with pytest.raises(ConfigError, match="vocab_size 256 is smaller than the data's vocabulary 301"):
         build_workload(resolve(ModelConfig(name="gpt-tiny", vocab_size=256)), data)
-    from train.data.tokens import max_token
+    from zerotrain.train.data.tokens import max_token
     assert max_token(np.memmap(path, dtype=np.uint32, mode="r"), chunk=7) == 300
 
 

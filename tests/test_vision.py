@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from helpers import REPO, fp32, metrics, run_train
-from models import build_workload, resolve
-from train.config import DataConfig, ModelConfig
-from train.data import build_data
-from train.data.make_shapes import main as make_shapes_main
-from train.data.make_shapes import make_shapes
-from train.errors import CheckpointError, ConfigError, DataError
+from zerotrain.models import build_workload, resolve
+from zerotrain.train.config import DataConfig, ModelConfig
+from zerotrain.train.data import build_data
+from zerotrain.train.data.make_shapes import main as make_shapes_main
+from zerotrain.train.data.make_shapes import make_shapes
+from zerotrain.train.errors import CheckpointError, ConfigError, DataError
 
 COLOURS = ["red", "green", "blue", "yellow"]
 
@@ -119,7 +119,7 @@ def test_unreadable_image_fails_by_path_or_is_skipped(tmp_path, capsys):
 # ----------------------------------------------------------------------------- models
 
 def test_head_sized_for_dataset_and_torchvision_names(colours):
-    from models.vision import is_vision
+    from zerotrain.models.vision import is_vision
     assert is_vision("resnet50") and is_vision("vit_b_16") and not is_vision("gpt-tiny")
     data = imagefolder(colours)
     wl = build_workload(resolve(ModelConfig(name="resnet18")), data)
@@ -228,7 +228,7 @@ def test_batchnorm_keeps_fp32_statistics_when_parameters_are_bf16(colours):
 
 def _recompute(export_dir: Path, data) -> dict:
     """Val loss / top-1 of the exported weights, in this single process, one sample at a time."""
-    from models.vision import load_exported
+    from zerotrain.models.vision import load_exported
     model, meta = load_exported(export_dir)
     xs = torch.stack([data.val[i]["pixel_values"] for i in range(len(data.val))])
     ys = torch.stack([data.val[i]["labels"] for i in range(len(data.val))])
@@ -269,6 +269,6 @@ def test_resnet18_trains_above_chance_and_val_metrics_match_a_recomputation(tmp_
 @pytest.mark.parametrize("name", ["resnet50_imagefolder", "resnet18_shapes", "linear_regression", "hf_finetune",
                                   "gpt_tokens"])
 def test_example_run_files_are_valid(name):
-    from train.config import load_config
+    from zerotrain.train.config import load_config
     cfg = load_config(REPO / "examples" / f"{name}.yaml")
     assert cfg.data.kind in ("imagefolder", "regression", "tokens")

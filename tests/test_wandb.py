@@ -16,8 +16,8 @@ from helpers import REPO, TINY, run_train, subprocess_env, train_losses
 from wandb_offline import (FAKE_API_KEY, iter_payloads, observed_run, read_run, run_files,
                            wandb_env)
 
-from train.errors import ConfigError
-from train.observe.wandb_logger import choose, credential_source, resolve_mode
+from zerotrain.train.errors import ConfigError
+from zerotrain.train.observe.wandb_logger import choose, credential_source, resolve_mode
 
 
 # ---------------------------------------------------------------------------- the real 2-process run
@@ -112,9 +112,9 @@ _START_TWICE = r"""
 import json, sys
 from pathlib import Path
 from accelerate import Accelerator
-from train.config import load_config
-from train.checkpoint.state import TrainState
-from train.observe import wandb_logger
+from zerotrain.train.config import load_config
+from zerotrain.train.checkpoint.state import TrainState
+from zerotrain.train.observe import wandb_logger
 
 run_dir = Path(sys.argv[1])
 cfg = load_config(None, [("logging.wandb.mode", "offline"), ("logging.wandb.project", "resume-test")])
@@ -165,10 +165,10 @@ _START_CASES = r"""
 import os, sys
 from pathlib import Path
 from accelerate import Accelerator
-from train.config import load_config
-from train.errors import ConfigError
-from train.checkpoint.state import TrainState
-from train.observe import wandb_logger
+from zerotrain.train.config import load_config
+from zerotrain.train.errors import ConfigError
+from zerotrain.train.checkpoint.state import TrainState
+from zerotrain.train.observe import wandb_logger
 
 def start(mode, run_dir, **env):
     os.environ.update(env)
@@ -370,7 +370,7 @@ def test_sink_calls_wandb_on_a_writer_thread_in_order():
     import threading
     from types import SimpleNamespace
 
-    from train.observe.wandb_logger import WandbSink
+    from zerotrain.train.observe.wandb_logger import WandbSink
     gate, calls = threading.Event(), []
 
     class Acc:
@@ -394,7 +394,7 @@ def test_sink_calls_wandb_on_a_writer_thread_in_order():
 def test_sink_reraises_a_writer_error_on_the_training_thread():
     from types import SimpleNamespace
 
-    from train.observe.wandb_logger import WandbSink
+    from zerotrain.train.observe.wandb_logger import WandbSink
 
     class Acc:
         def log(self, metrics, step):

@@ -81,8 +81,8 @@ LONG = ["--model.seq_len", "1024", "--data.seq_len", "1024", "--data.max_bytes",
 def long_runs(tmp_path_factory) -> dict:
     """bf16 ZeRO-2 and ZeRO-3 (shipped JSONs) from the same trained-like weights. (bf16 ZeRO-1 is
     launched by tests/test_checkpoint.py's resume into BF16_Optimizer fragments.)"""
-    from models.gpt import GPT, preset
-    from train.checkpoint.weights import write_weights
+    from zerotrain.models.gpt import GPT, preset
+    from zerotrain.train.checkpoint.weights import write_weights
     work = tmp_path_factory.mktemp("long")
     cfg = preset("gpt-tiny", seq_len=1024)
     torch.manual_seed(0)

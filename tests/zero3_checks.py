@@ -24,13 +24,13 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torchvision  # noqa: E402
 
-from models import build_workload  # noqa: E402
-from models import resolve as resolve_model  # noqa: E402
-from models.gpt import GPT, preset  # noqa: E402
-from models.vision import gathering_inits  # noqa: E402
-from train.config import ModelConfig, load_config  # noqa: E402
-from train.data import DataBundle  # noqa: E402
-from train.strategy.ds_config import load_ds_setup  # noqa: E402
+from zerotrain.models import build_workload  # noqa: E402
+from zerotrain.models import resolve as resolve_model  # noqa: E402
+from zerotrain.models.gpt import GPT, preset  # noqa: E402
+from zerotrain.models.vision import gathering_inits  # noqa: E402
+from zerotrain.train.config import ModelConfig, load_config  # noqa: E402
+from zerotrain.train.data import DataBundle  # noqa: E402
+from zerotrain.train.strategy.ds_config import load_ds_setup  # noqa: E402
 
 deepspeed.init_distributed(dist_backend="gloo")
 RANK, WORLD = torch.distributed.get_rank(), torch.distributed.get_world_size()

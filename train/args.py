@@ -10,9 +10,9 @@ import inspect
 import typing
 from dataclasses import dataclass, field
 
-from train.cli_args import ArgumentParser, Value
-from train.config import RunConfig
-from train.errors import ConfigError
+from zerotrain.train.cli_args import ArgumentParser, Value
+from zerotrain.train.config import RunConfig
+from zerotrain.train.errors import ConfigError
 
 TRAIN_USAGE = """usage: train/main.py [--config RUN.yaml|json] [--ds-config DS.json] [--resume auto|none|PATH]
                      [--debug] [--<section>.<key> VALUE ...]

@@ -10,16 +10,16 @@ import importlib
 import sys
 
 COMMANDS = {
-    "train": ("train.main", "main", "train a model (same as python train/main.py)"),
-    "check": ("train.commands.check", "main", "validate run file, DeepSpeed JSON, hostfile and accelerate YAML together"),
-    "deepspeed-env": ("train.commands.deepspeed_env", "main", "write .deepspeed_env: the environment remote ranks need"),
-    "plot": ("train.commands.plot", "main", "loss / lr / throughput curves of run dirs (metrics.jsonl) to PNG"),
-    "prepare": ("train.commands.prepare", "main", "tokenize text files (data.kind tokens) or, with --sft, JSONL records (data.kind sft) once"),
-    "make-shapes": ("train.data.make_shapes", "main", "generate a small labelled shapes/colours ImageFolder set"),
-    "export": ("train.commands.export", "main", "checkpoint -> Hugging Face safetensors weights (offline, CPU, any world size)"),
-    "import": ("train.commands.import_ckpt", "main", "native DeepSpeed (ZeRO-0..3, any world size) or HF Trainer "
+    "train": ("zerotrain.train.main", "main", "train a model (same as python train/main.py)"),
+    "check": ("zerotrain.train.commands.check", "main", "validate run file, DeepSpeed JSON, hostfile and accelerate YAML together"),
+    "deepspeed-env": ("zerotrain.train.commands.deepspeed_env", "main", "write .deepspeed_env: the environment remote ranks need"),
+    "plot": ("zerotrain.train.commands.plot", "main", "loss / lr / throughput curves of run dirs (metrics.jsonl) to PNG"),
+    "prepare": ("zerotrain.train.commands.prepare", "main", "tokenize text files (data.kind tokens) or, with --sft, JSONL records (data.kind sft) once"),
+    "make-shapes": ("zerotrain.train.data.make_shapes", "main", "generate a small labelled shapes/colours ImageFolder set"),
+    "export": ("zerotrain.train.commands.export", "main", "checkpoint -> Hugging Face safetensors weights (offline, CPU, any world size)"),
+    "import": ("zerotrain.train.commands.import_ckpt", "main", "native DeepSpeed (ZeRO-0..3, any world size) or HF Trainer "
                                                  "checkpoint -> a zerotrain checkpoint (--trust-pickle)"),
-    "plan": ("train.commands.plan", "main", "per-device memory of DDP / ZeRO-1/2/3 / offload for a model and cluster; "
+    "plan": ("zerotrain.train.commands.plan", "main", "per-device memory of DDP / ZeRO-1/2/3 / offload for a model and cluster; "
                                    "recommends the fastest that fits"),
 }
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if argv[0] == "train":
-        from train.main import run_as_script
+        from zerotrain.train.main import run_as_script
         run_as_script(argv[1:])  # exits the process (see its docstring)
     module, func, _ = COMMANDS[argv[0]]
     return getattr(importlib.import_module(module), func)(argv[1:]) or 0

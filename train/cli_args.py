@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from train.errors import ConfigError
+from zerotrain.train.errors import ConfigError
 
 MISSING = object()  # what a Value flag receives when nothing follows it
 

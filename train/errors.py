@@ -11,7 +11,7 @@ import sys
 
 # The vocabulary lives in models/ (which imports nothing from train/); every existing
 # `from train.errors import ConfigError` keeps working with the very same classes.
-from models.errors import CheckpointError, ConfigError, DataError, UserError, did_you_mean  # noqa: F401
+from zerotrain.models.errors import CheckpointError, ConfigError, DataError, UserError, did_you_mean  # noqa: F401
 
 
 class TrainingDiverged(UserError):

@@ -19,21 +19,21 @@ if __package__ in (None, ""):
     # Run as a script: Python put train/ first on sys.path; import from the repo root instead.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from train.launch import device_env, library_warnings  # noqa: E402
+from zerotrain.train.launch import device_env, library_warnings  # noqa: E402
 
 device_env.apply()  # before torch is imported: ZEROTRAIN_DEVICE=cpu
 library_warnings.quiet()  # before DeepSpeed's first collective: torch's deprecations of the calls it makes
 
-from train.args import parse_train_args  # noqa: E402
-from train.errors import user_errors  # noqa: E402
+from zerotrain.train.args import parse_train_args  # noqa: E402
+from zerotrain.train.errors import user_errors  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     with user_errors():  # a bad flag: one line and exit 2 like any other user error (--debug not yet known)
         args = parse_train_args(sys.argv[1:] if argv is None else argv)
     with user_errors(args.debug):
-        from train.training.build import build
-        from train.config import load_config
+        from zerotrain.train.training.build import build
+        from zerotrain.train.config import load_config
         cfg = load_config(args.config, args.overrides)
         trainer = build(cfg, args.ds_config)
         try:
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             trainer.close()
         if trainer.stop_reason == "diverged":
-            from train.errors import TrainingDiverged
+            from zerotrain.train.errors import TrainingDiverged
             raise TrainingDiverged(trainer.health.diverged_reason)
     return 0
 

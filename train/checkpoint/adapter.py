@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from models import lora as lora_names
-from train.checkpoint import files as ckpt_files
-from train.checkpoint.weights import EXPORT_DTYPES, WeightsReader, write_weights
-from train.config.moved import upgrade_saved
-from train.errors import CheckpointError, ConfigError
+from zerotrain.models import lora as lora_names
+from zerotrain.train.checkpoint import files as ckpt_files
+from zerotrain.train.checkpoint.weights import EXPORT_DTYPES, WeightsReader, write_weights
+from zerotrain.train.config.moved import upgrade_saved
+from zerotrain.train.errors import CheckpointError, ConfigError
 
 
 def base_files(base_dir: str) -> dict[str, int]:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import adapter
-from train.checkpoint.files import persistent_buffers
-from train.checkpoint.weights import EXPORT_DTYPES, write_weights
+from zerotrain.train.checkpoint import adapter
+from zerotrain.train.checkpoint.files import persistent_buffers
+from zerotrain.train.checkpoint.weights import EXPORT_DTYPES, write_weights
 
 
 def export_adapter(out: Path, holder, lora: dict, dtype: str, is_main: bool) -> int:

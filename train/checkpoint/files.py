@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.errors import CheckpointError
-from train.process_group import exists as process_group_exists
+from zerotrain.train.errors import CheckpointError
+from zerotrain.train.process_group import exists as process_group_exists
 
 # The AdamW moments a checkpoint keeps per parameter (the strategy's holders read and write them).
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import files as ckpt_files
-from train.checkpoint.files import MOMENTS
-from train.checkpoint.safe_unpickle import restricted_load, torch_load_restricted
-from train.errors import CheckpointError
+from zerotrain.train.checkpoint import files as ckpt_files
+from zerotrain.train.checkpoint.files import MOMENTS
+from zerotrain.train.checkpoint.safe_unpickle import restricted_load, torch_load_restricted
+from zerotrain.train.errors import CheckpointError
 
 
 @dataclass

@@ -25,18 +25,18 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from models.lora import base_name, is_adapter
-from train import testhooks
-from train.checkpoint import adapter
-from train.checkpoint import files as ckpt_files
-from train.checkpoint.files import MOMENTS, persistent_buffers
-from train.checkpoint.state import Stateful, TrainState
-from train.errors import CheckpointError, ConfigError
+from zerotrain.models.lora import base_name, is_adapter
+from zerotrain.train import testhooks
+from zerotrain.train.checkpoint import adapter
+from zerotrain.train.checkpoint import files as ckpt_files
+from zerotrain.train.checkpoint.files import MOMENTS, persistent_buffers
+from zerotrain.train.checkpoint.state import Stateful, TrainState
+from zerotrain.train.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
-    from models.workload import Workload
-    from train.config import Batch, CheckpointConfig
-    from train.data.sampler import GlobalBatchSampler
+    from zerotrain.models.workload import Workload
+    from zerotrain.train.config import Batch, CheckpointConfig
+    from zerotrain.train.data.sampler import GlobalBatchSampler
 
 
 
@@ -406,7 +406,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ weights
     def init_from(self, path: str):
         """model.init_from: exported weights (any world size / stage), optimizer untouched."""
-        from train.checkpoint.weights import WeightsReader
+        from zerotrain.train.checkpoint.weights import WeightsReader
         w = WeightsReader(path, what="model.init_from")
         tied = self.workload.tied
         w.add_ties(tied)
@@ -438,7 +438,7 @@ class Checkpointer:
     def export(self, out_dir: str | Path | None = None) -> str:
         """Consolidated weights (HF layout; a LoRA run's adapter) from the live state
         (train/checkpoint/consolidate.py): a collective, every rank calls it."""
-        from train.checkpoint.consolidate import export_adapter, export_weights
+        from zerotrain.train.checkpoint.consolidate import export_adapter, export_weights
         t0 = time.perf_counter()
         out = Path(out_dir) if out_dir else self.export_dir
         dtype = self.cfg.export_dtype

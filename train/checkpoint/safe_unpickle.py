@@ -21,7 +21,7 @@ import re
 
 import torch
 
-from train.errors import CheckpointError
+from zerotrain.train.errors import CheckpointError
 
 
 class UnsafePickle(CheckpointError):

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import files as ckpt_files
-from train.config.moved import upgrade_saved
-from train.errors import CheckpointError, ConfigError
+from zerotrain.train.checkpoint import files as ckpt_files
+from zerotrain.train.config.moved import upgrade_saved
+from zerotrain.train.errors import CheckpointError, ConfigError
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 INDEX = "model.safetensors.index.json"
@@ -29,7 +29,7 @@ SINGLE = "model.safetensors"
 def _write_config(d: Path, family: str, model_config: dict, dtype: torch.dtype):
     if family == "hf":
         try:
-            from models.hf import save_hf_config  # transformers' config.json, so from_pretrained loads the export
+            from zerotrain.models.hf import save_hf_config  # transformers' config.json, so from_pretrained loads the export
         except ImportError:
             save_hf_config = None
         if save_hf_config is not None:

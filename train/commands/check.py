@@ -20,12 +20,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from train.errors import ConfigError, user_errors
-from train.launch.hostcheck import Host, check_hosts, parse_hostfile  # noqa: F401 (Host, parse_hostfile: API)
+from zerotrain.train.errors import ConfigError, user_errors
+from zerotrain.train.launch.hostcheck import Host, check_hosts, parse_hostfile  # noqa: F401 (Host, parse_hostfile: API)
 
 
 def check_accelerate_yaml(path: str | Path, hosts: list[Host] | None, ds_config: str | None) -> dict:
-    from train.config import read_mapping
+    from zerotrain.train.config import read_mapping
     cfg = read_mapping(path)
     problems = []
     nproc, nmach = cfg.get("num_processes"), cfg.get("num_machines", 1)
@@ -65,8 +65,8 @@ def ssh_not_needed(acc: dict | None) -> str | None:
 
 
 def run_checks(args) -> list[str]:
-    from train.config import load_config
-    from train.strategy.ds_config import load_ds_setup
+    from zerotrain.train.config import load_config
+    from zerotrain.train.strategy.ds_config import load_ds_setup
     ok = []
     hosts = None
     if args.hostfile:
@@ -90,9 +90,9 @@ def run_checks(args) -> list[str]:
     ds_path = args.ds_config or ((acc or {}).get("deepspeed_config") or {}).get("deepspeed_config_file") \
         or cfg.distributed.ds_config or "ds_configs/zero2.json"
     batch = cfg.train.batch(world)
-    from models import resolve as resolve_model
-    from train.plan.memory_check import auto_dir, is_auto
-    from train.plan.estimate import OPTIONS
+    from zerotrain.models import resolve as resolve_model
+    from zerotrain.train.plan.memory_check import auto_dir, is_auto
+    from zerotrain.train.plan.estimate import OPTIONS
     paths = [ds_path]
     if is_auto(ds_path):  # every candidate --ds-config auto may choose must be valid for this run
         paths = [str(auto_dir(ds_path) / f) for _, f in OPTIONS if (auto_dir(ds_path) / f).is_file()]

@@ -19,9 +19,9 @@ import re
 import sys
 from pathlib import Path
 
-from train import paths
-from train.cli_args import ArgumentParser, Value
-from train.errors import ConfigError, user_errors
+from zerotrain.train import paths
+from zerotrain.train.cli_args import ArgumentParser, Value
+from zerotrain.train.errors import ConfigError, user_errors
 
 USAGE = """usage: zerotrain deepspeed-env [--output FILE] [--set KEY=VALUE ...] [--add KEY ...] [--print]
        zerotrain deepspeed-env --check FILE

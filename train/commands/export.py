@@ -9,10 +9,10 @@ import argparse
 import sys
 import time
 
-from train.checkpoint import files as ckpt_files
-from train.checkpoint.adapter import export_lora_checkpoint
-from train.checkpoint.weights import EXPORT_DTYPES, export_checkpoint
-from train.errors import user_errors
+from zerotrain.train.checkpoint import files as ckpt_files
+from zerotrain.train.checkpoint.adapter import export_lora_checkpoint
+from zerotrain.train.checkpoint.weights import EXPORT_DTYPES, export_checkpoint
+from zerotrain.train.errors import user_errors
 
 
 def main(argv: list[str]) -> int:

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from train.errors import CheckpointError, ConfigError, user_errors
+from zerotrain.train.errors import CheckpointError, ConfigError, user_errors
 
 
 def _bool(s: str) -> bool:
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
         if out.exists() and not (out / "manifest.json").is_file() and (not out.is_dir() or any(out.iterdir())):
             raise CheckpointError(f"--out {out} exists and is not a zerotrain checkpoint: it would be replaced; "
                                   f"choose a new directory")
-        from train.checkpoint.importer import (find_deepspeed_step_dir, find_hf_checkpoint, read_deepspeed,
+        from zerotrain.train.checkpoint.importer import (find_deepspeed_step_dir, find_hf_checkpoint, read_deepspeed,
                                                read_hf_trainer, write_checkpoint)
         # An HF Trainer folder saved under DeepSpeed holds a global_step*/ directory: DeepSpeed's files first.
         step_dir = find_deepspeed_step_dir(src)
@@ -94,10 +94,10 @@ class _RunModel:
     def __init__(self, config: str):
         import torch
 
-        from models import build_workload
-        from models import resolve as resolve_model
-        from train.config import load_config
-        from train.data import build_data
+        from zerotrain.models import build_workload
+        from zerotrain.models import resolve as resolve_model
+        from zerotrain.train.config import load_config
+        from zerotrain.train.data import build_data
         self.cfg = cfg = load_config(config)
         spec = resolve_model(cfg.model)
         tokenizer = cfg.data.tokenizer or (spec.name[3:] if spec.family == "hf" else None)
@@ -110,9 +110,9 @@ class _RunModel:
         model = self.workload.model
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # tied: once
         self.trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        from train.checkpoint.files import persistent_buffers
+        from zerotrain.train.checkpoint.files import persistent_buffers
         self.buffers = {n: tuple(b.shape) for n, b in persistent_buffers(model)}
-        from train.optim.optimizer import param_groups
+        from zerotrain.train.optim.optimizer import param_groups
         names = {id(p): n for n, p in model.named_parameters()}
         self.groups = [[names[id(p)] for p in g["params"]] for g in param_groups(model, cfg.optim.weight_decay)]
         self.hf_groups = None
@@ -140,8 +140,8 @@ class _RunModel:
         return None
 
     def meta(self, imp, position: str, source: str) -> dict:
-        from train.checkpoint import files as ckpt_files
-        from train.checkpoint.state import TrainState
+        from zerotrain.train.checkpoint import files as ckpt_files
+        from zerotrain.train.checkpoint.state import TrainState
         cfg, wl = self.cfg, self.workload
         n = len(self.data.train)
         gb = cfg.train.global_batch_size

@@ -14,12 +14,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from train import paths
-from train.cli_args import ArgumentParser, Value
-from train.errors import ConfigError, did_you_mean, user_errors
-from train.plan.estimate import GiB, Cluster, Device, Plan, make_plan
-from train.plan.shapes import BatchShape, ModelShape, count_shape, gpt_shape
-from train.plan.sp_fit import first_fit, sizes
+from zerotrain.train import paths
+from zerotrain.train.cli_args import ArgumentParser, Value
+from zerotrain.train.errors import ConfigError, did_you_mean, user_errors
+from zerotrain.train.plan.estimate import GiB, Cluster, Device, Plan, make_plan
+from zerotrain.train.plan.shapes import BatchShape, ModelShape, count_shape, gpt_shape
+from zerotrain.train.plan.sp_fit import first_fit, sizes
 
 
 def parse_count(text: str) -> Optional[int]:
@@ -195,12 +195,12 @@ def parse_args(argv: list[str]) -> dict:
 
 def resolve_model(spec: str) -> tuple[ModelShape, dict]:
     """(shape, batch defaults from a run file)."""
-    from models import gpt
+    from zerotrain.models import gpt
     if spec in gpt.PRESETS:
         return gpt_shape(spec, gpt.PRESETS[spec]), {}
     if Path(spec).suffix in (".yaml", ".yml", ".json") or Path(spec).is_file():
-        from models import gpt_config
-        from train.config import load_config
+        from zerotrain.models import gpt_config
+        from zerotrain.train.config import load_config
         cfg = load_config(spec)
         batch = {"micro_batch": cfg.train.micro_batch_size, "grad_accum": cfg.train.grad_accum_steps or 1,
                  "activation_checkpointing": cfg.model.activation_checkpointing,
@@ -209,8 +209,8 @@ def resolve_model(spec: str) -> tuple[ModelShape, dict]:
         if cfg.model.lora is not None or cfg.model.name.startswith("hf:"):
             # Sized from the model itself, built on the meta device: a LoRA run's optimizer state and
             # gradients are its adapters' (models/lora.py), an hf: model's shapes its config.json's.
-            from models import resolve
-            from train.plan.memory_check import model_shape
+            from zerotrain.models import resolve
+            from zerotrain.train.plan.memory_check import model_shape
             m = resolve(cfg.model)
             return model_shape(m, None), {**batch, "seq_len": cfg.data.seq_len or m.context}
         if cfg.model.name not in gpt.PRESETS:

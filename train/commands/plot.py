@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from train.errors import ConfigError, DataError, user_errors
+from zerotrain.train.errors import ConfigError, DataError, user_errors
 
 PANELS = (  # (title, y-axis keys in order of preference); a panel no run has is left out
     ("loss", ("loss",)),

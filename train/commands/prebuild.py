@@ -1,4 +1,4 @@
-"""Build DeepSpeed's JIT ops once, before any multi-process launch: `python -m train.commands.prebuild`.
+"""Build DeepSpeed's JIT ops once, before any multi-process launch: `python -m zerotrain.train.commands.prebuild`.
 
 Ranks that find an op missing all try to compile it at once (minutes on a small CPU box).
 Built here, into TORCH_EXTENSIONS_DIR (the project's .cache/torch_extensions by default),
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from train import paths
+from zerotrain.train import paths
 
 
 
@@ -21,7 +21,7 @@ def main() -> int:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(paths.EXTENSIONS_CACHE))
     ext_dir = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     ext_dir.mkdir(parents=True, exist_ok=True)
-    from train.launch.distributed import venv_tools_first
+    from zerotrain.train.launch.distributed import venv_tools_first
     venv_tools_first(os.environ)  # the same ninja as the ranks use, or each rebuilds the other's op
     import torch
     from deepspeed.ops.op_builder import CPUAdamBuilder

@@ -47,11 +47,11 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from train.data import prepare_pool, prep_sources
-from train.data.prep_sources import ByteTokenizer, HFTokenizer  # noqa: F401 (moved there; importable from here)
-from train.data.shards import Corpus
-from train.data.tokens import FORMAT, sidecar_path, val_path
-from train.errors import ConfigError, DataError, user_errors
+from zerotrain.train.data import prepare_pool, prep_sources
+from zerotrain.train.data.prep_sources import ByteTokenizer, HFTokenizer  # noqa: F401 (moved there; importable from here)
+from zerotrain.train.data.shards import Corpus
+from zerotrain.train.data.tokens import FORMAT, sidecar_path, val_path
+from zerotrain.train.errors import ConfigError, DataError, user_errors
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".html", ".tex", ".c", ".h", ".js")
 PIECE_BYTES = 4 << 20
@@ -284,8 +284,8 @@ def _sft_file(spec: str, what: str) -> Path:
 
 def prepare_sft(a) -> int:
     """`prepare --sft`: one JSONL file (+ its validation file) -> prepared sets (train/data/sft_file.py)."""
-    import train.data.sft as sft  # late: the text path needs neither (nor torch, which sft imports)
-    import train.data.sft_file as sft_file
+    import zerotrain.train.data.sft as sft  # late: the text path needs neither (nor torch, which sft imports)
+    import zerotrain.train.data.sft_file as sft_file
     out = Path(a.out).expanduser()
     if out.suffix != ".bin":
         raise ConfigError(f"--out {out}: use a .bin name (data.path for data.kind sft; sidecar <name>.json)")

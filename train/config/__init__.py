@@ -10,13 +10,13 @@ strict loading, moved.py the keys that moved between sections, batch.py the batc
 the names other modules use are re-exported here.
 """
 
-from models.config import GptModel, HfModel, LinearModel, LoraConfig, ModelConfig, ModelSection, PyModel, VisionModel
-from train.config.batch import Batch
-from train.config.data_section import (DATA_KINDS, DataConfig, DataSection, ImageFolderData, RegressionData,
+from zerotrain.models.config import GptModel, HfModel, LinearModel, LoraConfig, ModelConfig, ModelSection, PyModel, VisionModel
+from zerotrain.train.config.batch import Batch
+from zerotrain.train.config.data_section import (DATA_KINDS, DataConfig, DataSection, ImageFolderData, RegressionData,
                                        SftData, SourceConfig, StreamData, TextData, TokensData)
-from train.config.loader import load_config, read_mapping
-from train.config.moved import upgrade_saved
-from train.config.schema import (CheckpointConfig, DebugConfig, DistributedConfig, HardwareConfig, LoggingConfig,
+from zerotrain.train.config.loader import load_config, read_mapping
+from zerotrain.train.config.moved import upgrade_saved
+from zerotrain.train.config.schema import (CheckpointConfig, DebugConfig, DistributedConfig, HardwareConfig, LoggingConfig,
                                  OptimConfig, RunConfig, TrainConfig, WandbConfig)
 
 __all__ = ["Batch", "CheckpointConfig", "DATA_KINDS", "DataConfig", "DataSection", "DebugConfig", "DistributedConfig",

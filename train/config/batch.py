@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from train.errors import ConfigError
+from zerotrain.train.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar, Optional
 
-from train.errors import ConfigError, did_you_mean
+from zerotrain.train.errors import ConfigError, did_you_mean
 
 
 @dataclass

@@ -16,9 +16,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from train.config.moved import MOVED, find_moved, moved_message
-from train.config.schema import RunConfig
-from train.errors import ConfigError, did_you_mean
+from zerotrain.train.config.moved import MOVED, find_moved, moved_message
+from zerotrain.train.config.schema import RunConfig
+from zerotrain.train.errors import ConfigError, did_you_mean
 
 
 def _hints(cls) -> dict[str, Any]:

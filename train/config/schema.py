@@ -12,10 +12,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from models.config import GptModel, ModelSection  # the model: section lives with the models (models/ needs nothing from train/)
-from train.config.batch import Batch, split_batch
-from train.config.data_section import DataSection, TextData
-from train.errors import ConfigError
+from zerotrain.models.config import GptModel, ModelSection  # the model: section lives with the models (models/ needs nothing from train/)
+from zerotrain.train.config.batch import Batch, split_batch
+from zerotrain.train.config.data_section import DataSection, TextData
+from zerotrain.train.errors import ConfigError
 
 
 @dataclass

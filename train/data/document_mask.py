@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from train.errors import DataError
+from zerotrain.train.errors import DataError
 
 HEAD_TOKENS = 1 << 24  # tokens read to check that the EOS id occurs (~32-64 MB, once at start-up)
 FLAG = "data.document_mask"

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from train.config import ImageFolderData
-from train.data.bundle import DataBundle
-from train.errors import DataError
+from zerotrain.train.config import ImageFolderData
+from zerotrain.train.data.bundle import DataBundle
+from zerotrain.train.errors import DataError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

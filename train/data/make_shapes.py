@@ -1,7 +1,7 @@
 """Generate a small labelled image set (shapes and colours) as an ImageFolder tree.
 
-    python -m train.data.make_shapes data/shapes                    # 6 shape classes
-    python -m train.data.make_shapes data/shapes --classes red,green,blue --per-class 300
+    python -m zerotrain.train.data.make_shapes data/shapes                    # 6 shape classes
+    python -m zerotrain.train.data.make_shapes data/shapes --classes red,green,blue --per-class 300
     zerotrain make-shapes data/colour_shapes --classes red_circle,blue_circle,red_square
 
 A class name is a shape (any colour), a colour (any shape) or colour_shape. Each image

@@ -25,11 +25,11 @@ from typing import Optional
 import numpy as np
 from torch.utils.data import Dataset
 
-from train.config import TokensData
-from train.data.bundle import DataBundle
-from train.data.permutation import SMALL, FeistelPermutation
-from train.data.sampler import GlobalBatchSampler
-from train.errors import DataError
+from zerotrain.train.config import TokensData
+from zerotrain.train.data.bundle import DataBundle
+from zerotrain.train.data.permutation import SMALL, FeistelPermutation
+from zerotrain.train.data.sampler import GlobalBatchSampler
+from zerotrain.train.errors import DataError
 
 
 def largest_remainder(weights: list[float], total: int) -> list[int]:
@@ -168,7 +168,7 @@ class InterleavedVal(Dataset):
 
 def build_mixture(cfg: TokensData, seq_len: Optional[int], seed: int) -> DataBundle:
     """One DataBundle from data.sources: each file read by build_tokens (checks, val split)."""
-    from train.data.tokens import build_tokens
+    from zerotrain.train.data.tokens import build_tokens
     bundles = []
     for i, src in enumerate(cfg.sources):
         if _is_dataset_file(src.path):
@@ -223,6 +223,6 @@ def _check_agree(cfg: TokensData, bundles: list[DataBundle]):
 
 
 def _is_dataset_file(path: str) -> bool:
-    from train.data.prep_sources import DATASET_SUFFIXES
-    from train.data.shards import MANIFEST
+    from zerotrain.train.data.prep_sources import DATASET_SUFFIXES
+    from zerotrain.train.data.shards import MANIFEST
     return Path(path).suffix.lower() in DATASET_SUFFIXES and Path(path).name != MANIFEST

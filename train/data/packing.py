@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from models.losses import IGNORE_INDEX
+from zerotrain.models.losses import IGNORE_INDEX
 
 WINDOW = 1024  # records packed together: larger packs tighter, costs more start-up time
 

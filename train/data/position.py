@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
-    from train.checkpoint.state import TrainState
-    from train.data.bundle import DataBundle
+    from zerotrain.train.checkpoint.state import TrainState
+    from zerotrain.train.data.bundle import DataBundle
 
 
 class DataPosition:

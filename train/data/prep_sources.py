@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from train.errors import ConfigError, DataError
+from zerotrain.train.errors import ConfigError, DataError
 
 PIECE_BYTES = 4 << 20
 DATASET_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json"}

@@ -28,10 +28,10 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-from train import testhooks
-from train.data import prep_sources
-from train.data.shards import CHECKSUM, FORMAT, MANIFEST, VERSION, hasher
-from train.errors import ConfigError, DataError
+from zerotrain.train import testhooks
+from zerotrain.train.data import prep_sources
+from zerotrain.train.data.shards import CHECKSUM, FORMAT, MANIFEST, VERSION, hasher
+from zerotrain.train.errors import ConfigError, DataError
 
 PROGRESS = "progress.json"
 BATCH_BYTES = 16 << 20

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from train.data.permutation import SMALL, FeistelPermutation
-from train.errors import DataError
+from zerotrain.train.data.permutation import SMALL, FeistelPermutation
+from zerotrain.train.errors import DataError
 
 
 class GlobalBatchSampler:

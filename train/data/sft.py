@@ -43,13 +43,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from models.losses import IGNORE_INDEX
-from train.config import SftData
-from train.data.text import VOCAB, decode as decode_bytes
-from train.data.bundle import DataBundle
-import train.data.sft_file as sft_file
-from train.data.sft_file import first_label
-from train.errors import DataError
+from zerotrain.models.losses import IGNORE_INDEX
+from zerotrain.train.config import SftData
+from zerotrain.train.data.text import VOCAB, decode as decode_bytes
+from zerotrain.train.data.bundle import DataBundle
+import zerotrain.train.data.sft_file as sft_file
+from zerotrain.train.data.sft_file import first_label
+from zerotrain.train.errors import DataError
 
 ROLES = ("system", "user", "assistant")
 BYTE_EOS = 0  # NUL: never in text, so it cannot be confused with response content
@@ -361,7 +361,7 @@ def build_sft(cfg: SftData, seq_len: Optional[int], tokenizer: Optional[str], se
     fmt = "chat template" if enc.render else "plain format"
     n_records, layout = len(train), f"padded to {seq_len}"
     if cfg.packing:
-        from train.data.packing import PackedSFT
+        from zerotrain.train.data.packing import PackedSFT
         train, val = PackedSFT(train, seed), PackedSFT(val, seed) if val is not None else None
         layout = (f"packed into {len(train)} rows of {seq_len} ({1 - train.row_tokens.sum() / (len(train) * seq_len):.1%}"
                   f" padding)")

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from train.errors import DataError
+from zerotrain.train.errors import DataError
 
 FORMAT = "zerotrain-sft"
 VERSION = 1

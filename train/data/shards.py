@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from train.errors import DataError
+from zerotrain.train.errors import DataError
 
 FORMAT = "zerotrain-shards"
 VERSION = 1
@@ -225,8 +225,8 @@ def split(corpus: Corpus, val_fraction: float, seq_len: int):
 
 def build_shards(path: Path, token_dtype: Optional[str], val_fraction: float, seq_len: int):
     """The DataBundle for a shard directory (train/data/tokens.py build_tokens calls this)."""
-    from train.data.bundle import DataBundle
-    from train.data.text import decode
+    from zerotrain.train.data.bundle import DataBundle
+    from zerotrain.train.data.text import decode
     corpus = Corpus(path, token_dtype)
     train_segs, val_segs, how = split(corpus, val_fraction, seq_len)
     train = ShardSequences(corpus, train_segs, seq_len)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from train.errors import DataError
+from zerotrain.train.errors import DataError
 
 VOCAB = 256
 

@@ -28,11 +28,11 @@ from typing import Optional
 
 import numpy as np
 
-import train.data.document_mask as document_mask
-from train.config import TokensData
-from train.data.bundle import DataBundle
-from train.data.shards import build_shards, is_sharded
-from train.errors import DataError
+import zerotrain.train.data.document_mask as document_mask
+from zerotrain.train.config import TokensData
+from zerotrain.train.data.bundle import DataBundle
+from zerotrain.train.data.shards import build_shards, is_sharded
+from zerotrain.train.errors import DataError
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 FORMAT = "zerotrain-tokens"
@@ -107,13 +107,13 @@ class TokenFile:
 
 
 def build_tokens(cfg: TokensData, seq_len: Optional[int]):
-    from train.data.text import TokenSequences
+    from zerotrain.train.data.text import TokenSequences
     if cfg.path is None:
         raise DataError("data.kind = tokens needs data.path (a .bin token file or a shard directory from "
                         "`zerotrain prepare`)")
     if seq_len is None:
         raise DataError("data.kind = tokens needs data.seq_len (the model has no context length to default to)")
-    from train.data.prep_sources import DATASET_SUFFIXES
+    from zerotrain.train.data.prep_sources import DATASET_SUFFIXES
     if Path(cfg.path).suffix.lower() in DATASET_SUFFIXES and not is_sharded(Path(cfg.path)):  # manifest.json is ours
         raise DataError(f"data.path {cfg.path} is a parquet/arrow/jsonl file, not tokens: set data.kind stream (and "
                         f"data.text_field) to tokenize it while training, or `zerotrain prepare {cfg.path} "
@@ -164,6 +164,6 @@ def _document_masked(cfg: TokensData, bundle: DataBundle, where: str, meta: dict
 
 def _decoder(meta: dict):
     if meta.get("tokenizer") == "bytes":
-        from train.data.text import decode
+        from zerotrain.train.data.text import decode
         return decode
     return None

@@ -135,7 +135,7 @@ def local_budget() -> tuple[int, str, str | None, int]:
     """This rank's own view, before agreeing with the others: (bytes, why, the cgroup that
     limits it or None, runtime bytes the process holds now: owned_bytes() on CPU, 0 on CUDA)."""
     import torch
-    from train.observe.report import human_bytes
+    from zerotrain.train.observe.report import human_bytes
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         return free, f"the free memory of {torch.cuda.get_device_name()} (of {human_bytes(total)})", None, 0

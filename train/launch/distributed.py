@@ -26,10 +26,10 @@ from types import SimpleNamespace
 
 import torch
 
-from train import errors, paths, process_group
-from train.config import Batch
-from train.errors import ConfigError
-from train.strategy.ds_config import read_ds_json
+from zerotrain.train import errors, paths, process_group
+from zerotrain.train.config import Batch
+from zerotrain.train.errors import ConfigError
+from zerotrain.train.strategy.ds_config import read_ds_json
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -410,7 +410,7 @@ def explain_peer_failure(exc: BaseException) -> str | None:
 
 
 def _what_next() -> str:
-    from train.launch import elastic
+    from zerotrain.train.launch import elastic
     if elastic.restarts_left():
         return ("torchrun's elastic agent restarts the workers on the nodes that are left; they resume from the "
                 "newest checkpoint by themselves.")

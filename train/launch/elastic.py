@@ -161,7 +161,7 @@ class ElasticRun:
         if resume == "none":
             resume = "auto"
         if self.global_batch and train.batch(self.world).global_size != self.global_batch:
-            from train.errors import ConfigError
+            from zerotrain.train.errors import ConfigError
             per_step = train.micro_batch_size * self.world
             if self.global_batch % per_step:
                 raise ConfigError(

@@ -64,7 +64,7 @@ def decide(cfg, strategy, cuda: bool, planned=None, budget=None) -> HostSettings
     room = (1 - cfg.distributed.memory_margin) * budget.bytes
     if grown <= room:
         return HostSettings("glibc", "hardware.host_malloc auto: the run fits without compact malloc", thp)
-    from train.observe.report import human_bytes as hb
+    from zerotrain.train.observe.report import human_bytes as hb
     why = (f"the memory check: the plan {hb(planned.device_total)} x glibc's growth {growth:g} = {hb(grown)} "
            f"would leave less than the {cfg.distributed.memory_margin:.0%} margin of {hb(budget.bytes)}")
     return _settings("compact", why, strategy, thp)
@@ -77,7 +77,7 @@ def _settings(malloc: str, why: str, strategy, thp) -> HostSettings:
 def apply(settings: HostSettings) -> HostSettings:
     """Make the allocator choice real in this process (compact: mallopt; glibc: nothing)."""
     if settings.malloc == "compact":
-        from train.launch.device_memory import compact_host_malloc
+        from zerotrain.train.launch.device_memory import compact_host_malloc
         if not compact_host_malloc():
             settings.why += " (not applied: MALLOC_MMAP_THRESHOLD_/GLIBC_TUNABLES set it, or not glibc)"
     return settings

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.errors import ConfigError
+from zerotrain.train.errors import ConfigError
 
 # DeepSpeed's pattern (runner._parse_hostfile uses re.search(r'^(\S+)\s+slots=(\d+)', line));
 # the tail it silently ignores is captured here so that it can be reported.

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from train.config import Batch, RunConfig
-from train.errors import ConfigError
+from zerotrain.train.config import Batch, RunConfig
+from zerotrain.train.errors import ConfigError
 
 WHOLE_KEYS = ("position_ids", "doc_ids")  # the GPT's attention reads them for the whole row
 ATTENTION = ("sdpa",)                     # hf: attention implementations the all-to-all wraps
@@ -80,7 +80,7 @@ def refuse_unsupported(cfg: RunConfig, spec, seq_len: int | None, strategy) -> N
 
 def _heads(cfg: RunConfig, spec) -> tuple[int, int]:
     if spec.family == "gpt":
-        from models import gpt_config
+        from zerotrain.models import gpt_config
         g = gpt_config(cfg.model, vocab_size=None)
         return g.n_head, g.n_kv_head
     hf = spec.hf_config or {}
@@ -114,11 +114,11 @@ class SPRun:
         return {"size": self.size, "rank": self.rank, "ranks": list(self.ranks)}
 
     def model_side(self):
-        from models.ulysses import SeqParallel
+        from zerotrain.models.ulysses import SeqParallel
         return SeqParallel(group=self.group, size=self.size, rank=self.rank)
 
     def attach(self, model) -> None:
-        from models.ulysses import attach
+        from zerotrain.models.ulysses import attach
         if attach(model, self.model_side()) == 0:
             raise ConfigError(f"distributed.sequence_parallel {self.size}: {type(model).__name__} has no "
                               f"sequence-parallel attention; set distributed.sequence_parallel 1")
@@ -126,7 +126,7 @@ class SPRun:
     @contextlib.contextmanager
     def detached(self, model):
         """Evaluation and sampling see whole rows on every rank: SP off inside, back on after."""
-        from models.ulysses import attach
+        from zerotrain.models.ulysses import attach
         attach(model, None)
         try:
             yield

@@ -111,7 +111,7 @@ def measure(model, raw_optimizer, accelerator_is_cpu: bool | None = None) -> Mod
     if accelerator_is_cpu is None:
         accelerator_is_cpu = not torch.cuda.is_available()
     c = _Counter(accelerator_is_cpu)
-    import train.strategy.internals as internals  # every DeepSpeed attribute read, named there
+    import zerotrain.train.strategy.internals as internals  # every DeepSpeed attribute read, named there
     zero = internals.zero_optimizer(model)
     # Which structures DeepSpeed placed on its offload device (CPU/NVMe).
     off_opt, off_param = internals.offloads(zero)
@@ -271,7 +271,7 @@ class MemoryReport:
 
     @staticmethod
     def line(per_rank: dict, step: int) -> str:
-        from train.observe.report import human_bytes as hb
+        from zerotrain.train.observe.report import human_bytes as hb
         ms, plan = per_rank["model_states"], per_rank["plan_model_states"]
         text = (f"model states measured at step {step}: rank 0 {hb(ms[0])} (params {hb(per_rank['params'][0])}, "
                 f"grads {hb(per_rank['grads'][0])}, optimizer {hb(per_rank['optimizer'][0])})"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from train import process_group
+from zerotrain.train import process_group
 
 
 def _clean(v):

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 from urllib.parse import urlsplit
 
-from train.errors import ConfigError
+from zerotrain.train.errors import ConfigError
 
 MODES = ("online", "offline", "disabled")
 _WANDB_ALIASES = {"dryrun": "offline", "run": "online"}  # older spellings wandb still accepts

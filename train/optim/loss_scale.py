@@ -12,7 +12,7 @@ from typing import Union
 
 import torch
 
-import train.strategy.internals as internals
+import zerotrain.train.strategy.internals as internals
 
 
 def current(optimizer=None, scaler=None) -> Union[float, torch.Tensor, None]:

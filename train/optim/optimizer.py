@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from train.config import OptimConfig
+from zerotrain.train.config import OptimConfig
 
 
 def _shape(p) -> tuple:
@@ -33,7 +33,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def _groups_and_args(model: torch.nn.Module, cfg: OptimConfig):
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
-        from train.errors import ConfigError
+        from zerotrain.train.errors import ConfigError
         raise ConfigError("the model has no trainable parameters (model.freeze_backbone with no head?)")
     return groups, dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from train.config import OptimConfig
+from zerotrain.train.config import OptimConfig
 
 
 def lr_at(cfg: OptimConfig, step: int, max_steps: int) -> float:

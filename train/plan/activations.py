@@ -3,7 +3,7 @@ and sequence parallelism's all-to-all buffers."""
 
 from __future__ import annotations
 
-from train.plan.shapes import BatchShape
+from zerotrain.train.plan.shapes import BatchShape
 
 
 def activation_bytes(cfg, batch: BatchShape, elem: int) -> int:

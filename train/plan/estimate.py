@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from train import paths
-from train.plan.activations import activation_bytes, sp_exchange_bytes
-from train.plan.shapes import BatchShape, ModelShape
-from train.strategy import cost
-from train.strategy.option import Option
+from zerotrain.train import paths
+from zerotrain.train.plan.activations import activation_bytes, sp_exchange_bytes
+from zerotrain.train.plan.shapes import BatchShape, ModelShape
+from zerotrain.train.strategy import cost
+from zerotrain.train.strategy.option import Option
 
 GiB = 2 ** 30
 MiB = 2 ** 20

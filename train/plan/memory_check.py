@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from train import paths, process_group
-from train.launch.device_memory import Budget, local_budget
-from train.errors import ConfigError
-from train.observe.report import human_bytes as hb
+from zerotrain.train import paths, process_group
+from zerotrain.train.launch.device_memory import Budget, local_budget
+from zerotrain.train.errors import ConfigError
+from zerotrain.train.observe.report import human_bytes as hb
 
 
 
@@ -92,9 +92,9 @@ def measure(cfg, ds_path: str | None) -> dict | None:
 def model_shape(spec, data):
     """The planner's view of the model (the run's models.ModelSpec) before it exists: built on the
     meta device (no memory)."""
-    from models import meta_model
-    from models.gpt import GPTConfig
-    from train.plan.shapes import module_shape
+    from zerotrain.models import meta_model
+    from zerotrain.models.gpt import GPTConfig
+    from zerotrain.train.plan.shapes import module_shape
     model, model_config, width = meta_model(spec, data)
     gpt = GPTConfig.from_dict({k: v for k, v in model_config.items() if k != "family"}) \
         if model_config.get("family") == "gpt" else None
@@ -103,14 +103,14 @@ def model_shape(spec, data):
 
 def plan_batch(cfg, batch, seq_len):
     """The planner's view of one rank's micro-batch in this run."""
-    from train.plan.shapes import BatchShape
+    from zerotrain.train.plan.shapes import BatchShape
     return BatchShape(batch.micro, seq_len, batch.accum, cfg.model.activation_checkpointing,
                       sequence_parallel=cfg.distributed.sequence_parallel,
                       document_mask=cfg.data.packing or cfg.data.document_mask)
 
 
 def _device(budget: Budget):
-    from train.plan.estimate import Device
+    from zerotrain.train.plan.estimate import Device
     return Device(budget.device, budget.runtime)
 
 
@@ -165,8 +165,8 @@ class AutoChoice:
 def _rows(shape, batch, world: int, device, configs: Path, precision: str | None = None):
     """Estimates for the OPTIONS found in `configs`, in their own precision or `precision`; under
     sequence parallelism the ZeRO ones only (a run refuses SP under plain DDP)."""
-    from train.plan.estimate import OPTIONS, estimate
-    from train.strategy.option import Option
+    from zerotrain.train.plan.estimate import OPTIONS, estimate
+    from zerotrain.train.strategy.option import Option
     rows = []
     for label, fname in OPTIONS:
         path = configs / fname
@@ -225,7 +225,7 @@ def resolve_auto(ds_path: str, cfg, spec, data, batch, seq_len, world: int,
     now (Accelerate and DeepSpeed then adopt it). Collective."""
     if not is_auto(ds_path):
         return ds_path, None
-    from train.launch.distributed import init_process_group
+    from zerotrain.train.launch.distributed import init_process_group
     init_process_group(cfg.distributed.timeout_s)
     choice = choose(ds_path, cfg, spec, data, batch, seq_len, world, agreed_budget(view))
     if torch.distributed.get_rank() == 0:
@@ -248,8 +248,8 @@ def require_fit(cfg, spec, ds, data, batch, seq_len, world: int, budget: Budget,
     with the margin, (Estimate, a warning line) when it fits without, DoesNotFit otherwise.
     `shape`: the model's (model_shape), when the caller has it (the run's memory plan,
     train/plan/memory_plan.py, which calls this before the model exists)."""
-    from train.plan.estimate import estimate
-    from train.strategy.option import Option
+    from zerotrain.train.plan.estimate import estimate
+    from zerotrain.train.strategy.option import Option
     shape = shape if shape is not None else model_shape(spec, data)
     pb, device = plan_batch(cfg, batch, seq_len), _device(budget)
     e = estimate(shape, Option.from_setup(ds), world, pb, device=device)  # the largest rank
@@ -271,8 +271,8 @@ def advise(cfg, shape, pb, world: int, device, ds, budget: Budget, run: tuple | 
     copies; else the shipped ones in this run's precision), with the same margin. When none fits,
     and `run` (spec, seq_len, activations per rank) is given: the sequence-parallel size that
     would fit (sp_fit), this run's own JSON preferred."""
-    from train.plan.estimate import OPTIONS, estimate
-    from train.strategy.option import Option
+    from zerotrain.train.plan.estimate import OPTIONS, estimate
+    from zerotrain.train.strategy.option import Option
     margin = cfg.distributed.memory_margin
     here = Path(ds.path).parent if ds.path else None
     if here is not None and sum((here / f).is_file() for _, f in OPTIONS) > 1:
@@ -331,8 +331,8 @@ def sp_runs(cfg, spec, seq_len, world: int):
     and world under a ZeRO JSON (hardware.compile aside: sp_clause says to turn it off), with a
     global batch that splits over world / N data-parallel ranks; N ascending, lazily."""
     from dataclasses import replace
-    from train.launch import sequence_parallel as sp_
-    from train.plan.sp_fit import sizes
+    from zerotrain.train.launch import sequence_parallel as sp_
+    from zerotrain.train.plan.sp_fit import sizes
     for n in sizes(cfg.distributed.sequence_parallel, world):
         trial = replace(cfg, distributed=replace(cfg.distributed, sequence_parallel=n),
                         hardware=replace(cfg.hardware, compile=False))
@@ -347,7 +347,7 @@ def sp_runs(cfg, spec, seq_len, world: int):
 def sp_fit(cfg, spec, seq_len, world: int, budget: Budget, before, options):
     """The smallest size of sp_runs with which one of `options(its config, its Batch)` (Estimates,
     in order of preference) fits with the margin (train/plan/sp_fit.py), or None."""
-    from train.plan.sp_fit import first_fit
+    from zerotrain.train.plan.sp_fit import first_fit
     margin = cfg.distributed.memory_margin
     return first_fit(before, ((n, options(trial, b)) for n, trial, b in sp_runs(cfg, spec, seq_len, world)),
                      lambda e: fits(e, budget, margin))

@@ -24,13 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from train.errors import UserError
-from train.plan import memory_check
-from train.plan.estimate import Device, Estimate, estimate
-from train.strategy.option import Option
+from zerotrain.train.errors import UserError
+from zerotrain.train.plan import memory_check
+from zerotrain.train.plan.estimate import Device, Estimate, estimate
+from zerotrain.train.strategy.option import Option
 
 if TYPE_CHECKING:
-    from train.launch.device_memory import Budget
+    from zerotrain.train.launch.device_memory import Budget
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def _note(say: bool, e: Exception) -> None:
 
 def banner_text(e: Estimate) -> str:
     """What report.banner prints as "model states <text> per rank (estimated)"."""
-    from train.observe.report import human_bytes
+    from zerotrain.train.observe.report import human_bytes
     return (f"{human_bytes(e.model_states)} (params {human_bytes(e.params)}, grads {human_bytes(e.grads)}, "
             f"optimizer {human_bytes(e.optimizer)})"
             + (f" + activations {human_bytes(e.activations)}" if e.activations is not None else "")

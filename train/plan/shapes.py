@@ -63,7 +63,7 @@ def count_shape(n: int) -> ModelShape:
 
 def module_shape(model, name: str, gpt=None, width: Optional[int] = None) -> ModelShape:
     """From a built (possibly ZeRO-3-partitioned) model, grouped like the trainer's optimizer."""
-    from train.optim.optimizer import param_groups
+    from zerotrain.train.optim.optimizer import param_groups
     groups = tuple(tuple(int(getattr(p, "ds_numel", p.numel())) for p in g["params"])
                    for g in param_groups(model, 0.1))
     frozen = tuple(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if not p.requires_grad)
@@ -76,5 +76,5 @@ def module_shape(model, name: str, gpt=None, width: Optional[int] = None) -> Mod
 
 def _moe_sizes(model):
     """models/moe.py's view of a sparse mixture-of-experts model (None for a dense one)."""
-    from models.moe import detect
+    from zerotrain.models.moe import detect
     return detect(model, getattr(model, "config", None))

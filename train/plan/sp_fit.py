@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from train.observe.report import human_bytes as hb
+from zerotrain.train.observe.report import human_bytes as hb
 
 
 @dataclass(frozen=True)

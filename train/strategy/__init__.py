@@ -4,10 +4,10 @@ DeepSpeed JSON (ds_config.py)."""
 
 from __future__ import annotations
 
-from train.strategy.base import Strategy
-from train.strategy.ddp import DDPStrategy
-from train.strategy.ds_config import DSSetup
-from train.strategy.zero import ZeroStrategy
+from zerotrain.train.strategy.base import Strategy
+from zerotrain.train.strategy.ddp import DDPStrategy
+from zerotrain.train.strategy.ds_config import DSSetup
+from zerotrain.train.strategy.zero import ZeroStrategy
 
 __all__ = ["Strategy", "DDPStrategy", "ZeroStrategy", "for_setup"]
 

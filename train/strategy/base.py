@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from train.errors import ConfigError
+from zerotrain.train.errors import ConfigError
 
 if TYPE_CHECKING:
-    from train.strategy.ds_config import DSSetup
+    from zerotrain.train.strategy.ds_config import DSSetup
 
 
 class Strategy:

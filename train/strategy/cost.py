@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from train.strategy.option import Option
+from zerotrain.train.strategy.option import Option
 
 MiB = 2 ** 20
 

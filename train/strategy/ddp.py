@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
-from train.errors import ConfigError
-from train.optim import loss_scale
-from train.strategy.base import Strategy
+from zerotrain.train.errors import ConfigError
+from zerotrain.train.optim import loss_scale
+from zerotrain.train.strategy.base import Strategy
 
 
 class DDPStrategy(Strategy):
@@ -23,7 +23,7 @@ class DDPStrategy(Strategy):
     def build_accelerator(self, batch, timeout_s: int, log_with: Optional[str] = None):
         from accelerate.utils import DistributedDataParallelKwargs, GradScalerKwargs
 
-        from train.launch.distributed import build_accelerator
+        from zerotrain.train.launch.distributed import build_accelerator
         handlers = [DistributedDataParallelKwargs(**self.ds.ddp_kwargs)]
         if self.ds.grad_scaler:  # fp16: the JSON's loss-scale settings (train/strategy/ds_config.grad_scaler_args)
             handlers.append(GradScalerKwargs(**self.ds.grad_scaler))
@@ -31,7 +31,7 @@ class DDPStrategy(Strategy):
                                  cpu=not torch.cuda.is_available())
 
     def build_optimizer(self, model, optim_cfg):
-        from train.optim.optimizer import adamw
+        from zerotrain.train.optim.optimizer import adamw
         # The fused kernel (CUDA and CPU), which also skips a non-finite step on the device
         # (found_inf, set by step() or the GradScaler) without a host sync.
         return adamw(model, optim_cfg, fused=True)
@@ -72,7 +72,7 @@ class DDPStrategy(Strategy):
 
     # ------------------------------------------------------------------ checkpoints and memory
     def make_holder(self, raw_model, rank: int, world: int):
-        from train.strategy.holders import ReplicaHolder
+        from zerotrain.train.strategy.holders import ReplicaHolder
         return ReplicaHolder(raw_model, self.raw_optimizer, rank, world)
 
     @property

@@ -23,9 +23,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train import paths
-from train.config import Batch, RunConfig
-from train.errors import ConfigError, did_you_mean
+from zerotrain.train import paths
+from zerotrain.train.config import Batch, RunConfig
+from zerotrain.train.errors import ConfigError, did_you_mean
 
 DDP_KEYS = ("find_unused_parameters", "bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "broadcast_buffers")
 # DeepSpeed keys that mean nothing to plain DDP; in a ddp file they are a mistake.

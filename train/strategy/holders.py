@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-import train.strategy.internals as internals
+import zerotrain.train.strategy.internals as internals
 
 
 @dataclass

@@ -59,7 +59,7 @@ class Option:
                   width: Optional[int] = None) -> Option:
         """From a DeepSpeed JSON file, in its own precision or `precision`; `width` (the model's
         hidden size) fills the JSON's "auto" ZeRO sizes as a run would."""
-        from train.strategy.ds_config import precision_of, read_ds_json
+        from zerotrain.train.strategy.ds_config import precision_of, read_ds_json
         ds = read_ds_json(path)
         prec = precision or precision_of(path, ds)
         if "ddp" in ds:
@@ -95,7 +95,7 @@ class Option:
 
 
 def _zero(label, path, precision, zero, data_types=None, width=None) -> Option:
-    from train.strategy.ds_config import ACCUM_DTYPES, AUTO_SIZES
+    from zerotrain.train.strategy.ds_config import ACCUM_DTYPES, AUTO_SIZES
 
     def on(block):
         return (zero.get(block) or {}).get("device") not in (None, "none")

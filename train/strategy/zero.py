@@ -8,10 +8,10 @@ from typing import Optional
 
 import torch
 
-import train.strategy.internals as internals
-from train.errors import ConfigError
-from train.optim import loss_scale
-from train.strategy.base import Strategy
+import zerotrain.train.strategy.internals as internals
+from zerotrain.train.errors import ConfigError
+from zerotrain.train.optim import loss_scale
+from zerotrain.train.strategy.base import Strategy
 
 
 class ZeroStrategy(Strategy):
@@ -47,7 +47,7 @@ class ZeroStrategy(Strategy):
     def build_accelerator(self, batch, timeout_s: int, log_with: Optional[str] = None):
         from accelerate.utils import DeepSpeedPlugin
 
-        from train.launch.distributed import build_accelerator
+        from zerotrain.train.launch.distributed import build_accelerator
         plugin = DeepSpeedPlugin(hf_ds_config=self.ds.resolved, zero3_init_flag=self.partitions_parameters)
         return build_accelerator(self.ds.accelerate_mixed_precision, batch, timeout_s, log_with, deepspeed_plugin=plugin)
 
@@ -60,7 +60,7 @@ class ZeroStrategy(Strategy):
         return lambda: deepspeed.zero.Init(config_dict_or_path=self.ds.resolved)
 
     def build_optimizer(self, model, optim_cfg):
-        from train.optim.optimizer import adamw, cpu_adamw
+        from zerotrain.train.optim.optimizer import adamw, cpu_adamw
         if self.ds.offload_optimizer:
             return cpu_adamw(model, optim_cfg)
         return adamw(model, optim_cfg, fused=None)  # DeepSpeed steps its own flat partitions: torch's default
@@ -70,7 +70,7 @@ class ZeroStrategy(Strategy):
         if self.precision != "fp32":
             workload.keep_norm_stats_fp32(self.engine)  # 16-bit parameters, fp32 BatchNorm statistics
         if self.partitions_parameters:
-            from models import partition_counts
+            from zerotrain.models import partition_counts
             facts["zero3"] = partition_counts(workload.model)
         return facts
 
@@ -124,7 +124,7 @@ class ZeroStrategy(Strategy):
 
     # ------------------------------------------------------------------ checkpoints and memory
     def make_holder(self, raw_model, rank: int, world: int):
-        from train.strategy.holders import Zero3Holder, for_zero12
+        from zerotrain.train.strategy.holders import Zero3Holder, for_zero12
         opt = self.engine.optimizer
         if self.partitions_parameters:
             return Zero3Holder(raw_model, opt, rank, world)

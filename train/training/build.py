@@ -5,10 +5,10 @@ memory plan, checkpointer, restored state) -> the Trainer."""
 
 from __future__ import annotations
 
-from train.config import RunConfig
-from train.training import stages
-from train.training.record import record_run
-from train.training.trainer import Trainer
+from zerotrain.train.config import RunConfig
+from zerotrain.train.training import stages
+from zerotrain.train.training.record import record_run
+from zerotrain.train.training.trainer import Trainer
 
 
 def build(cfg: RunConfig, ds_config_cli: str | None = None) -> Trainer:

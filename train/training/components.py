@@ -18,12 +18,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from train import testhooks
+from zerotrain.train import testhooks
 
 if TYPE_CHECKING:
-    from train.checkpoint.cadence import SaveCadence
-    from train.training.stop import Agreed, StopRequested
-    from train.training.window import StepResult
+    from zerotrain.train.checkpoint.cadence import SaveCadence
+    from zerotrain.train.training.stop import Agreed, StopRequested
+    from zerotrain.train.training.window import StepResult
 
 
 @dataclass(eq=False)

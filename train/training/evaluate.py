@@ -12,10 +12,10 @@ import torch
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
-    from models.workload import Workload
-    from train.config import RunConfig
-    from train.data.bundle import DataBundle
-    from train.launch.sequence_parallel import SPRun
+    from zerotrain.models.workload import Workload
+    from zerotrain.train.config import RunConfig
+    from zerotrain.train.data.bundle import DataBundle
+    from zerotrain.train.launch.sequence_parallel import SPRun
 
 
 class Evaluator:

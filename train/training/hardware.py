@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from train.config import DataSection, RunConfig
+from zerotrain.train.config import DataSection, RunConfig
 
 
 def float32_matmul_precision(cfg: RunConfig, cuda: bool) -> str | None:
@@ -78,7 +78,7 @@ SHARD_WORKERS = 1  # auto workers per rank for a sharded corpus (TokensData.num_
 
 def is_sharded_corpus(data: DataSection) -> bool:
     """data.path, or any data.sources entry, is a shard directory (a disk-sized corpus)."""
-    from train.data.shards import is_sharded
+    from zerotrain.train.data.shards import is_sharded
     if data.kind != "tokens":
         return False
     paths = [s.path for s in data.sources] if data.sources else [data.path]

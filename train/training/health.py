@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 if TYPE_CHECKING:
-    from train.config import TrainConfig
-    from train.strategy import Strategy
+    from zerotrain.train.config import TrainConfig
+    from zerotrain.train.strategy import Strategy
 
 
 class Health:

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from train import paths
+from zerotrain.train import paths
 
 if TYPE_CHECKING:
-    from train.config import RunConfig
-    from train.training.stages import Distributed, Loaders, Model, Runtime, RunData
+    from zerotrain.train.config import RunConfig
+    from zerotrain.train.training.stages import Distributed, Loaders, Model, Runtime, RunData
 
 
 def record_run(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed, model: Model,

@@ -16,41 +16,41 @@ import torch
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Subset
 
-from models import build_workload, hidden_size_of, partition_summary
-from models import resolve as resolve_model
-from models.moe import make_leaf
-from train import process_group, testhooks
-from train.checkpoint.manager import Checkpointer
-from train.checkpoint.state import TrainState
-from train.config import RunConfig
-from train.data import build_data
-from train.data.sampler import EvalBatchSampler, GlobalBatchSampler
-from train.strategy import Strategy, for_setup
-from train.strategy.ds_config import load_ds_setup
-from train.errors import ConfigError
-from train.launch import distributed as dist_
-from train.launch import elastic as elastic_
-from train.launch import host_settings, shm_buffers
-from train.launch import sequence_parallel as sp_
-from train.observe import wandb_logger
-from train.observe.metrics import JsonlLogger, Loggers
-from train.plan import memory_check
-from train.plan import memory_plan as plan_
-from train.training import hardware
+from zerotrain.models import build_workload, hidden_size_of, partition_summary
+from zerotrain.models import resolve as resolve_model
+from zerotrain.models.moe import make_leaf
+from zerotrain.train import process_group, testhooks
+from zerotrain.train.checkpoint.manager import Checkpointer
+from zerotrain.train.checkpoint.state import TrainState
+from zerotrain.train.config import RunConfig
+from zerotrain.train.data import build_data
+from zerotrain.train.data.sampler import EvalBatchSampler, GlobalBatchSampler
+from zerotrain.train.strategy import Strategy, for_setup
+from zerotrain.train.strategy.ds_config import load_ds_setup
+from zerotrain.train.errors import ConfigError
+from zerotrain.train.launch import distributed as dist_
+from zerotrain.train.launch import elastic as elastic_
+from zerotrain.train.launch import host_settings, shm_buffers
+from zerotrain.train.launch import sequence_parallel as sp_
+from zerotrain.train.observe import wandb_logger
+from zerotrain.train.observe.metrics import JsonlLogger, Loggers
+from zerotrain.train.plan import memory_check
+from zerotrain.train.plan import memory_plan as plan_
+from zerotrain.train.training import hardware
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from models.spec import ModelSpec
-    from models.workload import Workload
-    from train.config import Batch
-    from train.data.bundle import DataBundle
-    from train.launch.device_memory import Budget
-    from train.launch.distributed import Topology
-    from train.launch.elastic import ElasticRun
-    from train.launch.host_settings import HostSettings
-    from train.launch.sequence_parallel import SPRun
-    from train.plan.memory_plan import MemoryPlan
+    from zerotrain.models.spec import ModelSpec
+    from zerotrain.models.workload import Workload
+    from zerotrain.train.config import Batch
+    from zerotrain.train.data.bundle import DataBundle
+    from zerotrain.train.launch.device_memory import Budget
+    from zerotrain.train.launch.distributed import Topology
+    from zerotrain.train.launch.elastic import ElasticRun
+    from zerotrain.train.launch.host_settings import HostSettings
+    from zerotrain.train.launch.sequence_parallel import SPRun
+    from zerotrain.train.plan.memory_plan import MemoryPlan
 
 
 # ---------------------------------------------------------------------------- runtime
@@ -152,10 +152,10 @@ def _sampler(cfg: RunConfig, bundle: DataBundle, b: Batch):
     """The resumable global order of the training samples. The mixture and stream samplers are
     imported by their data kinds only, as train/data/__init__.py imports their builders (start-up time)."""
     if bundle.mixture is not None:  # data.sources: the same order, positions tagged with their epoch
-        from train.data.mixture import MixtureSampler
+        from zerotrain.train.data.mixture import MixtureSampler
         return MixtureSampler(bundle.mixture, b.micro, b.world, b.accum, cfg.train.seed)
     if bundle.stream is not None:  # data.kind stream: one endless epoch, windows shuffled in groups (no train.epochs)
-        from train.data.stream import StreamSampler
+        from zerotrain.train.data.stream import StreamSampler
         return StreamSampler(cfg.data.shuffle_windows, b.micro, b.world, b.accum, cfg.train.seed)
     return GlobalBatchSampler(len(bundle.train), b.micro, b.world, b.accum, cfg.train.seed)
 

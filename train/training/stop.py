@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from train import process_group
+from zerotrain.train import process_group
 
 
 class StopRequested:

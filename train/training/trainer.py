@@ -31,39 +31,39 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from models.losses import IGNORE_INDEX
-from train import process_group, testhooks
-from train.checkpoint.cadence import SaveCadence
-from train.checkpoint.state import TrainState
-from train.data.position import DataPosition
-from train.observe import report, wandb_logger
-from train.observe.memory import MemoryReport
-from train.observe.metrics import reduce_window
-from train.observe.perf import device_peak_flops, throughput
-from train.optim.optimizer import set_lr
-from train.optim.schedule import lr_at
-from train.training.evaluate import Evaluator
-from train.training.health import Health
-from train.training import components as components_
-from train.training.stop import NOTHING, Agreed, StopRequested, StopVote
-from train.training.window import StepResult, Window
+from zerotrain.models.losses import IGNORE_INDEX
+from zerotrain.train import process_group, testhooks
+from zerotrain.train.checkpoint.cadence import SaveCadence
+from zerotrain.train.checkpoint.state import TrainState
+from zerotrain.train.data.position import DataPosition
+from zerotrain.train.observe import report, wandb_logger
+from zerotrain.train.observe.memory import MemoryReport
+from zerotrain.train.observe.metrics import reduce_window
+from zerotrain.train.observe.perf import device_peak_flops, throughput
+from zerotrain.train.optim.optimizer import set_lr
+from zerotrain.train.optim.schedule import lr_at
+from zerotrain.train.training.evaluate import Evaluator
+from zerotrain.train.training.health import Health
+from zerotrain.train.training import components as components_
+from zerotrain.train.training.stop import NOTHING, Agreed, StopRequested, StopVote
+from zerotrain.train.training.window import StepResult, Window
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
-    from models.workload import Workload
-    from train.checkpoint.manager import Checkpointer
-    from train.config import Batch, RunConfig
-    from train.data.bundle import DataBundle
-    from train.data.sampler import GlobalBatchSampler
-    from train.strategy import Strategy
-    from train.launch.distributed import Topology
-    from train.launch.elastic import ElasticRun
-    from train.launch.sequence_parallel import SPRun
-    from train.observe.metrics import Loggers
-    from train.observe.wandb_logger import WandbSink
-    from train.plan.memory_plan import MemoryPlan
+    from zerotrain.models.workload import Workload
+    from zerotrain.train.checkpoint.manager import Checkpointer
+    from zerotrain.train.config import Batch, RunConfig
+    from zerotrain.train.data.bundle import DataBundle
+    from zerotrain.train.data.sampler import GlobalBatchSampler
+    from zerotrain.train.strategy import Strategy
+    from zerotrain.train.launch.distributed import Topology
+    from zerotrain.train.launch.elastic import ElasticRun
+    from zerotrain.train.launch.sequence_parallel import SPRun
+    from zerotrain.train.observe.metrics import Loggers
+    from zerotrain.train.observe.wandb_logger import WandbSink
+    from zerotrain.train.plan.memory_plan import MemoryPlan
 
 
 def _nothing(step: int) -> None:

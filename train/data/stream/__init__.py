@@ -10,7 +10,7 @@ pool.py     the tokenizer worker processes and what keeps them safe after fork
 dataset.py  the windows (a Dataset), the sampler's shuffle, the resume cursor, the data bundle
 """
 
-from train.data.stream.dataset import StreamSampler, StreamWindows, build_stream
-from train.data.stream.readers import StreamCorpus, StreamFile
+from zerotrain.train.data.stream.dataset import StreamSampler, StreamWindows, build_stream
+from zerotrain.train.data.stream.readers import StreamCorpus, StreamFile
 
 __all__ = ["StreamCorpus", "StreamFile", "StreamSampler", "StreamWindows", "build_stream"]

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from train.data.prep_sources import make_tokenizer
-from train.data.sampler import GlobalBatchSampler
-from train.data.stream.pool import default_workers, start_pool, submit_chunk
-from train.data.stream.readers import StreamCorpus, tokenize_chunk
-from train.errors import DataError
+from zerotrain.train.data.prep_sources import make_tokenizer
+from zerotrain.train.data.sampler import GlobalBatchSampler
+from zerotrain.train.data.stream.pool import default_workers, start_pool, submit_chunk
+from zerotrain.train.data.stream.readers import StreamCorpus, tokenize_chunk
+from zerotrain.train.errors import DataError
 
 VAL_WINDOWS = 1024        # the validation set's size cap, in windows
 STREAM_SAMPLES = 1 << 62  # "endless": the sampler's epoch (no stream ends inside a run)
@@ -234,8 +234,8 @@ def val_tokens(corpus: StreamCorpus, tokenizer, fraction: float, need: int) -> n
 
 
 def build_stream(cfg, seq_len: Optional[int], seed: int, tokenizer: Optional[str]):
-    from train.data.bundle import DataBundle
-    from train.data.text import TokenSequences
+    from zerotrain.train.data.bundle import DataBundle
+    from zerotrain.train.data.text import TokenSequences
     if cfg.path is None:
         raise DataError("data.kind = stream needs data.path (a .parquet/.arrow/.jsonl file or a directory of them)")
     if seq_len is None:
@@ -247,7 +247,7 @@ def build_stream(cfg, seq_len: Optional[int], seed: int, tokenizer: Optional[str
     tok = make_tokenizer(tokenizer)
     eos = None
     if cfg.document_mask:  # every document is followed by the separator: no occurrence to check
-        import train.data.document_mask as document_mask
+        import zerotrain.train.data.document_mask as document_mask
         eos = document_mask.resolve_eos(cfg, f"data.path {corpus.root} (tokenized by {tokenizer or 'bytes'})",
                                         tok.name, list(tok.separator), None)
     train = StreamWindows(corpus, seq_len, tokenizer, workers, group, cfg.val_fraction, tokenizer=tok)
@@ -255,7 +255,7 @@ def build_stream(cfg, seq_len: Optional[int], seed: int, tokenizer: Optional[str
     val = TokenSequences(held, seq_len) if len(held) > seq_len + 1 else None
     decode = None
     if tok.name == "bytes":
-        from train.data.text import decode
+        from zerotrain.train.data.text import decode
     names = ", ".join(f.name for f in corpus.files[:3]) + (", ..." if len(corpus.files) > 3 else "")
     bundle = DataBundle(train=train, val=val, task="lm", items_per_sample=seq_len, vocab_size=tok.vocab_size,
                         seq_len=seq_len, decode=decode, stream=train,

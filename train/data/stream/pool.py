@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import signal
 
-from train.data.prep_sources import make_tokenizer
-from train.data.stream.readers import StreamFile, tokenize_chunk
+from zerotrain.train.data.prep_sources import make_tokenizer
+from zerotrain.train.data.stream.readers import StreamFile, tokenize_chunk
 
 _WORKER_TOKENIZER = None
 

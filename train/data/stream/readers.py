@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from train.data.prep_sources import DATASET_SUFFIXES, find_input_files
-from train.errors import ConfigError, DataError
+from zerotrain.train.data.prep_sources import DATASET_SUFFIXES, find_input_files
+from zerotrain.train.errors import ConfigError, DataError
 
 CHUNK_ROWS = 1024         # parquet / arrow rows per chunk at most ...
 CHUNK_BYTES = 1 << 20     # ... and about this much text (JSON lines: a byte range of this size)
