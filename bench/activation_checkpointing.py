@@ -53,7 +53,7 @@ def main(argv=None) -> int:
             "--model.seq_len", str(a.seq_len), "--data.seq_len", str(a.seq_len), "--data.max_bytes", "2000000",
             "--train.micro_batch_size", str(a.micro_batch), "--train.max_steps", str(a.steps),
             "--train.eval_every", "0", "--train.eval_batches", "1", "--train.sample_tokens", "0",
-            "--train.progress", "false", "--logging.every_steps", "1", "--checkpoint.save_at_end", "false",
+            "--logging.progress", "false", "--logging.every_steps", "1", "--checkpoint.save_at_end", "false",
             "--checkpoint.export", "false", "--ds-config", str(ds)]
     runs = {}
     for on in (False, True):

@@ -123,7 +123,7 @@ def run_one(a, size: str, stage: str, work: Path) -> dict:
     run = d / "run"
     common = ["--config", str(REPO / "examples" / "default.yaml"), *SIZES[size],
               "--ds-config", str(fp32_json(stage, d)), "--train.run_dir", str(run),
-              "--train.eval_every", "0", "--train.sample_tokens", "0", "--train.progress", "false",
+              "--train.eval_every", "0", "--train.sample_tokens", "0", "--logging.progress", "false",
               "--logging.every_steps", "1", "--checkpoint.export", "false", "--checkpoint.keep_last", "2",
               "--optim.warmup_steps", "2"]
     t0, t1, _ = launch(a, [*common, "--train.max_steps", str(a.steps), "--checkpoint.every_steps",

@@ -180,7 +180,7 @@ def launch(a, name: str, overrides: list[str], tmp: Path) -> dict:
     args = ["--config", a.config, "--ds-config", ds, "--data.kind", "tokens", *overrides,
             "--train.max_steps", str(a.steps), "--logging.every_steps", str(a.every),
             "--train.eval_every", "0", "--train.eval_batches", "2", "--train.sample_tokens", "0",
-            "--train.progress", "false", "--checkpoint.every_steps", "0", "--checkpoint.save_at_end", "false",
+            "--logging.progress", "false", "--checkpoint.every_steps", "0", "--checkpoint.save_at_end", "false",
             "--checkpoint.export", "false", "--train.run_dir", str(run_dir)]
     env = dict(os.environ)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 SHORT = "last_call_timeout=2,join_timeout=300,keep_alive_interval=1,keep_alive_max_attempt=3"
 ARGS = ["--model.name", "gpt-tiny", "--data.seq_len", "64", "--data.max_bytes", "300000", "--train.micro_batch_size",
-        "4", "--train.global_batch_size", "16", "--train.progress", "false", "--train.sample_tokens", "0",
+        "4", "--train.global_batch_size", "16", "--logging.progress", "false", "--train.sample_tokens", "0",
         "--train.max_steps", "12", "--train.eval_every", "0", "--logging.every_steps", "1", "--checkpoint.every_steps",
         "3", "--checkpoint.export", "false", "--checkpoint.save_at_end", "false", "--distributed.timeout_s", "60"]
 LOG_TIME = re.compile(r"^\S*[EWI]\d{4} (\d\d:\d\d:\d\d\.\d+) \d+ .*?(failed \(exitcode|cpp_extension)", re.M)

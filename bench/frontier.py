@@ -71,7 +71,7 @@ def trainer_args(a) -> list[str]:
     return ["--model.name", "gpt-small-cpu", "--model.d_model", str(a.d_model), "--model.n_layer", str(a.n_layer),
             "--data.seq_len", str(a.seq_len), "--data.max_bytes", "300000", "--train.micro_batch_size",
             str(a.micro_batch), "--train.max_steps", str(a.steps), "--train.eval_every", "0",
-            "--train.eval_batches", "1", "--train.sample_tokens", "0", "--train.progress", "false",
+            "--train.eval_batches", "1", "--train.sample_tokens", "0", "--logging.progress", "false",
             "--logging.every_steps", "1", "--checkpoint.save_at_end", "false", "--checkpoint.export", "false"]
 
 

@@ -25,7 +25,7 @@
 #   2. mfu_trainer[_compiled]  GPT-2-124M (vocab 50304, 12 x 768, seq 1024) on a synthetic
 #               token file, bf16, DDP, one GPU: the trainer's own MFU (metrics.jsonl) >= 50%;
 #      mfu_independent[_compiled]  bench/gpu_mfu.py: the same model timed without the trainer.
-#               (_compiled: train.compile / torch.compile; ZT_GPU_MFU_COMPILE=0 leaves them out.)
+#               (_compiled: hardware.compile / torch.compile; ZT_GPU_MFU_COMPILE=0 leaves them out.)
 #   3. stage_<cfg>, plan_<cfg>  bench/stages.py --nproc 1 per config: trainer vs the minimal
 #               deepspeed loop (tokens/s ratio >= 0.97: the ≤ 3% overhead target), peak memory
 #               vs the planner's peak.
@@ -144,7 +144,7 @@ else
   EVERY=(--logging.every_steps 2) BF_EVERY=(--logging.every_steps 3) BF_PREC=fp32 RUN_SECS=150
   BF_NOTE="dry run: fp32 on CPU"
 fi
-QUIET=(--train.eval_every 0 --train.eval_batches 1 --train.sample_tokens 0 --train.progress false
+QUIET=(--train.eval_every 0 --train.eval_batches 1 --train.sample_tokens 0 --logging.progress false
        --checkpoint.save_at_end false --checkpoint.export false)
 FP16_CFGS="ddp zero0 zero1 zero2 zero3"
 BF16_CFGS=${ZT_GPU_BF16:-"ddp zero0 zero1 zero2 zero3"}
@@ -211,7 +211,7 @@ $CHK tokens "$DATA/tokens.bin" --vocab $VOCAB --n $NTOK > "$LOGS/tokens.log" 2>&
   || $CHK failed tokens $? 0 "$LOGS/tokens.log"
 COMPILE=0
 if [ $DRY = 0 ] && [ "${ZT_GPU_MFU_COMPILE:-1}" = 1 ] && $PY -c "import dataclasses, sys; from train.config import \
-TrainConfig as T; sys.exit(0 if 'compile' in {f.name for f in dataclasses.fields(T)} else 1)" 2>/dev/null; then
+HardwareConfig as T; sys.exit(0 if 'compile' in {f.name for f in dataclasses.fields(T)} else 1)" 2>/dev/null; then
   COMPILE=1
 fi
 check_mfu() { $CHK mfu "$1" "$RUNS/$1" "${MFU_CHECK[@]}" --note "$MFU_NOTE"; }
@@ -222,7 +222,7 @@ mfu_run() {  # mfu_run NAME SECS EXTRA...
     --data.kind tokens --data.path "$DATA/tokens.bin" "${QUIET[@]}" --train.run_dir "$RUNS/$name" "$@"
 }
 mfu_run mfu_trainer 150
-[ $COMPILE = 1 ] && mfu_run mfu_trainer_compiled 200 --train.compile true
+[ $COMPILE = 1 ] && mfu_run mfu_trainer_compiled 200 --hardware.compile true
 check_ind() {
   $CHK mfu-independent "$1" "$OUT/gpu_mfu.json" --mode eager --target $MFU_TARGET --trainer-check mfu_trainer \
     --note "$MFU_NOTE"

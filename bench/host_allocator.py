@@ -1,6 +1,6 @@
 """What the host allocator settings cost and save on a CPU: peak memory per rank (the rank's
 memory cgroup peak, bench/memcap.py) and step time, for glibc's default allocator and zerotrain's
-compact setting (train.host_malloc), each with and without transparent huge pages for large
+compact setting (hardware.host_malloc), each with and without transparent huge pages for large
 tensors (THP_MEM_ALLOC_ENABLE, which train/main.py sets to 1 unless the environment says).
 
     python bench/host_allocator.py                  # the BENCHMARKS.md table (~8 min)
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     for name in [n.strip() for n in a.configs.split(",") if n.strip()]:
         for malloc, thp in SETTINGS:
             print(f"[allocator] {name}: host_malloc {malloc}, THP_MEM_ALLOC_ENABLE={thp} ...", flush=True)
-            r = launch(a, [*trainer_args(a), "--ds-config", str(fam / f"{name}.json"), "--train.host_malloc", malloc],
+            r = launch(a, [*trainer_args(a), "--ds-config", str(fam / f"{name}.json"), "--hardware.host_malloc", malloc],
                        tmp / f"{name}-{malloc}-thp{thp}", None, env_extra={"THP_MEM_ALLOC_ENABLE": thp})
             metrics = [json.loads(x) for x in (tmp / f"{name}-{malloc}-thp{thp}" / "run" / "metrics.jsonl")
                        .read_text().splitlines() if x.strip()] if r["rc"] == 0 else []

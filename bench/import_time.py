@@ -17,7 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ARGS = ["--model.name", "gpt-tiny", "--data.seq_len", "64", "--data.max_bytes", "300000",
-        "--train.micro_batch_size", "4", "--train.progress", "false", "--train.sample_tokens", "0",
+        "--train.micro_batch_size", "4", "--logging.progress", "false", "--train.sample_tokens", "0",
         "--train.eval_batches", "1", "--train.max_steps", "2", "--train.eval_every", "0",
         "--checkpoint.export", "false", "--checkpoint.save_at_end", "false",
         "--ds-config", str(REPO / "ds_configs" / "zero2_fp32.json")]

@@ -22,6 +22,9 @@ import runpy
 import sys
 import tempfile
 
+# The progress bar's switch moved from train. to logging. in zerotrain 0.2; this script runs any checkout.
+QUIET_BAR = ["--logging.progress" if os.path.exists("train/config/moved.py") else "--train.progress", "false"]
+
 LOOP = ("fit", "train_step", "_agree", "on_step", "before_step", "advance")
 
 
@@ -36,7 +39,7 @@ def main(argv=None) -> int:
                 "--train.run_dir", tempfile.mkdtemp(prefix="loop-cost-"), "--train.max_steps", str(a.steps),
                 "--logging.every_steps", str(10 * a.steps), "--train.eval_every", "0",
                 "--checkpoint.every_steps", "0", "--checkpoint.save_at_end", "false", "--checkpoint.export", "false",
-                "--train.progress", "false", "--logging.wandb.mode", "disabled"]
+                *QUIET_BAR, "--logging.wandb.mode", "disabled"]
     sys.path.insert(0, os.getcwd())
     run = runpy.run_path("train/main.py", run_name="loop_cost")["main"]
     prof = cProfile.Profile()

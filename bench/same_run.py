@@ -46,6 +46,9 @@ import sys
 import time
 from pathlib import Path
 
+# The progress bar's switch moved from train. to logging. in zerotrain 0.2; this script runs any checkout.
+QUIET_BAR = ["--logging.progress" if Path("train/config/moved.py").exists() else "--train.progress", "false"]
+
 KEYS = ("loss", "val/loss", "grad_norm", "loss_scale", "skipped_steps", "samples_seen", "tokens_seen", "epoch")
 FP32 = "ds_configs/zero2_fp32.json"
 WORDS = ["alpha", "beta", "gamma", "delta", "zeta", "theta", "kappa", "sigma", "omega", "lambda"]
@@ -56,7 +59,7 @@ def _launch(out: Path, name: str, args: list[str], run: str | None = None, env: 
     run_dir = out / (run or name)
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
            str(29500 + random.Random(name).randint(1, 400)), "train/main.py", *args,
-           "--train.run_dir", str(run_dir), "--train.progress", "false", "--logging.wandb.mode", "disabled"]
+           "--train.run_dir", str(run_dir), *QUIET_BAR, "--logging.wandb.mode", "disabled"]
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, **(env or {})})
     (out / f"{name}.log").write_text(r.stdout + r.stderr)

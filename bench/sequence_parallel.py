@@ -44,7 +44,7 @@ def parse(argv):
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--host-malloc", default="compact", choices=("compact", "glibc"),
-                   help="train.host_malloc of both runs (compact: resident memory follows live tensors)")
+                   help="hardware.host_malloc of both runs (compact: resident memory follows live tensors)")
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     return p.parse_args(argv)
@@ -61,8 +61,8 @@ def main(argv=None) -> int:
             "--model.seq_len", str(a.seq_len), "--data.seq_len", str(a.seq_len), "--data.max_bytes", "2000000",
             "--model.activation_checkpointing", "true", "--train.micro_batch_size", "1",
             "--train.max_steps", str(a.steps), "--train.eval_every", "0", "--train.eval_batches", "1",
-            "--train.sample_tokens", "0", "--train.progress", "false", "--logging.every_steps", "1",
-            "--checkpoint.save_at_end", "false", "--checkpoint.export", "false", "--train.host_malloc", a.host_malloc, "--ds-config", str(ds)]
+            "--train.sample_tokens", "0", "--logging.progress", "false", "--logging.every_steps", "1",
+            "--checkpoint.save_at_end", "false", "--checkpoint.export", "false", "--hardware.host_malloc", a.host_malloc, "--ds-config", str(ds)]
     runs = {}
     for n in (1, 2):
         key = f"sp{n}"

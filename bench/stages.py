@@ -15,7 +15,7 @@ Writes <out>/stages-<timestamp>.json and .md (and prints the table).
     python bench/stages.py                      # every ds_configs/*.json, 2 processes
     python bench/stages.py --configs zero2,zero3 --d-model 512 --n-layer 8
     python bench/stages.py --quick              # a smoke run (tests/test_bench.py)
-    python bench/stages.py --configs zero2 --variant 'compact||--train.host_malloc compact' \
+    python bench/stages.py --configs zero2 --variant 'compact||--hardware.host_malloc compact' \
         --variant 'thp|THP_MEM_ALLOC_ENABLE=1|'  # the trainer with a setting changed: NAME|ENV=V ...|FLAGS
 
 The JSON keeps the baseline under the key "minimal" (bench/gpu_checks.py reads it).
@@ -110,7 +110,7 @@ def trainer_args(a) -> list[str]:
             "--train.micro_batch_size", str(a.micro_batch), "--train.grad_accum_steps", str(a.grad_accum),
             "--train.max_steps", str(a.steps), "--logging.every_steps", str(a.window),
             "--train.eval_every", "0", "--train.eval_batches", "1", "--train.sample_tokens", "0",
-            "--train.progress", "false", "--checkpoint.save_at_end", "false", "--checkpoint.export", "false",
+            "--logging.progress", "false", "--checkpoint.save_at_end", "false", "--checkpoint.export", "false",
             "--optim.warmup_steps", "2"]
 
 

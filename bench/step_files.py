@@ -25,6 +25,9 @@ import tempfile
 import threading
 from pathlib import Path
 
+# The progress bar's switch moved from train. to logging. in zerotrain 0.2; this script runs any checkout.
+QUIET_BAR = ["--logging.progress" if Path("train/config/moved.py").exists() else "--train.progress", "false"]
+
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,7 +48,7 @@ def main(argv=None) -> int:
     sys.argv = ["train/main.py", "--config", a.config, "--ds-config", a.ds_config, "--train.run_dir", run_dir,
                 "--train.max_steps", str(a.step + 2), "--logging.every_steps", str(every),
                 "--train.eval_every", str(every), "--checkpoint.every_steps", str(every),
-                "--checkpoint.export", "false", "--train.progress", "false", "--logging.wandb.mode", "disabled"]
+                "--checkpoint.export", "false", *QUIET_BAR, "--logging.wandb.mode", "disabled"]
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": os.environ.get("MASTER_PORT", "29611")})
     seen: dict[str, None] = {}

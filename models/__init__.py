@@ -1,8 +1,8 @@
 """Model registry: resolve the run's model once, then build it, with the loss that trains it.
 
 `model.name` is a GPT preset (models/gpt.py), "linear", a torchvision classifier
-(models/vision.py), "hf:<local dir>" (models/hf.py) or "py:<module>:<factory>", the user's own
-nn.Module (models/user.py). `resolve(cfg)` checks the name and
+(models/vision.py), "hf:<local dir>" (models/hf.py) or "py:<module>:<function>"; it picks the
+section's variant (models/config.py). `resolve(cfg)` checks the name and
 reads what is known before any data into a ModelSpec (models/spec.py); the run's build, memory
 planner and data length use that spec, and `build_workload(spec, data)` builds it. Every
 builder returns a Workload: the nn.Module plus how to compute its loss and per-sample eval
@@ -18,7 +18,7 @@ import contextlib
 import math
 from typing import TYPE_CHECKING, Optional
 
-from zerotrain.models.config import ModelConfig
+from zerotrain.models.config import ModelSection
 from zerotrain.models.errors import ConfigError, did_you_mean
 from zerotrain.models.spec import ModelSpec
 
@@ -31,40 +31,30 @@ if TYPE_CHECKING:
     from zerotrain.models.workload import Workload
 
 
-def resolve(cfg: ModelConfig) -> ModelSpec:
+def resolve(cfg: ModelSection) -> ModelSpec:
     """The run's model, resolved once: the name checked (a ConfigError names the choices before
-    any data is read), what is known before the data, a local model's config.json read."""
-    spec = _resolve(cfg)
-    if cfg.lora is not None:
-        from zerotrain.models.lora import check_family
-        check_family(spec)
-    if cfg.router_aux_loss_coef is not None and spec.family != "hf":
-        raise ConfigError(f"model.router_aux_loss_coef is for mixture-of-experts hf: models; {cfg.name} has no "
-                          f"router: remove the key")
-    return spec
-
-
-def _resolve(cfg: ModelConfig) -> ModelSpec:
+    any data is read), what is known before the data, a local model's config.json read. The
+    section's variant is the family (models/config.py): keys of other families never get here."""
     from zerotrain.models import gpt
     name = cfg.name
-    if name.startswith("hf:"):
+    if cfg.family == "hf":
         from zerotrain.models.hf import spec_fields
         return ModelSpec(cfg, "hf", **spec_fields(name[3:], cfg.trust_remote_code))
-    if name.startswith("py:"):
+    if cfg.family == "gpt" and name in gpt.PRESETS:
+        g = gpt_config(cfg, vocab_size=None)
+        return ModelSpec(cfg, "gpt", context=g.seq_len, vocab_size=g.vocab_size, hidden_size=g.d_model)
+    if cfg.family == "linear":
+        return ModelSpec(cfg, "linear")
+    if cfg.family == "py":
         from zerotrain.models.user import check
         check(cfg)  # the factory imports: a one-line error before any data is read
         return ModelSpec(cfg, "py")
-    if name in gpt.PRESETS:
-        g = gpt_config(cfg, vocab_size=None)
-        return ModelSpec(cfg, "gpt", context=g.seq_len, vocab_size=g.vocab_size, hidden_size=g.d_model)
-    if name == "linear":
-        return ModelSpec(cfg, "linear")
     from zerotrain.models.vision import is_vision
-    if is_vision(name):
+    if cfg.family == "vision" and is_vision(name):
         return ModelSpec(cfg, "vision")
     raise ConfigError(f'model.name "{name}" is unknown{did_you_mean(name, list(gpt.PRESETS) + ["linear"])}: use a '
-                      f'GPT preset ({", ".join(gpt.PRESETS)}), "linear", a torchvision classifier (e.g. resnet50) '
-                      f'"hf:<local model dir>" or your own model, "py:<module>:<factory>"')
+                      f'GPT preset ({", ".join(gpt.PRESETS)}), "linear", a torchvision classifier (e.g. resnet50), '
+                      f'"hf:<local model dir>" or "py:<module>:<function>"')
 
 
 def hidden_size_of(spec: ModelSpec, data=None) -> Optional[int]:
@@ -125,7 +115,7 @@ def partition_summary(model: nn.Module, world_size: int) -> str:
             f"{c['held_elements'] / 1e6:.2f}M held by this rank ({world_size} ranks){lora}")
 
 
-def gpt_config(cfg: ModelConfig, vocab_size):
+def gpt_config(cfg: ModelSection, vocab_size):
     """The GPTConfig that model section builds (vocab_size: the data's, unless model.vocab_size)."""
     from zerotrain.models import gpt
     try:
@@ -216,9 +206,6 @@ def _build(spec: ModelSpec, data, init_context) -> Workload:
         from zerotrain.models.linear import LinearRegression
         if data.task != "regress":
             raise ConfigError(f'model.name "linear" needs data.kind = "regression" (got a {data.task} task)')
-        if cfg.activation_checkpointing:
-            raise ConfigError('model.activation_checkpointing: model "linear" has no activations to recompute; '
-                              "set it to false")
         with init_context():
             model = LinearRegression(data.num_features)
         return Workload(model=model, task="regress", family="linear",

@@ -44,13 +44,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 LM_FAMILIES = ("gpt", "hf")
 
 
-def check_family(spec: ModelSpec):
-    """model.lora on a model it does not apply to: one line, before any data is read."""
-    if spec.config.lora is not None and spec.family not in LM_FAMILIES:
-        raise ConfigError(f"model.lora: LoRA fine-tunes language models (GPT presets, hf:<dir>); model.name "
-                          f"{spec.name!r} is a {spec.family} model; remove the model.lora section")
-
-
 def is_adapter(name: str) -> bool:
     """A LoRA parameter (trained, saved, exported), as opposed to the frozen base."""
     return ".lora_A." in name or ".lora_B." in name

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from zerotrain.models.config import ModelConfig
+from zerotrain.models.config import ModelSection
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    config: ModelConfig
+    config: ModelSection
     """The `model:` section it was resolved from: the options the builders read."""
     family: str
     """One of "gpt", "hf", "linear", "vision", "py" (the user's factory, models/user.py)."""

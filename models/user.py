@@ -178,10 +178,6 @@ def build_user(spec: ModelSpec, data, init_context=contextlib.nullcontext) -> Wo
     from zerotrain.models.moe import detect
     kind = loss_kind(spec, data.task)
     _check_data(spec, kind, data)
-    if spec.config.activation_checkpointing:
-        raise ConfigError(f"model.activation_checkpointing: zerotrain cannot recompute the activations of {spec.name} "
-                          f"(its blocks are yours); set it false and checkpoint inside your module "
-                          f"(torch.utils.checkpoint)")
     with init_context():
         model = call(spec.name, spec.config.kwargs)
     n = sum(_numel(p) for p in model.parameters())

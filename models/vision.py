@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from zerotrain.models.config import ModelConfig
+from zerotrain.models.config import VisionModel
 from zerotrain.models.errors import CheckpointError, ConfigError
 from zerotrain.models.workload import Workload, restore_buffers
 
@@ -294,7 +294,7 @@ def enable_activation_checkpointing(model: nn.Module, name: str) -> int:
 
 # ----------------------------------------------------------------------------- the workload
 
-def build_vision(cfg: ModelConfig, data, init_context):
+def build_vision(cfg: VisionModel, data, init_context):
     name = cfg.name
     if data.task != "classify":
         raise ConfigError(f'model.name {name} is an image classifier; it needs data.kind = "imagefolder" '
@@ -334,7 +334,7 @@ def build_vision(cfg: ModelConfig, data, init_context):
                     flops_per_item=3 * info.flops_per_sample if info.flops_per_sample else None)
 
 
-def meta_vision(cfg: ModelConfig, data) -> tuple[nn.Module, dict]:
+def meta_vision(cfg: VisionModel, data) -> tuple[nn.Module, dict]:
     """The classifier build_vision would make, parameters on the meta device (for sizing)."""
     num_classes = cfg.num_classes or data.num_classes
     image_size = data.extra["image_size"]

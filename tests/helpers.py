@@ -30,7 +30,7 @@ os.environ.update(CPU_ONLY)  # (conftest imports this module first, before any t
 
 # Small and fast: a 115k-parameter GPT on 300 kB of text, 64-token sequences.
 TINY = ["--model.name", "gpt-tiny", "--data.seq_len", "64", "--data.max_bytes", "300000",
-        "--train.micro_batch_size", "4", "--train.progress", "false", "--train.sample_tokens", "0",
+        "--train.micro_batch_size", "4", "--logging.progress", "false", "--train.sample_tokens", "0",
         "--train.eval_batches", "4", "--logging.every_steps", "1", "--optim.warmup_steps", "2",
         "--optim.lr", "3e-3", "--checkpoint.export", "false", "--checkpoint.save_at_end", "false"]
 
@@ -184,7 +184,7 @@ def small_run_args(ds_json: str, steps: int = 4) -> list[str]:
     """The tiny GPT for a few steps with every rank's data recorded: the launcher, multi-node
     and bf16 tests share these launches (same args = one launch per session)."""
     return [*TINY, "--ds-config", ds_json, "--train.max_steps", str(steps), "--train.eval_every", "0",
-            "--train.trace_data", "true"]
+            "--debug.trace_data", "true"]
 
 
 # d_model 256: every matrix and the tied embedding exceed ZeRO-3's persistence threshold ("auto":

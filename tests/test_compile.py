@@ -1,4 +1,4 @@
-"""train.compile: the model is compiled in place (nn.Module.compile, what train/training/build.py calls),
+"""hardware.compile: the model is compiled in place (nn.Module.compile, what train/training/build.py calls),
 so parameter names - checkpoints, exports - do not change, and it trains the same model.
 
 In process on a one-layer GPT with the "aot_eager" backend: Dynamo's graph capture and AOT

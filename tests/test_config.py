@@ -46,7 +46,7 @@ def test_json_run_file_round_trip(tmp_path):
     ("optimizer:\n  lr: 1\n", 'unknown key "optimizer" (did you mean "optim"?)'),
     ("train:\n  micro_batch_size: four\n", "train.micro_batch_size must be an integer"),
     ("train:\n  micro_batch_size: 2.5\n", "train.micro_batch_size must be an integer"),
-    ("train:\n  progress: 1\n", "train.progress must be a boolean"),
+    ("logging:\n  progress: 1\n", "logging.progress must be a boolean"),
     ("train:\n  micro_batch_size: 0\n", "train.micro_batch_size must be a positive integer"),
     ("optim:\n  lr: -1\n", "optim.lr must be > 0"),
     ("optim:\n  betas: [0.9]\n", "optim.betas must be a list of 2 numbers"),
@@ -55,11 +55,18 @@ def test_json_run_file_round_trip(tmp_path):
     ("checkpoint:\n  keep_last: 0\n", "checkpoint.keep_last must be >= 1"),
     ("optim: 3\n", "optim must be a mapping"),
     ("train:\n  max_steps: 10\n    eval: 3\n", ":3:"),               # YAML syntax error: line number
-    # A key only another data kind reads would be ignored: refused, naming the kinds that read it.
+    # A key only another data kind reads is not a key of this kind's section: refused, naming both.
     ("data:\n  kind: tokens\n  path: t.bin\n  max_bytes: 1000\n",
-     'data.max_bytes is only read for data.kind text (this run: "tokens")'),
-    ("data:\n  kind: sft\n  path: d.jsonl\n  image_size: 64\n", "data.image_size is only read for data.kind imagefolder"),
-    ("data:\n  tokenizer: tok\n", 'data.tokenizer is only read for data.kind sft / stream (this run: "text")'),
+     "data.max_bytes is not a key of data.kind tokens (its keys: kind, path, sources,"),
+    ("data:\n  kind: sft\n  path: d.jsonl\n  image_size: 64\n", "; data.kind imagefolder has it"),
+    ("data:\n  tokenizer: tok\n", "data.tokenizer is not a key of data.kind text (its keys: kind, path, seq_len,"),
+    ("data:\n  kind: tokens\n  packing: true\n", "data.packing is not a key of data.kind tokens"),
+    ("model:\n  name: resnet18\n  n_layer: 2\n", "model.n_layer is not a key of model family vision"),
+    ("model:\n  name: gpt-tiny\n  router_aux_loss_coef: 0.1\n", "; model family hf has it"),
+    ("model:\n  name: linear\n  lora:\n    r: 4\n", "model.lora is not a key of model family linear"),
+    ("model:\n  name: py:mod\n", 'model.name "py:mod" must be "py:<module>:<function>"'),
+    ("model:\n  name: py:m:f\n  loss: mse\n", "model.loss must be one of lm, classification, model"),
+    ("model:\n  name: py:m:f\n  kwargs: [1]\n", "model.kwargs must be a mapping"),
 ])
 def test_bad_run_file_names_the_key(tmp_path, text, needle):
     path = write(tmp_path, "run.yaml", text)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +65,7 @@ def test_fields_restart_after_each_eos():
 def workloads(tmp_path: Path, family: str, data):
     torch.manual_seed(0)
     name = "gpt-tiny" if family == "gpt" else f"hf:{save_tiny('llama', tmp_path / 'llama', vocab=VOCAB)}"
-    wl = build_workload(resolve(ModelConfig(name=name, seq_len=64 if family == "gpt" else None)), data)
+    wl = build_workload(resolve(ModelConfig(name=name, **({"seq_len": 64} if family == "gpt" else {}))), data)
     wl.model.eval()
     return wl
 
@@ -162,13 +161,9 @@ def test_shards_mixtures_and_streams_are_document_masked(tmp_path):
 
 # ----------------------------------------------------------------------------- bad input: one line each
 
-@pytest.mark.parametrize("kind,fix", [("sft", "for instruction records set data.packing true instead"),
-                                      ("text", "`zerotrain prepare` the text with --tokenizer DIR and use data.kind "
-                                               "tokens"),
-                                      ("regression", "remove it")])
-def test_document_mask_with_a_kind_that_cannot_mask_is_refused(kind, fix):
-    want = f'data.document_mask masks token windows (data.kind tokens or stream; this run: "{kind}"); {fix}'
-    with pytest.raises(ConfigError, match=f"^{re.escape(want)}$"):
+@pytest.mark.parametrize("kind", ["sft", "text", "regression"])
+def test_document_mask_with_a_kind_that_cannot_mask_is_refused(kind):
+    with pytest.raises(ConfigError, match=f"^data.document_mask is not a key of data.kind {kind}; its keys: kind, "):
         DataConfig(kind=kind, document_mask=True)
 
 

@@ -33,7 +33,7 @@ RDZV_CONF = "last_call_timeout=2,join_timeout=300,close_timeout=10,keep_alive_in
 
 def elastic_args(ds_json: str, run_dir: Path) -> list[str]:
     return [*TINY, "--ds-config", ds_json, "--train.max_steps", str(STEPS), "--train.eval_every", "0",
-            "--train.trace_data", "true", "--train.global_batch_size", str(GLOBAL),
+            "--debug.trace_data", "true", "--train.global_batch_size", str(GLOBAL),
             "--checkpoint.every_steps", str(EVERY), "--checkpoint.keep_last", "10", "--checkpoint.export", "true",
             "--checkpoint.export_dtype", "fp32", "--distributed.timeout_s", "60", "--train.run_dir", str(run_dir)]
 

@@ -28,7 +28,7 @@ GiB = 2 ** 30
 FRONTIER = ["--model.name", "gpt-small-cpu", "--model.d_model", "1024", "--model.n_layer", "16",
             "--data.seq_len", "64", "--data.max_bytes", "300000", "--train.micro_batch_size", "1",
             "--train.max_steps", "3", "--train.eval_every", "0", "--train.eval_batches", "1",
-            "--train.progress", "false", "--train.sample_tokens", "0", "--logging.every_steps", "1",
+            "--logging.progress", "false", "--train.sample_tokens", "0", "--logging.every_steps", "1",
             "--optim.warmup_steps", "1", "--checkpoint.save_at_end", "false", "--checkpoint.export", "false"]
 
 

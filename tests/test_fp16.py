@@ -22,7 +22,7 @@ FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale
         "min_loss_scale": 1}
 ARGS = ["--model.name", "gpt-tiny", "--data.max_bytes", "100000", "--train.max_steps", "8",
         "--logging.every_steps", "1", "--train.eval_every", "0", "--checkpoint.every_steps", "4",
-        "--train.progress", "false", "--checkpoint.export", "false", "--train.sample_tokens", "0"]
+        "--logging.progress", "false", "--checkpoint.export", "false", "--train.sample_tokens", "0"]
 
 
 def _run(args, env=None):

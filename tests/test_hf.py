@@ -126,7 +126,7 @@ def test_finetune_and_export_loads_back_with_identical_outputs(tmp_path, corpus,
     args = ["--model.name", f"hf:{src}", "--data.kind", "tokens", "--data.path", str(corpus["tokens"]),
             "--data.seq_len", str(SEQ), "--train.micro_batch_size", "4", "--train.max_steps", "20",
             "--train.eval_every", "0", "--train.eval_batches", "null", "--optim.lr", "3e-3",
-            "--optim.warmup_steps", "2", "--train.progress", "false", "--logging.every_steps", "1",
+            "--optim.warmup_steps", "2", "--logging.progress", "false", "--logging.every_steps", "1",
             "--checkpoint.save_at_end", "false", "--checkpoint.export", "true", "--checkpoint.export_dtype", "fp32",
             "--train.run_dir", str(run_dir)]
     if stage == "zero3":  # transformers' own (non-reentrant) checkpointing, with partitioned layers

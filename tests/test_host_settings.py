@@ -73,10 +73,10 @@ def test_auto_without_a_memory_check_or_on_a_gpu_keeps_glibc():
 
 
 def test_explicit_choice_wins():
-    cfg = load_config(None, [("train.host_malloc", "compact")])
+    cfg = load_config(None, [("hardware.host_malloc", "compact")])
     s = host_settings.decide(cfg, _ds(2), cuda=False)
-    assert s.malloc == "compact" and "train.host_malloc compact" in s.banner_line()
-    cfg = load_config(None, [("train.host_malloc", "glibc")])
+    assert s.malloc == "compact" and "hardware.host_malloc compact" in s.banner_line()
+    cfg = load_config(None, [("hardware.host_malloc", "glibc")])
     planned = SimpleNamespace(device_total=int(3.5 * GiB))
     assert host_settings.decide(cfg, _ds(3), cuda=False, planned=planned, budget=_budget(4 * GiB)).malloc == "glibc"
 

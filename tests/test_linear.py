@@ -59,7 +59,7 @@ def test_zero3_on_two_processes_recovers_the_true_weights(tmp_path):
         "--data.num_samples", "2048", "--data.noise", "0.01", "--train.micro_batch_size", "16",
         "--train.max_steps", "150", "--train.eval_every", "0", "--train.eval_batches", "null",
         "--optim.lr", "0.05", "--optim.min_lr", "0.001", "--optim.warmup_steps", "5", "--optim.weight_decay", "0",
-        "--train.progress", "false", "--logging.every_steps", "10", "--checkpoint.save_at_end", "false",
+        "--logging.progress", "false", "--logging.every_steps", "10", "--checkpoint.save_at_end", "false",
         "--checkpoint.export", "true", "--checkpoint.export_dtype", "fp32", "--train.run_dir", str(run_dir)])
     assert "model built partitioned by deepspeed.zero.Init" in proc.stdout
     assert [i["zero3"]["held_elements"] for i in rank_infos(run_dir)] == [5 + 1, 5 + 1]  # ceil(10/2) + ceil(1/2)

@@ -177,7 +177,7 @@ def test_bad_mixture_configs_name_the_key(overrides, needle):
 
 
 def test_sources_need_data_kind_tokens_and_a_run_file_can_list_them(tmp_path):
-    with pytest.raises(ConfigError, match='set data.kind to tokens \\(got "text"\\)'):
+    with pytest.raises(ConfigError, match="^--data.sources is not a key of data.kind text .*; data.kind tokens has it$"):
         load_config(None, [("data.sources", "[{path: a.bin, weight: 1}]")])
     run = tmp_path / "run.yaml"
     run.write_text("data:\n  kind: tokens\n  sources:\n    - {path: web.bin, weight: 3}\n"
@@ -205,7 +205,7 @@ def test_sources_must_share_a_tokenizer_and_exist(tmp_path):
 
 def _steps(run_dir, world: int, accum: int) -> dict[int, list[int]]:
     """Global batch (crc32 per sample) of each optimizer step from the per-rank data traces: a
-    step's rows are its micro-batches in order (train.trace_data logs them before the step ends)."""
+    step's rows are its micro-batches in order (debug.trace_data logs them before the step ends)."""
     out: dict[int, list[int]] = {}
     rows = [data_trace(run_dir, r) for r in range(world)]
     for r0 in range(0, len(rows[0]), accum):
@@ -233,7 +233,7 @@ def test_two_processes_equal_one_process_resumed_three_times(tmp_path):
     sources = "[" + ", ".join(f"{{path: '{p}', weight: {w}}}" for p, w in zip(paths, weights)) + "]"
     common = ["--ds-config", fp32(tmp_path, "ddp"), "--model.name", "gpt-tiny", "--data.kind", "tokens",
               "--data.sources", sources, "--data.seq_len", str(seq), "--train.eval_every", "0",
-              "--train.eval_batches", "1", "--train.trace_data", "true", "--train.progress", "false",
+              "--train.eval_batches", "1", "--debug.trace_data", "true", "--logging.progress", "false",
               "--train.sample_tokens", "0", "--logging.every_steps", "1", "--optim.warmup_steps", "2",
               "--checkpoint.export", "false"]
     a, b = tmp_path / "a", tmp_path / "b"

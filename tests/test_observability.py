@@ -96,7 +96,7 @@ def test_console_banner_progress_and_summary(observed):
     assert json.loads((run_dir / "config.json").read_text())["resolved"]["world_size"] == 2
     assert "\n  W&B offline run in " in banner and len(banner.splitlines()) <= 14, banner
     assert '"deepspeed_config"' not in out[:start] and "resolved config" not in out
-    # train.progress false: one plain progress line per logging interval, on rank 0 only.
+    # logging.progress false: one plain progress line per logging interval, on rank 0 only.
     progress = [line for line in out.splitlines() if line.startswith("step ") and "/6  loss" in line]
     assert len(progress) == 6 and progress[-1].startswith("step 6/6") and "eta 0.0s" in progress[-1]
     last = [r for r in metrics(run_dir) if "loss" in r][-1]

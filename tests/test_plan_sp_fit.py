@@ -48,7 +48,7 @@ def long_run():
         cfg = load_config(None, [("model.name", "gpt-tiny"), ("model.seq_len", str(T)), ("model.n_kv_head", str(kv)),
                                  ("data.seq_len", str(seq)), ("data.max_bytes", "300000"),
                                  ("train.micro_batch_size", "1"), ("distributed.sequence_parallel", str(sp)),
-                                 ("train.compile", str(compile).lower())])
+                                 ("hardware.compile", str(compile).lower())])
         return cfg, resolve(cfg.model), build_data(cfg.data, seq, cfg.train.seed)
     return make
 
@@ -150,8 +150,8 @@ def test_only_sizes_the_run_can_use_are_named(long_run):
     line = refusal(long_run(sp=2), 4, 20)
     assert f"--distributed.sequence_parallel 4 would fit (ZeRO-3 (bf16): activations per rank {hb(a2)} -> {hb(a4)}" \
            in line, line
-    # train.compile refuses SP: the suggestion says to turn it off.
-    assert "--distributed.sequence_parallel 2 and --train.compile false would fit" in refusal(long_run(compile=True),
+    # hardware.compile refuses SP: the suggestion says to turn it off.
+    assert "--distributed.sequence_parallel 2 and --hardware.compile false would fit" in refusal(long_run(compile=True),
                                                                                            4, 30)
 
 

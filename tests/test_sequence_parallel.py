@@ -33,7 +33,7 @@ def _steps(d: Path) -> dict[int, float]:
 
 
 def _rows(d: Path, rank: int = 0) -> list[list[int]]:
-    """The crc of every row the rank trained on, one sorted list per step (train.trace_data)."""
+    """The crc of every row the rank trained on, one sorted list per step (debug.trace_data)."""
     by_step: dict[int, list[int]] = {}
     for r in data_trace(d, rank):
         by_step.setdefault(r["step"], []).extend(r["crc"])
@@ -72,7 +72,7 @@ def _launch(work, name: str, nproc: int, *args, common: list[str] = LONG) -> Pat
 
 
 SIX = ["--train.max_steps", "6", "--checkpoint.every_steps", "3"]
-TRACE = ["--train.trace_data", "true"]  # ranks/rank<R>.data.jsonl: a crc of every row each rank trains on
+TRACE = ["--debug.trace_data", "true"]  # ranks/rank<R>.data.jsonl: a crc of every row each rank trains on
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,9 @@ def _sp_check(tmp_path, n: int, *overrides, ds_json: str = "ds_configs/zero3.jso
     from zerotrain.train.launch import sequence_parallel as sp_
     from zerotrain.train.strategy import for_setup
     from zerotrain.train.strategy.ds_config import load_ds_setup
-    pairs = [("model.name", "gpt-tiny"), ("data.seq_len", "64"), ("distributed.sequence_parallel", str(n)),
-             *[tuple(o.split("=", 1)) for o in overrides]]
+    more = [tuple(o.split("=", 1)) for o in overrides]
+    seq = [] if ("data.kind", "imagefolder") in more else [("data.seq_len", "64")]  # a key of LM data only
+    pairs = [("model.name", "gpt-tiny"), *seq, ("distributed.sequence_parallel", str(n)), *more]
     cfg = load_config(None, pairs)
     spec = resolve_model(cfg.model)
     batch = cfg.train.batch(1)
@@ -49,7 +50,7 @@ def _sp_check(tmp_path, n: int, *overrides, ds_json: str = "ds_configs/zero3.jso
     (2, ["data.seq_len=63"], "ds_configs/zero3.json",
      "distributed.sequence_parallel 2 does not divide data.seq_len 63"),
     (2, [], "ds_configs/ddp.json", "distributed.sequence_parallel 2 needs a ZeRO DeepSpeed JSON, not plain DDP"),
-    (2, ["train.compile=true"], "ds_configs/zero3.json", "with train.compile true is not supported"),
+    (2, ["hardware.compile=true"], "ds_configs/zero3.json", "with hardware.compile true is not supported"),
 ], ids=["heads", "kv-heads", "seq-len", "ddp", "compile"])
 def test_combinations_sp_cannot_run_are_refused_in_one_line(tmp_path, n, overrides, ds_json, message):
     from zerotrain.train.errors import ConfigError

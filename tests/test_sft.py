@@ -159,7 +159,7 @@ def test_step_loss_and_weights_do_not_depend_on_accumulation_processes_or_stage(
     base = ["--model.name", f"hf:{model}", "--data.kind", "sft", "--data.path", str(path), "--data.seq_len", "32",
             "--data.val_fraction", "0.1", "--train.max_steps", "3", "--train.eval_every", "0",
             "--optim.lr", "5e-4", "--optim.schedule", "constant", "--optim.warmup_steps", "0",
-            "--train.progress", "false", "--logging.every_steps", "1", "--checkpoint.save_at_end", "false",
+            "--logging.progress", "false", "--logging.every_steps", "1", "--checkpoint.save_at_end", "false",
             "--checkpoint.export", "true", "--checkpoint.export_dtype", "fp32"]
     runs = {"ddp 1x micro8 accum1": ("python", 1, "ddp", 8, 1),
             "zero1 1x micro1 accum8": ("python", 1, "zero1", 1, 8),

@@ -284,13 +284,14 @@ def test_close_ends_the_tokenizer_workers_at_once(tmp_path):
     ds.close()  # twice is harmless (close, then garbage collection or exit)
 
 @pytest.mark.parametrize("overrides,needle", [
-    ([("data.text_field", "body")], 'data.text_field is for data.kind stream (got "text")'),
-    ([("data.kind", "tokens"), ("data.shuffle_windows", "8")], "data.shuffle_windows is for data.kind stream"),
+    ([("data.text_field", "body")], "--data.text_field is not a key of data.kind text (its keys: kind, path, "),
+    ([("data.kind", "tokens"), ("data.shuffle_windows", "8")],
+     "--data.shuffle_windows is not a key of data.kind tokens (its keys: "),
     ([("data.kind", "stream"), ("data.shuffle_windows", "0")], "data.shuffle_windows must be >= 1"),
     ([("data.kind", "stream"), ("data.text_field", "")], "data.text_field is empty"),
     ([("data.kind", "stream"), ("train.epochs", "2")], "train.epochs: a stream (data.kind stream) has no known length"),
     ([("data.kind", "stream"), ("data.sources", "[{path: a.jsonl, weight: 1}]")],
-     "data.sources cannot mix streamed files (data.kind stream): `zerotrain prepare"),
+     "--data.sources is not a key of data.kind stream (its keys: "),
 ])
 def test_bad_stream_configs_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as e:
@@ -329,7 +330,7 @@ def test_two_processes_train_from_jsonl_and_one_process_resumes_the_stream(tmp_p
     common = ["--ds-config", fp32(tmp_path, "ddp"), "--model.name", "gpt-tiny", "--data.kind", "stream",
               "--data.path", str(d / "train.jsonl"), "--data.seq_len", "32", "--data.shuffle_windows", "4",
               "--data.num_workers", "1", "--train.eval_every", "0", "--train.eval_batches", "1",
-              "--train.trace_data", "true", "--train.progress", "false", "--train.sample_tokens", "0",
+              "--debug.trace_data", "true", "--logging.progress", "false", "--train.sample_tokens", "0",
               "--logging.every_steps", "1", "--optim.warmup_steps", "1", "--optim.lr", "3e-3",
               "--checkpoint.export", "false", "--train.max_steps", "6"]
     a, b = tmp_path / "a", tmp_path / "b"

@@ -190,7 +190,7 @@ def test_sampler_drops_the_incomplete_tail_of_each_epoch(tmp_path):
 @pytest.mark.multiproc
 def test_prepare_then_train_covers_every_sequence_once_per_epoch(tmp_path):
     """The real run: `zerotrain prepare`, then 2 epochs on 2 processes; the per-rank data trace
-    (train.trace_data) shows every training sequence exactly once per epoch, and loss falls."""
+    (debug.trace_data) shows every training sequence exactly once per epoch, and loss falls."""
     seq, micro, world = 32, 4, 2
     src = write_texts(tmp_path / "src", {"a.txt": random_text(seq * 48 + 1, 11)})  # 48 sequences = 6 steps of 8
     val = write_texts(tmp_path / "val", {"v.txt": random_text(seq * 8 + 1, 12)})
@@ -200,8 +200,8 @@ def test_prepare_then_train_covers_every_sequence_once_per_epoch(tmp_path):
     run_train("torchrun", world, [
         "--ds-config", fp32(tmp_path, "zero2"), "--model.name", "gpt-tiny", "--data.kind", "tokens",
         "--data.path", str(corpus), "--data.seq_len", str(seq), "--train.micro_batch_size", str(micro),
-        "--train.epochs", "2", "--train.eval_every", "0", "--train.trace_data", "true", "--optim.lr", "3e-3",
-        "--optim.warmup_steps", "2", "--train.progress", "false", "--train.sample_tokens", "0",
+        "--train.epochs", "2", "--train.eval_every", "0", "--debug.trace_data", "true", "--optim.lr", "3e-3",
+        "--optim.warmup_steps", "2", "--logging.progress", "false", "--train.sample_tokens", "0",
         "--logging.every_steps", "1", "--checkpoint.export", "false", "--checkpoint.save_at_end", "false",
         "--train.run_dir", str(run_dir)])
     data = tokens_data(corpus, seq_len=seq)

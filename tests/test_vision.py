@@ -245,7 +245,7 @@ def test_resnet18_trains_above_chance_and_val_metrics_match_a_recomputation(tmp_
     args = ["--ds-config", fp32(tmp_path, strategy), "--model.name", "resnet18", "--data.kind", "imagefolder",
             "--data.path", str(colours), "--data.image_size", "32", "--train.micro_batch_size", "8",
             "--train.max_steps", "16", "--train.eval_every", "0", "--train.eval_batches", "null",
-            "--optim.lr", "2e-3", "--optim.warmup_steps", "2", "--train.progress", "false",
+            "--optim.lr", "2e-3", "--optim.warmup_steps", "2", "--logging.progress", "false",
             "--logging.every_steps", "1", "--checkpoint.save_at_end", "false",
             "--checkpoint.export", "true", "--checkpoint.export_dtype", "fp32", "--train.run_dir", str(run_dir)]
     run_train(launcher, 2, args)

@@ -19,6 +19,8 @@ TRAIN_USAGE = """usage: train/main.py [--config RUN.yaml|json] [--ds-config DS.j
 
 Train with the run file's settings, overridden by dotted options, e.g.
   --optim.lr 3e-4 --train.micro_batch_size 16 --model.name gpt2-124m --train.run_dir runs/x
+data: has the keys of its data.kind, model: those of the family its model.name names (one
+group each below); --data.kind and --model.name apply before the other options.
 The DeepSpeed JSON (ZeRO stage, offload, precision) comes from --ds-config, the run
 file's distributed.ds_config, the accelerate YAML, or ds_configs/zero2.json.
 --local_rank (appended by the deepspeed launcher) is accepted and ignored.
@@ -54,6 +56,11 @@ def _optional_section(tp):
     return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
 
 
+def _tagged(tp):
+    """The base class of a union of sections tagged by one key (data:, model:), else None."""
+    return tp if isinstance(tp, type) and hasattr(tp, "pick") and hasattr(tp, "variants") else None
+
+
 def options_help() -> str:
     lines = []
 
@@ -63,6 +70,12 @@ def options_help() -> str:
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             doc = docs.get(f.name, "")
+            tagged = _tagged(hints[f.name])
+            if tagged is not None:  # one group per variant, each with only its keys
+                for variant in tagged.variants().values():
+                    lines.append(f"\n {prefix}{f.name} ({variant.tag_text()}): {_class_doc(variant)}")
+                    walk(variant, f"{prefix}{f.name}.")
+                continue
             if dataclasses.is_dataclass(default):
                 walk(type(default), f"{prefix}{f.name}.")
                 continue
@@ -75,6 +88,10 @@ def options_help() -> str:
 
     walk(RunConfig, "")
     return "\n".join(lines)
+
+
+def _class_doc(cls) -> str:
+    return " ".join((cls.__doc__ or "").split())
 
 
 # Shorthands for a dotted key. Parsed with the dotted overrides, not as argparse flags, so that

@@ -27,6 +27,7 @@ import torch
 from zerotrain.models import lora as lora_names
 from zerotrain.train.checkpoint import files as ckpt_files
 from zerotrain.train.checkpoint.weights import EXPORT_DTYPES, WeightsReader, write_weights
+from zerotrain.train.config.moved import upgrade_saved
 from zerotrain.train.errors import CheckpointError, ConfigError
 
 
@@ -107,7 +108,7 @@ def export_lora_checkpoint(ckpt_path, out_dir, merge: bool = False, dtype: str |
     if lora is None:
         raise ConfigError(f"{ckpt} is not a LoRA checkpoint (no model.lora): --merge applies to LoRA adapters only; "
                           f"export it without --merge")
-    ck_cfg = ((meta.get("config") or {}).get("checkpoint") or {})
+    ck_cfg = (upgrade_saved(meta.get("config")) or {}).get("checkpoint") or {}  # a 0.1 checkpoint too
     dtype = dtype or ck_cfg.get("export_dtype", "bf16")
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f'--dtype must be "bf16" or "fp32" (got "{dtype}")')

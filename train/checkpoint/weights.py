@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from zerotrain.train.checkpoint import files as ckpt_files
+from zerotrain.train.config.moved import upgrade_saved
 from zerotrain.train.errors import CheckpointError, ConfigError
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -164,7 +165,7 @@ def export_checkpoint(ckpt_path, out_dir, dtype: str | None = None, max_shard_si
     manifest = ckpt_files.read_manifest(ckpt)
     ckpt_files.verify(ckpt, manifest)  # the same check a resume runs (here one process hashes every file)
     meta = ckpt_files.read_json(ckpt / ckpt_files.META, "checkpoint metadata")
-    ck_cfg = ((meta.get("config") or {}).get("checkpoint") or {})
+    ck_cfg = (upgrade_saved(meta.get("config")) or {}).get("checkpoint") or {}  # a 0.1 checkpoint too
     dtype = dtype or ck_cfg.get("export_dtype", "bf16")
     max_shard_size = max_shard_size or ck_cfg.get("max_shard_size", "2GB")
     if dtype not in EXPORT_DTYPES:

@@ -234,7 +234,8 @@ def _check(imp, run: _RunModel, strict: bool, config: str):
         vocab = _vocab_only(differ, len(lines), run)
         fix = (f"the checkpoint was trained with a vocabulary of {vocab}, this model has "
                f"{run.workload.model_config['vocab_size']}"
-               + (" (model.vocab_size is unset: the data's)" if run.cfg.model.vocab_size is None else "")
+               + (" (model.vocab_size is unset: the data's)"
+                  if run.cfg.model.family == "gpt" and run.cfg.model.vocab_size is None else "")
                + f": set model.vocab_size: {vocab} in {config}") if vocab else \
             "import with the run file of the model that was trained"
         raise CheckpointError(f"the checkpoint's weights do not fit the model of {config} "

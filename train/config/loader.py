@@ -1,7 +1,10 @@
 """Strict loading of the run configuration: a JSON/YAML run file plus dotted command-line
 overrides, checked key by key against the schema's type hints.
 
-Unknown keys, wrong types and impossible values fail with a ConfigError naming the key.
+Unknown keys, wrong types and impossible values fail with a ConfigError naming the key. The
+data: and model: sections are unions tagged by a key (data.kind, model.name): the tag picks the
+variant, whose keys alone are valid there (a key of another kind is an unknown key naming the
+kind). Keys that moved to another section are refused with their new name (moved.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from zerotrain.train.config.moved import MOVED, find_moved, moved_message
 from zerotrain.train.config.schema import RunConfig
 from zerotrain.train.errors import ConfigError, did_you_mean
 
@@ -31,9 +35,28 @@ def _unwrap_optional(tp):
 
 def _section(tp):
     """(the dataclass, optional?) when `tp` is a section (`Optional[Section]`: null = off, e.g.
-    model.lora), else (None, False)."""
+    model.lora), or a tagged union's base class (data:, model:), else (None, False)."""
     base, optional = _unwrap_optional(tp)
-    return (base, optional) if dataclasses.is_dataclass(base) else (None, False)
+    return (base, optional) if dataclasses.is_dataclass(base) or _is_tagged(base) else (None, False)
+
+
+def _is_tagged(cls) -> bool:
+    """A union of sections tagged by one key (DataSection, ModelSection): it has pick() and variants()."""
+    return isinstance(cls, type) and hasattr(cls, "pick") and hasattr(cls, "variants")
+
+
+def _not_a_key(variant, key: str, dotted: str) -> ConfigError:
+    """The unknown-key error inside a tagged section: which variant it is, the keys it has, and
+    which variants have the key, if any."""
+    names = [f.name for f in dataclasses.fields(variant)]
+    others = [v.tag_text() for v in variant.variants().values()
+              if v is not variant and key in {f.name for f in dataclasses.fields(v)}]
+    if len(others) > 1:  # "data.kind text, tokens and sft have it"
+        others = [", ".join([others[0]] + [o.rsplit(" ", 1)[1] for o in others[1:-1]]) + " and "
+                  + others[-1].rsplit(" ", 1)[1]]
+    elsewhere = f"; {others[0]} {'have' if ' and ' in others[0] else 'has'} it" if others else ""
+    return ConfigError(f"{dotted} is not a key of {variant.tag_text()} (its keys: {', '.join(names)})"
+                       f"{did_you_mean(key, names)}{elsewhere}")
 
 
 def _type_name(tp) -> str:
@@ -43,7 +66,7 @@ def _type_name(tp) -> str:
     name = names.get(tp, getattr(tp, "__name__", str(tp)))
     if typing.get_origin(tp) is tuple:
         name = f"a list of {len(typing.get_args(tp))} numbers"
-    elif typing.get_origin(tp) is dict:
+    elif tp is dict or typing.get_origin(tp) is dict:
         name = "a mapping"
     elif typing.get_origin(tp) is list:
         item = typing.get_args(tp)[0]
@@ -138,8 +161,11 @@ def _mapping(value, key: str, from_cli: bool) -> dict:
 
 
 def _sequence(value, tp, key: str, from_cli: bool):
-    """A list or tuple field, item by item; on the command line a JSON list or comma-separated items."""
+    """A list or tuple field, item by item; on the command line a JSON list or comma-separated items.
+    A dict field (model.kwargs): a mapping with string keys; on the command line flow-style YAML or JSON."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is dict or origin is dict:
+        return _mapping(value, from_cli)
     if origin not in (tuple, list):
         raise _Refused  # pragma: no cover - every field type is handled
     if dataclasses.is_dataclass(args[0]):  # a list of sections (data.sources): each built strictly
@@ -154,6 +180,18 @@ def _sequence(value, tp, key: str, from_cli: bool):
     if origin is tuple:
         return tuple(_coerce(v, a, key, from_cli) for v, a in zip(value, args))
     return [_coerce(v, args[0], key, from_cli) for v in value]
+
+
+def _mapping(value, from_cli: bool) -> dict:
+    if from_cli and isinstance(value, str):
+        import yaml
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise _Refused from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise _Refused
+    return dict(value)
 
 
 def _section_list(value, cls, key: str, from_cli: bool) -> list:
@@ -175,10 +213,15 @@ def _section_list(value, cls, key: str, from_cli: bool) -> list:
 def _build(cls, data: dict, prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'the run file'} must be a mapping (got {type(data).__name__})")
+    tagged = _is_tagged(cls)
+    if tagged:
+        cls = cls.pick(data)
     hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for k, v in data.items():
+        if k not in names and tagged:
+            raise _not_a_key(cls, k, f"{prefix}{k}")
         if k not in names:
             raise ConfigError(f'unknown key "{prefix}{k}"{did_you_mean(k, names)}; '
                               f'valid keys here: {", ".join(names)}')
@@ -198,9 +241,15 @@ def _build(cls, data: dict, prefix: str):
 
 def _set_dotted(raw: dict, dotted: str, text: str):
     """Apply one CLI override to the raw dict, checking the key against the schema."""
+    if dotted in MOVED:
+        raise ConfigError(moved_message(f"--{dotted}", "on the command line"))
     parts = dotted.split(".")
     cls, node = RunConfig, raw
     for i, part in enumerate(parts):
+        if _is_tagged(cls):  # the variant of the tag the run file and the tag overrides set
+            cls = cls.pick(node)
+            if part not in {f.name for f in dataclasses.fields(cls)}:
+                raise _not_a_key(cls, part, f"--{dotted}")
         names = [f.name for f in dataclasses.fields(cls)]
         here = ".".join(parts[:i])
         if part not in names:
@@ -213,8 +262,8 @@ def _set_dotted(raw: dict, dotted: str, text: str):
                 if optional and text.lower() in ("null", "none"):  # an optional section switched off
                     node[part] = None
                     return
-                raise ConfigError(f'"--{dotted}" is a section; set one of its keys, e.g. --{dotted}.'
-                                  f"{dataclasses.fields(section)[0].name}"
+                first = section.TAG if _is_tagged(section) else dataclasses.fields(section)[0].name
+                raise ConfigError(f'"--{dotted}" is a section; set one of its keys, e.g. --{dotted}.{first}'
                                   + (f" (or --{dotted} null to turn it off)" if optional else ""))
             node[part] = _coerce(text, tp, dotted, from_cli=True)
             return
@@ -255,9 +304,16 @@ def read_mapping(path: str | Path) -> dict:
 
 
 def load_config(path: str | None = None, overrides: list[tuple[str, str]] = ()) -> RunConfig:
-    """Run file (optional) + dotted overrides -> validated RunConfig."""
+    """Run file (optional) + dotted overrides -> validated RunConfig. The overrides of a tag
+    (data.kind, model.name) apply first, so that the other overrides are checked against the
+    variant the run will have: `--data.path x.bin --data.kind tokens` is `--data.kind tokens
+    --data.path x.bin` (among tags and among the rest, the later one wins)."""
     raw = read_mapping(path) if path else {}
-    for key, value in overrides:
+    old = find_moved(raw)
+    if old:
+        raise ConfigError(moved_message(old, f"in {path}"))
+    tags = [(k, v) for k, v in overrides if _is_tag(k)]
+    for key, value in tags + [(k, v) for k, v in overrides if not _is_tag(k)]:
         _set_dotted(raw, key, value)
     try:
         return _build(RunConfig, raw, "")
@@ -265,3 +321,11 @@ def load_config(path: str | None = None, overrides: list[tuple[str, str]] = ()) 
         if path:
             raise ConfigError(f"{path}: {e}") from None
         raise
+
+
+def _is_tag(dotted: str) -> bool:
+    """data.kind, model.name: the key of a tagged section, which picks its variant."""
+    section, _, key = dotted.partition(".")
+    f = {f.name: f for f in dataclasses.fields(RunConfig)}.get(section)
+    base = _section(_hints(RunConfig)[section])[0] if f is not None else None
+    return base is not None and _is_tagged(base) and key == base.TAG

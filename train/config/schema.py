@@ -1,6 +1,8 @@
 """The run configuration's sections: typed dataclasses whose attribute docstrings are the
 `--help` text (train/args.py) and whose __post_init__ refuses impossible values with a
-ConfigError naming the key. data: is in data_section.py, model: in models/config.py."""
+ConfigError naming the key. data: (a union tagged by data.kind) is in data_section.py, model:
+(a union tagged by the family model.name names) in models/config.py; keys that moved between
+sections are in moved.py."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from zerotrain.models.config import ModelConfig  # the model: section lives with the models (models/ needs nothing from train/)
+from zerotrain.models.config import GptModel, ModelSection  # the model: section lives with the models (models/ needs nothing from train/)
 from zerotrain.train.config.batch import Batch, split_batch
-from zerotrain.train.config.data_section import DataConfig
+from zerotrain.train.config.data_section import DataSection, TextData
 from zerotrain.train.errors import ConfigError
 
 
@@ -71,8 +73,6 @@ class TrainConfig:
     """Where config, metrics.jsonl, checkpoints and exported weights go."""
     sample_tokens: int = 200
     """LM: bytes/tokens generated as a sample at the end (0 = none)."""
-    progress: bool = True
-    """Show the tqdm progress bar (main process only)."""
     nan_policy: str = "skip"
     """On a NaN/Inf loss: "skip" the step (counted) or "stop" (checkpoint the last good state)."""
     max_bad_steps: int = 5
@@ -80,27 +80,6 @@ class TrainConfig:
     decided at each log line (logging.every_steps) and before each checkpoint, where the trainer
     reads the gradient norms it kept on the device: skipped steps never touch the weights, so a
     stop can come up to logging.every_steps steps after its cause and still saves the last good state."""
-    trace_data: bool = False
-    """Debug: every rank appends a fingerprint (crc32) of each sample it trains on to
-    <run_dir>/ranks/rank<R>.data.jsonl, to verify sharding and resume order."""
-    compile: bool = False
-    """torch.compile the model (TorchInductor) before wrapping it: fused kernels, usually faster
-    steps on GPU after a compile of tens of seconds to minutes at the first step. Off by default
-    (compile time; on CPU it needs a C++ compiler). DDP, ZeRO-0/1/2; refused with ZeRO-3, whose
-    parameter gathering hooks break compiled graphs."""
-    tf32: bool = True
-    """CUDA: fp32 matmuls and convolutions use TensorFloat-32 tensor cores (inputs rounded to a
-    10-bit mantissa, fp32 accumulation; several times the fp32 rate on Ampere and newer), as
-    PyTorch's "high" float32 matmul precision. Affects fp32 runs only (bf16/fp16 use their own units);
-    false = full fp32. Without a GPU there is nothing to set."""
-    host_malloc: str = "auto"
-    """Host memory allocator on a CPU-only machine: "compact" returns every freed block of 1 MiB
-    or more to the OS at once (resident memory follows live tensors, at a cost in step time:
-    BENCHMARKS.md "Host allocator on CPU"), "glibc" keeps glibc's default (freed blocks stay
-    resident for reuse, fastest). "auto" =
-    glibc, unless the memory check finds the run would not fit without compact
-    (train/launch/host_settings.py; the banner then says so). MALLOC_MMAP_THRESHOLD_ in the
-    environment wins."""
 
     def __post_init__(self):
         for k in ("micro_batch_size", "max_steps"):
@@ -120,12 +99,45 @@ class TrainConfig:
             raise ConfigError(f'train.nan_policy must be "skip" or "stop" (got "{self.nan_policy}")')
         if self.max_bad_steps <= 0:
             raise ConfigError(f"train.max_bad_steps must be positive (got {self.max_bad_steps})")
-        if self.host_malloc not in ("auto", "compact", "glibc"):
-            raise ConfigError(f'train.host_malloc must be "auto", "compact" or "glibc" (got "{self.host_malloc}")')
 
     def batch(self, world_size: int) -> Batch:
         """Resolve micro x accumulation x world = global for `world_size` processes (batch.py)."""
         return split_batch(self.micro_batch_size, self.grad_accum_steps, self.global_batch_size, world_size)
+
+
+@dataclass
+class HardwareConfig:
+    """How this machine runs the step: compiler, matmul precision, host allocator. None of it
+    changes what is trained (the same losses up to floating-point rounding)."""
+    compile: bool = False
+    """torch.compile the model (TorchInductor) before wrapping it: fused kernels, usually faster
+    steps on GPU after a compile of tens of seconds to minutes at the first step. Off by default
+    (compile time; on CPU it needs a C++ compiler). DDP, ZeRO-0/1/2; refused with ZeRO-3, whose
+    parameter gathering hooks break compiled graphs."""
+    tf32: bool = True
+    """CUDA: fp32 matmuls and convolutions use TensorFloat-32 tensor cores (inputs rounded to a
+    10-bit mantissa, fp32 accumulation; several times the fp32 rate on Ampere and newer), as
+    PyTorch's "high" float32 matmul precision. Affects fp32 runs only (bf16/fp16 use their own units);
+    false = full fp32. Without a GPU there is nothing to set."""
+    host_malloc: str = "auto"
+    """Host memory allocator on a CPU-only machine: "compact" returns every freed block of 1 MiB
+    or more to the OS at once (resident memory follows live tensors, at a cost in step time:
+    BENCHMARKS.md "Host allocator on CPU"), "glibc" keeps glibc's default (freed blocks stay
+    resident for reuse, fastest). "auto" = glibc, unless the memory check finds the run would not
+    fit without compact (train/launch/host_settings.py; the banner then says so). MALLOC_MMAP_THRESHOLD_ in the
+    environment wins."""
+
+    def __post_init__(self):
+        if self.host_malloc not in ("auto", "compact", "glibc"):
+            raise ConfigError(f'hardware.host_malloc must be "auto", "compact" or "glibc" (got "{self.host_malloc}")')
+
+
+@dataclass
+class DebugConfig:
+    """Diagnostics that cost time or disk; off by default."""
+    trace_data: bool = False
+    """Debug: every rank appends a fingerprint (crc32) of each sample it trains on to
+    <run_dir>/ranks/rank<R>.data.jsonl, to verify sharding and resume order."""
 
 
 @dataclass
@@ -215,6 +227,8 @@ class LoggingConfig:
     (logging.wandb), tensorboard (<run_dir>/tensorboard), mlflow ($MLFLOW_TRACKING_URI, else a file
     store in <run_dir>/mlruns), e.g. --logging.trackers jsonl,tensorboard. A listed tracker whose
     package is missing stops the run before the model is built (exit 2)."""
+    progress: bool = True
+    """Show the tqdm progress bar (main process only); false: one plain line per logging interval."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     peak_flops: Optional[float] = None
     """Per-device peak FLOP/s for MFU (--peak-flops 989e12); None = the detected GPU's dense
@@ -274,13 +288,17 @@ class DistributedConfig:
 
 @dataclass
 class RunConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelSection = field(default_factory=GptModel)
+    """One variant per model family, picked by model.name (models/config.py)."""
+    data: DataSection = field(default_factory=TextData)
+    """One variant per data.kind (data_section.py)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def __post_init__(self):
         if self.data.kind == "stream" and self.train.epochs:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zerotrain.train.config import DataConfig
+from zerotrain.train.config import DataSection
 from zerotrain.train.data.bundle import DataBundle  # noqa: F401 (what every builder returns; importable from here)
 
 
-def build_data(cfg: DataConfig, seq_len: Optional[int], seed: int, tokenizer: Optional[str] = None) -> DataBundle:
+def build_data(cfg: DataSection, seq_len: Optional[int], seed: int, tokenizer: Optional[str] = None) -> DataBundle:
     """`seq_len`: the LM sequence length (data.seq_len or the model's context); `tokenizer`:
     sft's and stream's local Hugging Face tokenizer directory (None: bytes)."""
     if cfg.kind == "text":
@@ -42,4 +42,4 @@ def build_data(cfg: DataConfig, seq_len: Optional[int], seed: int, tokenizer: Op
     if cfg.kind == "imagefolder":
         from zerotrain.train.data.imagefolder import build_imagefolder
         return build_imagefolder(cfg)
-    raise AssertionError(cfg.kind)  # DataConfig.__post_init__ rejects other kinds
+    raise AssertionError(cfg.kind)  # the loader knows no other kinds (DATA_KINDS)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from zerotrain.train.config import DataConfig
+from zerotrain.train.config import ImageFolderData
 from zerotrain.train.data.bundle import DataBundle
 from zerotrain.train.errors import DataError
 
@@ -131,7 +131,7 @@ def transforms(image_size: int):
     return train, val, resize
 
 
-def build_imagefolder(cfg: DataConfig):
+def build_imagefolder(cfg: ImageFolderData):
     if cfg.path is None:
         raise DataError("data.kind = imagefolder needs data.path (the root holding train/ and val/); "
                         "`zerotrain make-shapes data/shapes` writes a small generated set")

@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 from torch.utils.data import Dataset
 
-from zerotrain.train.config import DataConfig
+from zerotrain.train.config import TokensData
 from zerotrain.train.data.bundle import DataBundle
 from zerotrain.train.data.permutation import SMALL, FeistelPermutation
 from zerotrain.train.data.sampler import GlobalBatchSampler
@@ -166,7 +166,7 @@ class InterleavedVal(Dataset):
         return self.splits[int(self.src[i])][int(self.idx[i])]
 
 
-def build_mixture(cfg: DataConfig, seq_len: Optional[int], seed: int) -> DataBundle:
+def build_mixture(cfg: TokensData, seq_len: Optional[int], seed: int) -> DataBundle:
     """One DataBundle from data.sources: each file read by build_tokens (checks, val split)."""
     from zerotrain.train.data.tokens import build_tokens
     bundles = []
@@ -197,7 +197,7 @@ def build_mixture(cfg: DataConfig, seq_len: Optional[int], seed: int) -> DataBun
                              **{k: first.extra[k] for k in ("packed", "eos_id") if k in first.extra}})
 
 
-def _masked(cfg: DataConfig, bundles: list[DataBundle]) -> str:
+def _masked(cfg: TokensData, bundles: list[DataBundle]) -> str:
     """data.document_mask: every source masks at the same EOS id (each source's windows are
     masked by build_tokens); the describe note."""
     if not cfg.document_mask:
@@ -211,7 +211,7 @@ def _masked(cfg: DataConfig, bundles: list[DataBundle]) -> str:
     return f"; document-masked at EOS id {ids[0]}"
 
 
-def _check_agree(cfg: DataConfig, bundles: list[DataBundle]):
+def _check_agree(cfg: TokensData, bundles: list[DataBundle]):
     """Every source must speak the same tokenizer: a mixture of vocabularies trains garbage."""
     ref, ref_path = bundles[0], cfg.sources[0].path
     for src, b in zip(cfg.sources[1:], bundles[1:]):

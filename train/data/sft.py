@@ -44,7 +44,7 @@ import torch
 from torch.utils.data import Dataset
 
 from zerotrain.models.losses import IGNORE_INDEX
-from zerotrain.train.config import DataConfig
+from zerotrain.train.config import SftData
 from zerotrain.train.data.text import VOCAB, decode as decode_bytes
 from zerotrain.train.data.bundle import DataBundle
 import zerotrain.train.data.sft_file as sft_file
@@ -334,7 +334,7 @@ def _prepared_sets(path: Path, enc: Encoder, seq_len: int):
     return records, val, val_file.name, top, f"prepared instruction data (from {Path(meta['source']['path']).name})"
 
 
-def build_sft(cfg: DataConfig, seq_len: Optional[int], tokenizer: Optional[str], seed: int = 0) -> DataBundle:
+def build_sft(cfg: SftData, seq_len: Optional[int], tokenizer: Optional[str], seed: int = 0) -> DataBundle:
     """`tokenizer`: a local Hugging Face tokenizer directory, or None for bytes. data.path is a
     JSONL file, or a .bin set from `zerotrain prepare --sft` (the same samples, memory-mapped).
     data.packing: the samples are rows of packed records (train/data/packing.py), planned from

@@ -29,7 +29,7 @@ from typing import Optional
 import numpy as np
 
 import zerotrain.train.data.document_mask as document_mask
-from zerotrain.train.config import DataConfig
+from zerotrain.train.config import TokensData
 from zerotrain.train.data.bundle import DataBundle
 from zerotrain.train.data.shards import build_shards, is_sharded
 from zerotrain.train.errors import DataError
@@ -106,7 +106,7 @@ class TokenFile:
         self.vocab_size = self.meta.get("vocab_size")
 
 
-def build_tokens(cfg: DataConfig, seq_len: Optional[int]):
+def build_tokens(cfg: TokensData, seq_len: Optional[int]):
     from zerotrain.train.data.text import TokenSequences
     if cfg.path is None:
         raise DataError("data.kind = tokens needs data.path (a .bin token file or a shard directory from "
@@ -153,7 +153,7 @@ def build_tokens(cfg: DataConfig, seq_len: Optional[int]):
                             lambda: np.asarray(train_tokens[:document_mask.HEAD_TOKENS]))
 
 
-def _document_masked(cfg: DataConfig, bundle: DataBundle, where: str, meta: dict, max_id: int, head):
+def _document_masked(cfg: TokensData, bundle: DataBundle, where: str, meta: dict, max_id: int, head):
     """data.document_mask: the bundle's windows masked at the EOS its sidecar / manifest records
     (train/data/document_mask.py); otherwise the bundle as it is."""
     if not cfg.document_mask:

@@ -5,7 +5,7 @@ model's ZeRO-1/2 step about a third, transparent huge pages about a tenth; BENCH
 
 * transparent huge pages (PyTorch's THP_MEM_ALLOC_ENABLE, read once when torch loads): never
   set by zerotrain; a value in the environment is the user's and is recorded as such.
-* compact malloc (train.host_malloc, train/launch/device_memory.compact_host_malloc: freed
+* compact malloc (hardware.host_malloc, train/launch/device_memory.compact_host_malloc: freed
   blocks of 1 MiB or more go back to the OS at once). "auto" turns it on only where the run would
   not fit without it: the memory check's plan (which predicts memory that follows live tensors)
   times what glibc's default keeps of freed blocks (GLIBC_GROWTH) leaves less than
@@ -52,18 +52,18 @@ def decide(cfg, strategy, cuda: bool, planned=None, budget=None) -> HostSettings
     """The run's host settings. `planned`/`budget`: the memory check's Estimate and Budget
     (None when the check is off: then auto keeps glibc's default)."""
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE")
-    choice = cfg.train.host_malloc
+    choice = cfg.hardware.host_malloc
     if cuda:
         return HostSettings("glibc", "a GPU run: the device memory is not malloc's", thp)
     if choice != "auto":
-        return _settings(choice, f"train.host_malloc {choice}", strategy, thp)
+        return _settings(choice, f"hardware.host_malloc {choice}", strategy, thp)
     if planned is None or budget is None:
-        return HostSettings("glibc", "train.host_malloc auto without a memory check", thp)
+        return HostSettings("glibc", "hardware.host_malloc auto without a memory check", thp)
     growth = GLIBC_GROWTH[strategy.malloc_key]
     grown = planned.device_total * growth
     room = (1 - cfg.distributed.memory_margin) * budget.bytes
     if grown <= room:
-        return HostSettings("glibc", "train.host_malloc auto: the run fits without compact malloc", thp)
+        return HostSettings("glibc", "hardware.host_malloc auto: the run fits without compact malloc", thp)
     from zerotrain.train.observe.report import human_bytes as hb
     why = (f"the memory check: the plan {hb(planned.device_total)} x glibc's growth {growth:g} = {hb(grown)} "
            f"would leave less than the {cfg.distributed.memory_margin:.0%} margin of {hb(budget.bytes)}")

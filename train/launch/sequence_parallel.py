@@ -73,9 +73,9 @@ def refuse_unsupported(cfg: RunConfig, spec, seq_len: int | None, strategy) -> N
         if h % n:
             raise ConfigError(f"{flag} does not divide the model's {h} {what} ({spec.name}): each rank of a group "
                               f"attends with 1/{n} of them; choose a divisor of {h}")
-    if cfg.train.compile:
-        raise ConfigError(f"{flag} with train.compile true is not supported (the all-to-all is not traced); "
-                          f"set train.compile false")
+    if cfg.hardware.compile:
+        raise ConfigError(f"{flag} with hardware.compile true is not supported (the all-to-all is not traced); "
+                          f"set hardware.compile false")
 
 
 def _heads(cfg: RunConfig, spec) -> tuple[int, int]:

@@ -76,7 +76,7 @@ def _threads_text(t) -> str:
 def _own_code_text(t) -> str:
     """Code that is not zerotrain's: a py: factory's loss, an hf: directory's own modeling code."""
     m = t.cfg.model
-    if m.trust_remote_code:
+    if m.family == "hf" and m.trust_remote_code:
         return ", trust_remote_code: runs the directory's own modeling code"
     if t.workload.family == "py":
         return f", your factory, loss {t.workload.model_config.get('loss')}"

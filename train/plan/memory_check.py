@@ -328,14 +328,14 @@ class _ZeroJSON:
 def sp_runs(cfg, spec, seq_len, world: int):
     """(N, this run's config with it, its Batch per data-parallel rank) for every sequence-parallel
     size above the run's that train/launch/sequence_parallel.py accepts for this model, sequence
-    and world under a ZeRO JSON (train.compile aside: sp_clause says to turn it off), with a
+    and world under a ZeRO JSON (hardware.compile aside: sp_clause says to turn it off), with a
     global batch that splits over world / N data-parallel ranks; N ascending, lazily."""
     from dataclasses import replace
     from zerotrain.train.launch import sequence_parallel as sp_
     from zerotrain.train.plan.sp_fit import sizes
     for n in sizes(cfg.distributed.sequence_parallel, world):
         trial = replace(cfg, distributed=replace(cfg.distributed, sequence_parallel=n),
-                        train=replace(cfg.train, compile=False))
+                        hardware=replace(cfg.hardware, compile=False))
         try:
             sp_.refuse_unsupported(trial, spec, seq_len, _ZeroJSON)
             batch = trial.train.batch(world // n)
@@ -357,7 +357,7 @@ def sp_clause(fit, cfg, budget: Budget, how=lambda r: "") -> str:
     """'; --distributed.sequence_parallel N would fit (...)' for a refusal, or '' without a fit."""
     if fit is None:
         return ""
-    how_ = how(fit.estimate) + (" and --train.compile false" if cfg.train.compile else "")
+    how_ = how(fit.estimate) + (" and --hardware.compile false" if cfg.hardware.compile else "")
     return "; " + fit.clause("--distributed.sequence_parallel",
                              with_margin(fit.estimate, budget, cfg.distributed.memory_margin), how_)
 

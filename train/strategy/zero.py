@@ -31,9 +31,9 @@ class ZeroStrategy(Strategy):
     # ------------------------------------------------------------------ checks and build
     def check_run(self, cfg) -> None:
         super().check_run(cfg)
-        if cfg.train.compile and self.partitions_parameters:
-            raise ConfigError(f"train.compile with ZeRO-3 ({self.path}): DeepSpeed's parameter gathering hooks break "
-                              f"compiled graphs; use ZeRO-0/1/2 or DDP, or set train.compile false")
+        if cfg.hardware.compile and self.partitions_parameters:
+            raise ConfigError(f"hardware.compile with ZeRO-3 ({self.path}): DeepSpeed's parameter gathering hooks break "
+                              f"compiled graphs; use ZeRO-0/1/2 or DDP, or set hardware.compile false")
 
     def check_channels_last(self, cfg, want: Optional[bool], family: str, cuda: bool) -> bool:
         """DeepSpeed copies every parameter into its flat (contiguous, NCHW) buffers, which undoes

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from zerotrain.train.config import DataConfig, RunConfig
-from zerotrain.train.errors import ConfigError
+from zerotrain.train.config import DataSection, RunConfig
 
 
 def float32_matmul_precision(cfg: RunConfig, cuda: bool) -> str | None:
@@ -20,14 +19,14 @@ def float32_matmul_precision(cfg: RunConfig, cuda: bool) -> str | None:
     on CUDA, None (leave torch's default) without a GPU."""
     if not cuda:
         return None
-    return "high" if cfg.train.tf32 else "highest"
+    return "high" if cfg.hardware.tf32 else "highest"
 
 
 def apply_tf32(cfg: RunConfig, cuda: bool) -> str | None:
     precision = float32_matmul_precision(cfg, cuda)
     if precision is not None:
         torch.set_float32_matmul_precision(precision)
-        torch.backends.cudnn.allow_tf32 = cfg.train.tf32  # convolutions (cuDNN's own switch)
+        torch.backends.cudnn.allow_tf32 = cfg.hardware.tf32  # convolutions (cuDNN's own switch)
     return precision
 
 
@@ -60,11 +59,9 @@ def keep_cpu_threads(threads: int) -> None:
 
 
 def use_channels_last(cfg: RunConfig, strategy, family: str, cuda: bool) -> bool:
-    """model.channels_last: None = vision models on a GPU where the strategy keeps the layout."""
-    want = cfg.model.channels_last
-    if want and family != "vision":
-        raise ConfigError(f"model.channels_last is for torchvision models (convolutions); {cfg.model.name} is a "
-                          f"{family} model: remove it")
+    """model.channels_last (a key of vision models only): None = vision models on a GPU where
+    the strategy keeps the layout."""
+    want = cfg.model.channels_last if family == "vision" else None
     return strategy.check_channels_last(cfg, want, family, cuda)
 
 
@@ -76,10 +73,10 @@ def cores_per_rank(local_world: int) -> int:
     return max(1, cores // max(1, local_world))
 
 
-SHARD_WORKERS = 1  # auto workers per rank for a sharded corpus (DataConfig.num_workers says why)
+SHARD_WORKERS = 1  # auto workers per rank for a sharded corpus (TokensData.num_workers says why)
 
 
-def is_sharded_corpus(data: DataConfig) -> bool:
+def is_sharded_corpus(data: DataSection) -> bool:
     """data.path, or any data.sources entry, is a shard directory (a disk-sized corpus)."""
     from zerotrain.train.data.shards import is_sharded
     if data.kind != "tokens":
@@ -88,7 +85,7 @@ def is_sharded_corpus(data: DataConfig) -> bool:
     return any(p is not None and is_sharded(Path(p).expanduser()) for p in paths)
 
 
-def data_workers(data: DataConfig, local_world: int) -> int:
+def data_workers(data: DataSection, local_world: int) -> int:
     """data.num_workers; None = decode images in worker processes (leaving a core for the
     training loop), SHARD_WORKERS to read a sharded corpus from disk, nothing for data that
     is already in memory or in one small memory-mapped file. data.kind stream: 0, its

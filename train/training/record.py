@@ -72,7 +72,7 @@ def _resolved(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed, mod
     out["host_settings"] = dist.host.record()
     stream = data.bundle.stream
     out["hardware"] = {"float32_matmul_precision": rt.matmul_precision, "cpu_threads": rt.threads,
-                       "channels_last": model.channels_last, "compile": cfg.train.compile,
+                       "channels_last": model.channels_last, "compile": cfg.hardware.compile,
                        "data_workers": loaders.workers, **({"stream_workers": stream.workers} if stream else {})}
     return out
 

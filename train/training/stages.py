@@ -61,7 +61,7 @@ class Runtime:
     world: int
     cuda: bool
     local_world: int                 # this node's ranks
-    matmul_precision: Optional[str]  # set on CUDA (train.tf32)
+    matmul_precision: Optional[str]  # set on CUDA (hardware.tf32)
     threads: int                     # torch's intra-op threads in this rank
     run_dir: Path
     elastic: Optional[ElasticRun]    # torchrun's agent: this attempt of the job
@@ -257,7 +257,7 @@ def build_model(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed) -
     channels_last = hardware.use_channels_last(cfg, strategy, workload.family, rt.cuda)
     if channels_last:
         workload.model.to(memory_format=torch.channels_last)
-    if cfg.train.compile:
+    if cfg.hardware.compile:
         workload.model.compile()  # in place: parameter names (checkpoints, exports) stay the same
     raw_optimizer = strategy.build_optimizer(workload.model, cfg.optim)
     set_seed(cfg.train.seed + dist.topo.rank)

@@ -193,8 +193,8 @@ class Trainer:
 
     @contextlib.contextmanager
     def _progress_bar(self):
-        """Rank 0's tqdm bar with train.progress, else None."""
-        if not (self.acc.is_main_process and self.cfg.train.progress):
+        """Rank 0's tqdm bar with logging.progress, else None."""
+        if not (self.acc.is_main_process and self.cfg.logging.progress):
             yield None
             return
         from tqdm.auto import tqdm  # deferred: a run without a bar (log files, other ranks) skips its import
@@ -230,7 +230,7 @@ class Trainer:
             if "tokens_per_s" in m:
                 post["tok/s"] = report.human(m["tokens_per_s"])
             bar.set_postfix(post, refresh=False)
-        elif self.acc.is_main_process:  # no bar (train.progress false, e.g. log files): one line per interval
+        elif self.acc.is_main_process:  # no bar (logging.progress false, e.g. log files): one line per interval
             print(report.progress_line(m, self.state.step, self.max_steps), flush=True)
         w.reset()
         return m
@@ -280,7 +280,7 @@ class Trainer:
 
     def _next_batch(self) -> dict:
         b = self.position.next_batch(self.state)
-        if self.cfg.train.trace_data:
+        if self.cfg.debug.trace_data:
             self._trace(b)
         if self.seq_parallel is not None:
             b = self.seq_parallel.slice_batch(b)  # this rank's contiguous slice of each row
