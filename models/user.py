@@ -1,7 +1,7 @@
 """Your own model: `model.name = "py:<module>:<factory>"` (docs/workloads.md, Your own model).
 
-The module is imported by its dotted name (from sys.path: PYTHONPATH, an installed package or
-the run's working directory; nothing is added to sys.path here) and the factory is called with
+The module is imported by its dotted name (from the import path as Python has it: PYTHONPATH, an
+installed package; zerotrain adds nothing to it) and the factory is called with
 `model.kwargs` as keyword arguments. It must return an nn.Module. It is called:
 
 * for the run, inside the strategy's construction context, exactly where the built-in models are

@@ -27,10 +27,10 @@ SAVE_AT, CONTINUE = 3, 3
 RUN_YAML = """\
 model: {name: gpt-tiny}
 data: {seq_len: 64, max_bytes: 300000}
-train: {micro_batch_size: 4, global_batch_size: 8, progress: false, sample_tokens: 0, eval_every: 0,
+train: {micro_batch_size: 4, global_batch_size: 8, sample_tokens: 0, eval_every: 0,
         eval_batches: 1}
 optim: {lr: 0.003, schedule: constant, warmup_steps: 0}
-logging: {every_steps: 1}
+logging: {every_steps: 1, progress: false}
 checkpoint: {export: false, save_at_end: false}
 """
 

@@ -57,7 +57,7 @@ def user_moe(tmp_path_factory):
 # ----------------------------------------------------------------------------- in process
 
 @pytest.mark.parametrize("name,kwargs,says", [
-    ("py:user_models.banded_moe", None, 'model.name "py:user_models.banded_moe" is not "py:<module>:<factory>"'),
+    ("py:user_models.banded_moe", None, 'model.name "py:user_models.banded_moe" must be "py:<module>:<function>"'),
     ("py:user_models.missing:build", None, 'no module named "user_models.missing" on the Python path; make it '
                                            "importable: put its directory on PYTHONPATH"),
     ("py:user_models.banded_moe:build_modle", None, 'has no function "build_modle" (did you mean "build_model"?)'),
@@ -74,11 +74,12 @@ def test_a_bad_factory_stops_in_one_line_with_exit_2(capsys, tmp_path, name, kwa
 
 
 @pytest.mark.parametrize("override,says", [
-    (["--model.kwargs", "{d: 1}"], 'model.kwargs is for your own model (model.name "py:<module>:<factory>")'),
-    (["--model.loss", "lm"], 'model.loss is for your own model (model.name "py:<module>:<factory>")'),
-    (["--model.trust_remote_code", "true"], "model.trust_remote_code is for hf:<local dir> models"),
-    (["--model.name", FACTORY, "--model.loss", "clasification"], 'model.loss "clasification" is unknown (did you mean '
-                                                                  '"classification"?); use one of lm, classification, model'),
+    (["--model.kwargs", "{d: 1}"], "model.kwargs is not a key of model family gpt (its keys: name, "),
+    (["--model.loss", "lm"], "model.loss is not a key of model family gpt"),
+    (["--model.trust_remote_code", "true"], "model.trust_remote_code is not a key of model family gpt"),
+    (["--model.name", "resnet18", "--model.trust_remote_code", "true"], "model family hf has it"),
+    (["--model.name", FACTORY, "--model.loss", "clasification"], 'model.loss must be one of lm, classification, model '
+                                                                  '(got "clasification") (did you mean "classification"?)'),
     (["--model.name", FACTORY, "--model.kwargs", "[1, 2]"], "model.kwargs must be a mapping (got '[1, 2]')"),
 ])
 def test_keys_of_another_kind_of_model_are_refused(override, says):
