@@ -8,6 +8,8 @@ in their code and in a run, and the installed zerotrain still finds its shipped 
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 import sysconfig
@@ -23,7 +25,20 @@ import torch
 
 
 class GPT(torch.nn.Module):
+    """The user's GPT (a bigram model is enough here), named like zerotrain's own."""
     OWNER = "user"
+
+    def __init__(self, vocab: int = 256, width: int = 16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids):         # (B, T) token ids
+        return self.head(self.emb(input_ids))  # (B, T, vocab) logits
+
+
+def build(vocab: int = 256, width: int = 16) -> GPT:
+    return GPT(vocab, width)
 '''
 
 
@@ -87,16 +102,20 @@ def test_a_fresh_venv_with_the_wheel_runs_beside_the_users_own_models_package(wh
                          text=True, timeout=120)
     assert out.returncode == 0 and "plan" in out.stdout and "prepare" in out.stdout, out.stderr[-2000:]
 
-    # train/main.py of the source checkout, run by the fresh venv's Python from the user's directory
+    # train/main.py of the source checkout, run by the fresh venv's Python from the user's
+    # directory, training the user's own models.GPT (model.name py:<module>:<factory>)
     run_dir = tmp_path / "run"
-    out = subprocess.run([str(py), MAIN, "--model.name", "gpt-tiny", "--train.max_steps", "2",
+    out = subprocess.run([str(py), MAIN, "--model.name", "py:models:build", "--model.kwargs", "{width: 8}",
+                          "--data.seq_len", "32", "--data.max_bytes", "100000", "--train.max_steps", "2",
                           "--train.micro_batch_size", "2", "--train.eval_every", "0", "--train.sample_tokens", "0",
                           "--checkpoint.save_at_end", "false", "--checkpoint.export", "false",
                           "--train.run_dir", str(run_dir)],  # the default DeepSpeed JSON: the wheel's own
                          cwd=user, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert lines and '"step": 2' in lines[-1], lines[-1:]
+    assert "py:models:build" in out.stdout and "your factory" in out.stdout, out.stdout[-2000:]  # the banner
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert rows[-1]["step"] == 2 and losses and all(math.isfinite(x) for x in losses), rows[-1:]
 
 
 def test_main_without_zerotrain_installed_says_how_to_install(tmp_path):
