@@ -35,8 +35,8 @@ def moe_args(tokens: Path, run_dir: Path, ds: str) -> list[str]:
             "--data.path", str(tokens), "--data.seq_len", str(SEQ), "--train.micro_batch_size", "1",
             "--train.grad_accum_steps", "2", "--train.max_steps", str(STEPS), "--train.eval_every", "0",
             "--train.eval_batches", "null", "--train.seed", str(SEED), "--optim.lr", "3e-3",
-            "--optim.warmup_steps", "2", "--train.progress", "false", "--logging.every_steps", "1",
-            "--train.trace_data", "true", "--checkpoint.save_at_end", "false", "--checkpoint.export", "true",
+            "--optim.warmup_steps", "2", "--logging.progress", "false", "--logging.every_steps", "1",
+            "--debug.trace_data", "true", "--checkpoint.save_at_end", "false", "--checkpoint.export", "true",
             "--checkpoint.export_dtype", "fp32", "--ds-config", ds, "--train.run_dir", str(run_dir)]
 
 
@@ -81,6 +81,7 @@ def test_a_bad_factory_stops_in_one_line_with_exit_2(capsys, tmp_path, name, kwa
     (["--model.name", FACTORY, "--model.loss", "clasification"], 'model.loss must be one of lm, classification, model '
                                                                   '(got "clasification") (did you mean "classification"?)'),
     (["--model.name", FACTORY, "--model.kwargs", "[1, 2]"], "model.kwargs must be a mapping (got '[1, 2]')"),
+    (["--model.name", FACTORY, "--model.kwargs", "{day: 2020-01-01}"], "model.kwargs must hold plain values"),
 ])
 def test_keys_of_another_kind_of_model_are_refused(override, says):
     from zerotrain.train.config import load_config
@@ -275,7 +276,7 @@ def test_a_dir_with_its_own_code_trains_under_zero3_with_trust_remote_code(tmp_p
     proc = run_train("torchrun", 2, [
         "--model.name", f"hf:{d}", "--model.trust_remote_code", "true", "--data.kind", "tokens", "--data.path",
         str(tokens), "--data.seq_len", str(SEQ), "--train.micro_batch_size", "2", "--train.max_steps", "2",
-        "--train.eval_every", "0", "--train.eval_batches", "1", "--train.progress", "false",
+        "--train.eval_every", "0", "--train.eval_batches", "1", "--logging.progress", "false",
         "--logging.every_steps", "1", "--checkpoint.save_at_end", "false", "--checkpoint.export", "true",
         "--checkpoint.export_dtype", "fp32", "--ds-config", zero3_all_partitioned(tmp_path),
         "--train.run_dir", str(run_dir)], env={"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")})

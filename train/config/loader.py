@@ -134,7 +134,7 @@ def _coerce(value, tp, key: str, from_cli: bool):
     try:
         if base in _SCALARS:
             return _SCALARS[base](value, from_cli)
-        if typing.get_origin(base) is dict:
+        if base is dict or typing.get_origin(base) is dict:
             return _mapping(value, key, from_cli)
         return _sequence(value, base, key, from_cli)
     except _Refused:
@@ -161,11 +161,8 @@ def _mapping(value, key: str, from_cli: bool) -> dict:
 
 
 def _sequence(value, tp, key: str, from_cli: bool):
-    """A list or tuple field, item by item; on the command line a JSON list or comma-separated items.
-    A dict field (model.kwargs): a mapping with string keys; on the command line flow-style YAML or JSON."""
+    """A list or tuple field, item by item; on the command line a JSON list or comma-separated items."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is dict or origin is dict:
-        return _mapping(value, from_cli)
     if origin not in (tuple, list):
         raise _Refused  # pragma: no cover - every field type is handled
     if dataclasses.is_dataclass(args[0]):  # a list of sections (data.sources): each built strictly
@@ -180,18 +177,6 @@ def _sequence(value, tp, key: str, from_cli: bool):
     if origin is tuple:
         return tuple(_coerce(v, a, key, from_cli) for v, a in zip(value, args))
     return [_coerce(v, args[0], key, from_cli) for v in value]
-
-
-def _mapping(value, from_cli: bool) -> dict:
-    if from_cli and isinstance(value, str):
-        import yaml
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise _Refused from None
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise _Refused
-    return dict(value)
 
 
 def _section_list(value, cls, key: str, from_cli: bool) -> list:
