@@ -85,7 +85,7 @@ class BackgroundWrite:
     blocked_s: float            # what the loop spent on it: waiting for the previous write, agreeing, copying
     waited_s: float             # of which waiting for the previous save's write
     work: Callable[["BackgroundWrite"], dict]
-    is_main: bool
+    disk_full: Callable[[BaseException], bool]
     records: Optional[dict] = None
     error: Optional[BaseException] = None
     trace: str = ""
@@ -122,8 +122,8 @@ class BackgroundWrite:
         return time.perf_counter() - t0
 
     def status(self) -> tuple[float, float, float, float]:
-        """(save number, written, failed, failed on rank 0): summed over the ranks by the vote."""
+        """(save number, written, failed, failed for a full disk): summed over the ranks by the vote."""
         if not self.done:
             return float(self.seq), 0.0, 0.0, 0.0
         failed = self.error is not None
-        return float(self.seq), float(not failed), float(failed), float(failed and self.is_main)
+        return float(self.seq), float(not failed), float(failed), float(failed and self.disk_full(self.error))

@@ -274,7 +274,7 @@ class Checkpointer:
         self._saves += 1
         self._pending = BackgroundWrite(
             seq=self._saves, step=state.step, tmp=tmp, final=final, blocked_s=time.perf_counter() - t0,
-            waited_s=waited, work=lambda w: self._write_snapshot(w, files, rng, meta), is_main=self.is_main).start()
+            waited_s=waited, work=lambda w: self._write_snapshot(w, files, rng, meta), disk_full=_disk_full).start()
         return final
 
     def _snapshot(self, state) -> tuple[dict, dict, dict | None]:
@@ -346,10 +346,10 @@ class Checkpointer:
         w = self._pending
         if w is None:
             return
-        seq, ok, failed, main_failed = writes
+        seq, ok, failed, disk_full = writes
         if seq != w.seq * self.world or ok + failed < self.world:
             return  # a vote about an earlier save, or writes still running
-        self._resolve(w, failed > 0, main_failed > 0, step)
+        self._resolve(w, failed > 0, disk_full > 0, step)
 
     def flush(self, step: int) -> float:
         """Wait for this rank's write in flight (logged), agree with the others on the outcome
@@ -361,12 +361,13 @@ class Checkpointer:
         waited = w.wait()
         if waited > 0:
             self._say(f"checkpoint {w.final.name}: waited {waited:.2f} s for its background write")
-        failed = ckpt_files.reduce_max(torch.tensor([int(w.error is not None), int(self.is_main and w.error is not None)]),
+        err = w.error
+        failed = ckpt_files.reduce_max(torch.tensor([int(err is not None), int(err is not None and _disk_full(err))]),
                                        self.strategy.acc.device)
         self._resolve(w, bool(failed[0]), bool(failed[1]), step, waited)
         return waited
 
-    def _resolve(self, w: BackgroundWrite, failed: bool, main_failed: bool, step: int, waited: float = 0.0) -> None:
+    def _resolve(self, w: BackgroundWrite, failed: bool, disk_full: bool, step: int, waited: float = 0.0) -> None:
         """Every rank, at the same step: commit (rank 0) or report the write; `step` is the
         loop's step now (the metrics row), the checkpoint's is checkpoint/step."""
         self._pending = None
@@ -374,12 +375,15 @@ class Checkpointer:
             print(f"zerotrain: rank {self.rank}: the background checkpoint write failed:\n{w.trace}",
                   file=sys.stderr, flush=True)  # a bug, not the disk: keep the traceback
         if failed:
+            # One line for a full disk (whichever ranks hit it): rank 0's. Another error is also
+            # reported by the rank it happened on.
             if self.is_main:
                 ckpt_files.remove_tree(w.tmp)
-                why = _describe(w.error, self.root) if w.error is not None else \
-                    "its write failed on another rank (that rank's line says why)"
+                why = (f"disk full (no space left on {self.root})" if disk_full
+                       else _describe(w.error, self.root) if w.error is not None
+                       else "its write failed on another rank (that rank's line says why)")
                 self._warn_not_saved(w, why)
-            elif w.error is not None and not main_failed:
+            elif w.error is not None and not disk_full:
                 print(f"zerotrain: WARNING: rank {self.rank}: checkpoint {w.final} was not saved: "
                       f"{_describe(w.error, self.root)}", flush=True)
             return
