@@ -175,8 +175,7 @@ class CheckpointConfig:
     write is still running (logged), and `latest` moves only once every rank's files are durable.
     A failed write (disk full) is one warning line: the previous checkpoint stays, the next save
     tries again. Costs host memory the size of the rank's share of the checkpoint (~12 bytes x
-    parameters / processes, counted by the memory plan; where it does not fit, saves stay
-    synchronous with one banner line). Lifecycle and measurements: docs/checkpoints.md."""
+    parameters / processes; not yet counted by the memory plan). Lifecycle: docs/checkpoints.md."""
 
     def __post_init__(self):
         if self.every_steps < 0:
