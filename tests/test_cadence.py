@@ -107,7 +107,7 @@ def test_the_stop_vote_carries_the_ticket_one_step_late():
         got = []
         for flag, ticket in [(False, 0.0), (False, 3.0), (False, 0.0), (True, 0.0)]:
             got.append(vote(flag, ticket))  # Agreed(stop, ticket)
-        assert got == [(False, 0.0), (False, 0.0), (False, 3.0), (False, 0.0)]
+        assert [(a.stop, a.ticket) for a in got] == [(False, 0.0), (False, 0.0), (False, 3.0), (False, 0.0)]
         assert vote.finish() is True
         assert all(b.device == torch.device("cpu") for b in vote.buffers)
     finally:

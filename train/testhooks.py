@@ -17,7 +17,13 @@ ZEROTRAIN_INJECT_HOLD=9      once step 9 is done, wait (at most 600 s) for SIGTE
                              the next step: a membership change (the agent's SIGTERM) lands at a
                              known step however fast the loop is.
 ZEROTRAIN_INJECT_KILL_IN_SAVE=5  "saved_file": each rank SIGKILLs itself after its first file of
-                             step 5's checkpoint (a crash in the middle of a save).
+                             step 5's checkpoint (a crash in the middle of a save); "1:5": rank 1
+                             only. With checkpoint.async the file is written by the background
+                             thread: the kill lands during the background write.
+ZEROTRAIN_INJECT_SIGTERM_IN_WRITE=5  "writing" (checkpoint.async): after its first file of step 5's
+                             checkpoint, each rank's writer thread sends SIGTERM to its own process
+                             (a scheduler's preemption), then holds the write until the loop waits
+                             for it (at most 120 s): the stop always meets a write in flight.
 ZEROTRAIN_PREPARE_STOP_AFTER=K   "shard_written": `zerotrain prepare` stops after K shards, as an
                              interruption would.
 ZEROTRAIN_MOE_LEAF=0         "no_moe_leaf": ZeRO-3 leaves sparse-MoE blocks to DeepSpeed's
@@ -53,7 +59,11 @@ def load(env=None) -> None:
         _armed["after_step"] = lambda **where: any(hook(**where) for hook in after)
     kill_in_save = env.get("ZEROTRAIN_INJECT_KILL_IN_SAVE")
     if kill_in_save:
-        _armed["saved_file"] = lambda step: step == int(kill_in_save) and _die()
+        who, _, at = kill_in_save.rpartition(":")
+        _armed["saved_file"] = lambda step, rank: step == int(at) and (not who or rank == int(who)) and _die()
+    sigterm_in_write = env.get("ZEROTRAIN_INJECT_SIGTERM_IN_WRITE")
+    if sigterm_in_write:
+        _armed["writing"] = lambda step, waiting: step == int(sigterm_in_write) and _term_and_hold(waiting)
     stop_after = int(env.get("ZEROTRAIN_PREPARE_STOP_AFTER", "0") or 0)
     if stop_after:
         _armed["shard_written"] = lambda shards: shards >= stop_after
@@ -79,6 +89,18 @@ def _after_step_hooks(env) -> list[Callable[..., bool]]:
 
 def _die() -> bool:
     os.kill(os.getpid(), signal.SIGKILL)
+    return False
+
+
+_fired: set = set()
+
+
+def _term_and_hold(waiting) -> bool:
+    if "sigterm" in _fired:  # once: after the first file
+        return False
+    _fired.add("sigterm")
+    os.kill(os.getpid(), signal.SIGTERM)
+    waiting.wait(120)
     return False
 
 

@@ -13,12 +13,21 @@ the trainer then starts from. A component with state to resume (train/checkpoint
 `Stateful`: state_dict() / load_state_dict()) is registered by name (`register`); meta.json keeps
 `{"state": {name: its state_dict()}}`, and a resume hands each its record back. The strategy is
 registered as "engine" (its counters and fp16 loss scale).
+
+checkpoint.async: a save copies this rank's state into reused host buffers at the step boundary
+and writes the same files in a background thread (train/checkpoint/background.py) while training
+goes on. Ranks learn that every write is durable from the loop's per-step vote (`write_status`,
+`poll`: no collective of its own), or, when the next save, the last step or a stop comes first,
+by waiting for it (`flush`: one collective, at a save); only then does rank 0 commit (manifest,
+rename, `latest`). A failed write is one warning line; the previous checkpoint stays `latest`.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -28,6 +37,7 @@ import torch
 from zerotrain.models.lora import base_name, is_adapter
 from zerotrain.train import testhooks
 from zerotrain.train.checkpoint import adapter
+from zerotrain.train.checkpoint.background import BackgroundWrite, Staging
 from zerotrain.train.checkpoint import files as ckpt_files
 from zerotrain.train.checkpoint.files import MOMENTS, persistent_buffers
 from zerotrain.train.checkpoint.state import Stateful, TrainState
@@ -46,6 +56,21 @@ def _barrier():
     d = ckpt_files.process_group()
     if d is not None:
         d.barrier()
+
+
+def _disk_full(err: BaseException) -> bool:
+    # safetensors reports ENOSPC as SafetensorError("... No space left on device (os error 28)").
+    return (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "(os error 28)" in str(err)
+
+
+def _io_error(err: BaseException) -> bool:
+    return isinstance(err, (OSError, CheckpointError)) or type(err).__name__ == "SafetensorError"
+
+
+def _describe(err: BaseException, root: Path) -> str:
+    if _disk_full(err):
+        return f"disk full (no space left on {root})"
+    return str(err) if _io_error(err) else f"{type(err).__name__}: {err}"
 
 
 def shape_mismatch(expected: dict, found: dict, what_expected: str, what_found: str, limit: int = 8) -> str | None:
@@ -105,6 +130,11 @@ class Checkpointer:
         self.resumed_from: Path | None = None  # the checkpoint load() restored, if any
         self.components: dict[str, Stateful] = {}
         self.register("engine", strategy)
+        # checkpoint.async (build.py turns it off when the host snapshot would not fit)
+        self.background = bool(getattr(cfg, "async_", False))
+        self._staging: Staging | None = None
+        self._pending: BackgroundWrite | None = None
+        self._saves = 0  # asynchronous saves started: the same number on every rank
 
     def register(self, name: str, component: Stateful) -> None:
         """Keep `component`'s state_dict() in every checkpoint under `name`, and hand it back on
@@ -130,6 +160,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, state) -> Path:
+        if self.background:
+            return self._save_async(state)
         t0 = time.perf_counter()
         name = ckpt_files.step_dir_name(state.step)
         final, tmp = self.root / name, self.root / (ckpt_files.TMP_PREFIX + name)
@@ -170,8 +202,7 @@ class Checkpointer:
             err = e
         failed = ckpt_files.reduce_max(torch.tensor([int(err is not None)]), self.strategy.acc.device)
         if err is not None:
-            # safetensors reports ENOSPC as SafetensorError("... No space left on device (os error 28)").
-            if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "(os error 28)" in str(err):
+            if _disk_full(err):
                 prev = self.latest_path()
                 raise CheckpointError(f"{what} failed: disk full (no space left on {self.root}); "
                                       + (f"the previous checkpoint {prev} is intact; " if prev else "")
@@ -185,6 +216,22 @@ class Checkpointer:
         return out
 
     def _write_rank_files(self, tmp: Path, state) -> dict:
+        split, sources = self._layout()
+        records = {}
+        for fname, keys in split.filename_to_tensors.items():
+            tensors = {k: self._piece(sources[k]) for k in keys}
+            records[fname] = ckpt_files.save_tensors(tensors, tmp / fname)
+            del tensors
+            testhooks.fire("saved_file", step=state.step, rank=self.rank)  # ZEROTRAIN_INJECT_KILL_IN_SAVE (train/testhooks.py)
+        rng_name = f"rng/rank{self.rank:05d}.json"
+        records[rng_name] = ckpt_files.write_json(tmp / rng_name, ckpt_files.rng_state())
+        if self.is_main:
+            records[ckpt_files.META] = ckpt_files.write_json(tmp / ckpt_files.META, self._meta(state))
+        return records
+
+    def _layout(self):
+        """This rank's files (huggingface_hub's split at max_shard_size) and where each piece
+        comes from: (slot, kind), or a persistent buffer (rank 0)."""
         from huggingface_hub import split_torch_state_dict_into_shards
         sources, skeleton = {}, {}
         for s in self.holder.slots:
@@ -203,17 +250,170 @@ class Checkpointer:
         # Files of at most max_shard_size: the host copy of one file is the save's extra memory.
         split = split_torch_state_dict_into_shards(skeleton, filename_pattern=f"rank{self.rank:05d}{{suffix}}.safetensors",
                                                    max_shard_size=self.cfg.max_shard_size)
-        records = {}
-        for fname, keys in split.filename_to_tensors.items():
-            tensors = {k: self._piece(sources[k]) for k in keys}
-            records[fname] = ckpt_files.save_tensors(tensors, tmp / fname)
-            del tensors
-            testhooks.fire("saved_file", step=state.step)  # ZEROTRAIN_INJECT_KILL_IN_SAVE (train/testhooks.py)
-        rng_name = f"rng/rank{self.rank:05d}.json"
-        records[rng_name] = ckpt_files.write_json(tmp / rng_name, ckpt_files.rng_state())
+        return split, sources
+
+    # ------------------------------------------------------------------ asynchronous save (checkpoint.async)
+    def _save_async(self, state) -> Path:
+        """Wait for the previous write if it is still running (logged), agree on the directory
+        (as a synchronous save does), copy this rank's state into the host buffers, and start
+        writing them in the background. Committing comes later (`poll` / `flush`)."""
+        t0 = time.perf_counter()
+        waited = self.flush(state.step)
+        name = ckpt_files.step_dir_name(state.step)
+        final, tmp = self.root / name, self.root / (ckpt_files.TMP_PREFIX + name)
+
+        def prepare():
+            if self.is_main:
+                self.root.mkdir(parents=True, exist_ok=True)
+                for stale in self.root.glob(ckpt_files.TMP_PREFIX + "*"):  # left by a save that was killed
+                    ckpt_files.remove_tree(stale)
+                tmp.mkdir()
+
+        self._agree(prepare, f"creating {tmp}")
+        files, rng, meta = self._snapshot(state)
+        self._saves += 1
+        self._pending = BackgroundWrite(
+            seq=self._saves, step=state.step, tmp=tmp, final=final, blocked_s=time.perf_counter() - t0,
+            waited_s=waited, work=lambda w: self._write_snapshot(w, files, rng, meta), disk_full=_disk_full).start()
+        return final
+
+    def _snapshot(self, state) -> tuple[dict, dict, dict | None]:
+        """This rank's pieces in the reused host buffers ({file: {key: tensor}}), its RNG streams
+        and (rank 0) the metadata, all as of this step boundary."""
+        if self._staging is None:
+            self._staging = Staging(self.strategy.acc.device)
+        split, sources = self._layout()
+        st = self._staging
+        st.begin()
+        files = {}
+        with torch.no_grad():
+            for fname, keys in split.filename_to_tensors.items():
+                files[fname] = {}
+                for k in keys:
+                    src = sources[k]
+                    if isinstance(src, tuple):
+                        slot, kind = src
+                        a, b = slot.save
+                        files[fname][k] = st.copy(k, self.holder.source(slot, kind), b - a)
+                    else:  # a persistent buffer, in its own dtype
+                        files[fname][k] = st.copy(k, src, src.numel(), src.dtype)
+        st.end()
+        meta = json.loads(json.dumps(self._meta(state), default=str)) if self.is_main else None
+        return files, ckpt_files.rng_state(), meta
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Host memory the asynchronous saves keep (0 before the first one)."""
+        return self._staging.nbytes if self._staging else 0
+
+    def _write_snapshot(self, w: BackgroundWrite, files: dict, rng: dict, meta: dict | None) -> dict:
+        """In the writer thread: the files a synchronous save writes, from the snapshot, each
+        fsynced, then this rank's part list. On failure this rank's files are removed again
+        (a full disk gets its space back at once)."""
+        self._staging.ready()
+        written = []
+        try:
+            records = {}
+            for fname, tensors in files.items():
+                written.append(w.tmp / fname)
+                records[fname] = ckpt_files.save_tensors(tensors, w.tmp / fname)
+                testhooks.fire("saved_file", step=w.step, rank=self.rank)  # ZEROTRAIN_INJECT_KILL_IN_SAVE
+                testhooks.fire("writing", step=w.step, waiting=w.waiting)  # ZEROTRAIN_INJECT_SIGTERM_IN_WRITE
+            rng_name = f"rng/rank{self.rank:05d}.json"
+            written.append(w.tmp / rng_name)
+            records[rng_name] = ckpt_files.write_json(w.tmp / rng_name, rng)
+            if meta is not None:
+                written.append(w.tmp / ckpt_files.META)
+                records[ckpt_files.META] = ckpt_files.write_json(w.tmp / ckpt_files.META, meta)
+            written.append(w.tmp / f".part-rank{self.rank:05d}.json")
+            ckpt_files.write_json(written[-1], records)
+            return records
+        except BaseException:
+            for p in written:
+                try:
+                    p.unlink()
+                except OSError:
+                    pass
+            raise
+
+    def write_status(self) -> tuple:
+        """This rank's part of the loop's vote about the write in flight (BackgroundWrite.status)."""
+        return self._pending.status() if self._pending is not None else (0.0, 0.0, 0.0, 0.0)
+
+    def poll(self, writes: tuple, step: int) -> None:
+        """The vote's sum over the ranks (every rank reads the same one at the same step): once
+        every rank's write of the save in flight has ended, commit it (rank 0) or report it."""
+        w = self._pending
+        if w is None:
+            return
+        seq, ok, failed, disk_full = writes
+        if seq != w.seq * self.world or ok + failed < self.world:
+            return  # a vote about an earlier save, or writes still running
+        self._resolve(w, failed > 0, disk_full > 0, step)
+
+    def flush(self, step: int) -> float:
+        """Wait for this rank's write in flight (logged), agree with the others on the outcome
+        (a collective: every rank calls it at the same step), then commit or report it.
+        Returns the seconds waited."""
+        w = self._pending
+        if w is None:
+            return 0.0
+        waited = w.wait()
+        if waited > 0:
+            self._say(f"checkpoint {w.final.name}: waited {waited:.2f} s for its background write")
+        err = w.error
+        failed = ckpt_files.reduce_max(torch.tensor([int(err is not None), int(err is not None and _disk_full(err))]),
+                                       self.strategy.acc.device)
+        self._resolve(w, bool(failed[0]), bool(failed[1]), step, waited)
+        return waited
+
+    def _resolve(self, w: BackgroundWrite, failed: bool, disk_full: bool, step: int, waited: float = 0.0) -> None:
+        """Every rank, at the same step: commit (rank 0) or report the write; `step` is the
+        loop's step now (the metrics row), the checkpoint's is checkpoint/step."""
+        self._pending = None
+        if w.error is not None and not _io_error(w.error):
+            print(f"zerotrain: rank {self.rank}: the background checkpoint write failed:\n{w.trace}",
+                  file=sys.stderr, flush=True)  # a bug, not the disk: keep the traceback
+        if failed:
+            # One line for a full disk (whichever ranks hit it): rank 0's. Another error is also
+            # reported by the rank it happened on.
+            if self.is_main:
+                ckpt_files.remove_tree(w.tmp)
+                why = (f"disk full (no space left on {self.root})" if disk_full
+                       else _describe(w.error, self.root) if w.error is not None
+                       else "its write failed on another rank (that rank's line says why)")
+                self._warn_not_saved(w, why)
+            elif w.error is not None and not disk_full:
+                print(f"zerotrain: WARNING: rank {self.rank}: checkpoint {w.final} was not saved: "
+                      f"{_describe(w.error, self.root)}", flush=True)
+            return
+        nbytes = 0
         if self.is_main:
-            records[ckpt_files.META] = ckpt_files.write_json(tmp / ckpt_files.META, self._meta(state))
-        return records
+            try:
+                nbytes = self._commit(w.tmp, w.final, w.step)
+            except (OSError, CheckpointError) as e:
+                ckpt_files.remove_tree(w.tmp)
+                self._warn_not_saved(w, _describe(e, self.root))
+                return
+        self._last_saved = w.final
+        if self.is_main:
+            self._say(f"checkpoint {w.final} saved ({nbytes / 2**20:.1f} MiB; the loop was blocked {w.blocked_s:.2f} s, "
+                      f"written in the background in {w.write_s:.2f} s)")
+            self.log({"checkpoint/step": w.step, "checkpoint/save_s": w.blocked_s, "checkpoint/write_s": w.write_s,
+                      "checkpoint/wait_s": w.waited_s + waited, "checkpoint/bytes": nbytes,
+                      "checkpoint/snapshot_bytes": self.snapshot_bytes}, step)
+
+    def _warn_not_saved(self, w: BackgroundWrite, why: str) -> None:
+        prev = self.latest_path()
+        print(f"zerotrain: WARNING: checkpoint {w.final} was not saved: {why}; "
+              + (f"the previous checkpoint {prev} is kept; " if prev else "")
+              + "training goes on and the next save tries again", flush=True)
+
+    def close(self) -> None:
+        """Wait for the write in flight (no collective: also after a failure on some ranks); a
+        write never committed leaves only a `.tmp-` directory, which no resume picks."""
+        if self._pending is not None:
+            self._pending.wait()
 
     @property
     def lora(self) -> dict | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import keyword
 import types
 import typing
 from pathlib import Path
@@ -23,6 +24,17 @@ from zerotrain.train.errors import ConfigError, did_you_mean
 
 def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def field_name(key: str) -> str:
+    """The dataclass field of a run-file key: a key that is a Python keyword (checkpoint.async)
+    is the field with a trailing underscore (CheckpointConfig.async_)."""
+    return key + "_" if keyword.iskeyword(key) else key
+
+
+def key_name(name: str) -> str:
+    """The run-file key of a dataclass field (field_name's inverse)."""
+    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
 
 
 def _unwrap_optional(tp):
@@ -202,7 +214,7 @@ def _build(cls, data: dict, prefix: str):
     if tagged:
         cls = cls.pick(data)
     hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [key_name(f.name) for f in dataclasses.fields(cls)]
     kwargs = {}
     for k, v in data.items():
         if k not in names and tagged:
@@ -210,12 +222,13 @@ def _build(cls, data: dict, prefix: str):
         if k not in names:
             raise ConfigError(f'unknown key "{prefix}{k}"{did_you_mean(k, names)}; '
                               f'valid keys here: {", ".join(names)}')
-        tp = hints[k]
+        tp = hints[field_name(k)]
         section, optional = _section(tp)
         if section is not None:
             kwargs[k] = None if v is None and optional else _build(section, v, f"{prefix}{k}.")
         else:
             kwargs[k] = _coerce(v, tp, prefix + k, from_cli=False)
+    kwargs = {field_name(k): v for k, v in kwargs.items()}
     required = [f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     missing = [k for k in required if k not in kwargs]
@@ -235,12 +248,12 @@ def _set_dotted(raw: dict, dotted: str, text: str):
             cls = cls.pick(node)
             if part not in {f.name for f in dataclasses.fields(cls)}:
                 raise _not_a_key(cls, part, f"--{dotted}")
-        names = [f.name for f in dataclasses.fields(cls)]
+        names = [key_name(f.name) for f in dataclasses.fields(cls)]
         here = ".".join(parts[:i])
         if part not in names:
             raise ConfigError(f'unknown option "--{dotted}"{did_you_mean(part, names)}; '
                               f'valid keys under {here or "the top level"}: {", ".join(names)}')
-        tp = _hints(cls)[part]
+        tp = _hints(cls)[field_name(part)]
         section, optional = _section(tp)
         if i == len(parts) - 1:
             if section is not None:

@@ -7,6 +7,7 @@ sections are in moved.py."""
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import math
 import re
 from dataclasses import dataclass, field
@@ -167,6 +168,14 @@ class CheckpointConfig:
     load_optimizer: bool = True
     """On resume, restore the AdamW moments too. false: weights, step and data position only,
     fresh moments (e.g. after changing optim.betas)."""
+    async_: bool = False
+    """Key `async` (the field is async_: `async` is a Python keyword). true: a save copies each
+    rank's state into host memory at the step boundary (pinned, on a side stream, on a GPU) and
+    writes it in a background thread while training goes on; the next save waits only if that
+    write is still running (logged), and `latest` moves only once every rank's files are durable.
+    A failed write (disk full) is one warning line: the previous checkpoint stays, the next save
+    tries again. Costs host memory the size of the rank's share of the checkpoint (~12 bytes x
+    parameters / processes; not yet counted by the memory plan). Lifecycle: docs/checkpoints.md."""
 
     def __post_init__(self):
         if self.every_steps < 0:
@@ -306,4 +315,9 @@ class RunConfig:
                               "tokenized; set train.max_steps instead (or `zerotrain prepare` the files first)")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The resolved config under the run file's keys (checkpoint.async, not async_)."""
+        def keys(x):
+            if isinstance(x, dict):
+                return {(k[:-1] if k.endswith("_") and keyword.iskeyword(k[:-1]) else k): keys(v) for k, v in x.items()}
+            return [keys(v) for v in x] if isinstance(x, list) else x
+        return keys(dataclasses.asdict(self))

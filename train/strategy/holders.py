@@ -14,7 +14,9 @@ element ranges. A *holder* answers, for the strategy this run uses:
                     parameters by `param._hp_mapping` (deepspeed/utils/tensor_fragment.py)
   Zero3Holder       ZeRO-3: each parameter partitioned evenly, rank r owning [r*part, ...)
 
-Reading allocates at most one parameter's range; writing goes in place.
+Reading allocates at most one parameter's range; writing goes in place. `source` is the range
+itself, uncopied (on the device where it lives): checkpoint.async copies it into a reused host
+buffer (train/checkpoint/background.py).
 """
 
 from __future__ import annotations
@@ -98,6 +100,19 @@ class Holder:
     def begin_load(self):
         pass
 
+    def source(self, slot: Slot, kind: str) -> torch.Tensor | None:
+        """The elements `slot.save` of the fp32 master weight ("param") or of a moment, as they
+        are held (not copied; possibly on the device); None: no state yet (zeros)."""
+        raise NotImplementedError
+
+    def read(self, slot: Slot, kind: str) -> torch.Tensor:
+        """An owned fp32 CPU copy of `source` (zeros for a moment not created yet)."""
+        t = self.source(slot, kind)
+        if t is None:
+            a, b = slot.save
+            return torch.zeros(b - a)
+        return copy_out(t)
+
     def _state(self, slot: Slot) -> dict | None:
         """The optimizer-state dict that holds this slot's moments and step."""
         raise NotImplementedError
@@ -132,12 +147,12 @@ class ReplicaHolder(Holder):
             n = p.numel()
             self.slots.append(Slot(name, p, tuple(p.shape), n, id(p) in stepped, even_range(n, rank, world), (0, n)))
 
-    def read(self, slot, kind):
+    def source(self, slot, kind):
         a, b = slot.save
         if kind == "param":
-            return copy_out(slot.param.detach().reshape(-1)[a:b])
+            return slot.param.detach().reshape(-1)[a:b]
         st = self.optimizer.state.get(slot.param)
-        return copy_out(st[kind].reshape(-1)[a:b]) if st else torch.zeros(b - a)
+        return st[kind].reshape(-1)[a:b] if st else None
 
     def write(self, slot, kind, values):
         a, b = slot.need
@@ -195,13 +210,13 @@ class MasterCopyHolder(Holder):
         src = t if kind == "param" else self.opt.optimizer.state[t][kind]
         return src.view(-1)[off:off + slot.numel]
 
-    def read(self, slot, kind):
+    def source(self, slot, kind):
         a, b = slot.save
         if not slot.trainable:
-            return copy_out(slot.param.detach().reshape(-1)[a:b])
+            return slot.param.detach().reshape(-1)[a:b]
         if kind != "param" and not self._state(slot):
-            return torch.zeros(b - a)
-        return copy_out(self._master(slot, kind)[a:b])
+            return None
+        return self._master(slot, kind)[a:b]
 
     def write(self, slot, kind, values):
         a, b = slot.need
@@ -258,14 +273,13 @@ class FragmentHolder(Holder):
         start, numel = internals.hp_fragment_range(internals.hp_mapping(slot.param))
         return state[kind].narrow(0, start, numel)
 
-    def read(self, slot, kind):
+    def source(self, slot, kind):
         a, b = slot.save
         if not slot.trainable:
-            return copy_out(slot.param.detach().reshape(-1)[a:b])
+            return slot.param.detach().reshape(-1)[a:b]
         if kind == "param":
-            return copy_out(internals.hp_fragment(internals.hp_mapping(slot.param)))
-        t = self._moment(slot, kind)
-        return copy_out(t) if t is not None else torch.zeros(b - a)
+            return internals.hp_fragment(internals.hp_mapping(slot.param))
+        return self._moment(slot, kind)
 
     def write(self, slot, kind, values):
         if not slot.trainable:
@@ -318,16 +332,16 @@ class Zero3Holder(Holder):
         flat = internals.fp32_sub_groups(self.opt)[self.sub_group[id(slot.param)]]
         return bool(self.opt.optimizer.state.get(flat))
 
-    def read(self, slot, kind):
+    def source(self, slot, kind):
         from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
         a, b = slot.save
         if not slot.trainable:
-            return copy_out(internals.local_partition(slot.param)[:b - a])
+            return internals.local_partition(slot.param)[:b - a]
         if kind == "param":
-            return copy_out(safe_get_local_fp32_param(slot.param)[:b - a])
+            return safe_get_local_fp32_param(slot.param)[:b - a]
         if not self._has_state(slot):
-            return torch.zeros(b - a)
-        return copy_out(safe_get_local_optimizer_state(slot.param, kind)[:b - a])
+            return None
+        return safe_get_local_optimizer_state(slot.param, kind)[:b - a]
 
     def write(self, slot, kind, values):
         from deepspeed.utils import (safe_get_local_fp32_param, safe_get_local_optimizer_state,

@@ -97,18 +97,25 @@ class Evaluation:
 class Checkpointing:
     """checkpoint.every_steps / every_minutes (SaveCadence: the same step on every rank), and at
     the last step checkpoint.save_at_end or any stop, once: a diverged run saves its last good
-    state (its skipped steps never touched the weights), not a periodic checkpoint."""
+    state (its skipped steps never touched the weights), not a periodic checkpoint.
+    With checkpoint.async a save's write runs on in the background: each step the vote says
+    whether every rank's write has ended (then rank 0 commits it), and the last step waits for
+    it, so the run (a stop included) ends with its checkpoint complete."""
 
     def __init__(self, trainer, cadence: SaveCadence):
         self.t, self.cadence = trainer, cadence
 
     def on_step(self, tick: Tick) -> None:
+        ckpt = self.t.checkpointer
+        ckpt.poll(tick.agreed.writes, tick.step)
         periodic = tick.save_due and not tick.diverged
         final = tick.last and (self.t.cfg.checkpoint.save_at_end or tick.stop_reason is not None)
         if periodic or final:
-            self.t.checkpointer.save(self.t.state)
+            ckpt.save(self.t.state)
         if periodic:
             self.cadence.saved()
+        if tick.last:
+            ckpt.flush(tick.step)
 
 
 class StepDone:

@@ -33,10 +33,16 @@ class StopRequested:
             signal.signal(sig, old)
 
 
+# A rank's part of the vote about the asynchronous checkpoint write in flight
+# (train/checkpoint/background.py WriteStatus): (save id, written, failed, failed on rank 0).
+NO_WRITES = (0.0, 0.0, 0.0, 0.0)
+
+
 class Agreed(NamedTuple):
     """What every rank read back from one vote: the same on every rank."""
     stop: bool      # some rank was asked to stop
     ticket: float   # rank 0's checkpoint.every_minutes ticket (train/checkpoint/cadence.py)
+    writes: tuple = NO_WRITES  # checkpoint.async: the write status summed over the ranks
 
 
 NOTHING = Agreed(False, 0.0)  # the first step's vote (none read yet)
@@ -49,26 +55,29 @@ class StopVote:
     together, one step after the signal. The flag is a CPU tensor on a gloo group (the default
     group under gloo, a side group under NCCL): reading it never waits for the accelerator, and
     gloo's wait() returns at once for a reduction finished a step ago, where NCCL's would only
-    order the streams. A second number rides along: rank 0's checkpoint.every_minutes ticket
-    (train/checkpoint/cadence.py), summed; both come back as one Agreed."""
+    order the streams. More numbers ride along: rank 0's checkpoint.every_minutes ticket
+    (train/checkpoint/cadence.py), and each rank's state of an asynchronous checkpoint write
+    (checkpoint.async: which save, written, failed), summed; all come back as one Agreed."""
 
     def __init__(self, acc):
         self.dist = acc.num_processes > 1 and process_group.exists()
         self.group = None
         if self.dist and torch.distributed.get_backend() != "gloo":
             self.group = torch.distributed.new_group(backend="gloo")  # collective: every rank builds its StopVote
-        self.buffers = [torch.zeros(2), torch.zeros(2)]  # one in flight, one being filled: [stop, ticket]
+        n = 2 + len(NO_WRITES)
+        self.buffers = [torch.zeros(n), torch.zeros(n)]  # one in flight, one being filled: [stop, ticket, writes...]
         self.views = [b.numpy() for b in self.buffers]    # filled through numpy: ~0.3 us, torch indexing ~10
         self.turn = 0
         self.pending = None  # (work, flag tensor) of the previous step
 
-    def __call__(self, flag: bool, ticket: float = 0.0) -> Agreed:
+    def __call__(self, flag: bool, ticket: float = 0.0, writes: tuple = NO_WRITES) -> Agreed:
         """Cast this step's vote; returns the previous step's, as every rank cast it."""
         if not self.dist:
-            return Agreed(flag, ticket)
+            return Agreed(flag, ticket, tuple(writes))
         t, view = self.buffers[self.turn], self.views[self.turn]
         self.turn ^= 1
         view[0], view[1] = float(flag), ticket
+        view[2:] = writes
         work = torch.distributed.all_reduce(t, async_op=True, group=self.group)
         previous, self.pending = self.pending, (work, t)
         return self._read(previous)
@@ -83,5 +92,5 @@ class StopVote:
         if vote is None:
             return NOTHING
         vote[0].wait()
-        stop, ticket = vote[1].tolist()  # a CPU tensor: no device sync
-        return Agreed(stop > 0, ticket)
+        stop, ticket, *writes = vote[1].tolist()  # a CPU tensor: no device sync
+        return Agreed(stop > 0, ticket, tuple(writes))

@@ -45,7 +45,7 @@ from zerotrain.train.optim.schedule import lr_at
 from zerotrain.train.training.evaluate import Evaluator
 from zerotrain.train.training.health import Health
 from zerotrain.train.training import components as components_
-from zerotrain.train.training.stop import NOTHING, Agreed, StopRequested, StopVote
+from zerotrain.train.training.stop import NO_WRITES, NOTHING, StopRequested, StopVote
 from zerotrain.train.training.window import StepResult, Window
 
 if TYPE_CHECKING:
@@ -181,12 +181,15 @@ class Trainer:
         """What every rank decides about the step just taken. Every rank agrees on stopping (a
         signal may reach the ranks at different steps; stopping alone would hang the others) and
         on rank 0's checkpoint.every_minutes clock: an async vote, read one step later. The last
-        step also collects the vote still in flight (a signal during that step)."""
+        step also collects the vote still in flight (a signal during that step). The vote also
+        carries each rank's state of an asynchronous checkpoint write (checkpoint.async): the
+        checkpointer commits it once every rank's write is durable."""
         step = self.state.step
-        agreed = vote(signals.flag, cadence.ticket()) if out is not None else NOTHING
+        writes = self.checkpointer.write_status() if self.checkpointer else NO_WRITES
+        agreed = vote(signals.flag, cadence.ticket(), writes) if out is not None else NOTHING
         done = step >= self.max_steps
         if done or agreed.stop:
-            agreed = Agreed(vote.finish() or agreed.stop, agreed.ticket)
+            agreed = agreed._replace(stop=vote.finish() or agreed.stop)
         save = self.checkpointer is not None and cadence.due(step, agreed.ticket, done) is not None
         log = step % self.cfg.logging.every_steps == 0 or done or agreed.stop
         return components_.Tick(step=step, out=out, agreed=agreed, done=done, save_due=save, log_due=log)
@@ -354,6 +357,8 @@ class Trainer:
         self._finished = True
 
     def close(self):
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # checkpoint.async: the write in flight ends before the process does
         if self.data.stream is not None:
             self.data.stream.close()  # its tokenizer pool, before the exit hooks join it (train/data/stream.py)
         self.loggers.close(failed=not self._finished or self.stop_reason == "diverged")
