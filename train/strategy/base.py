@@ -132,6 +132,17 @@ class Strategy:
         DeepSpeed computed over the reduced partitions). Each engine still computes it itself."""
         raise NotImplementedError
 
+    def param_checksum(self) -> float:
+        """A checksum of every parameter as the last step left it, the same number for the same
+        values under every backend and world size (`zerotrain verify` compares it): the
+        parameters' projection on a fixed pseudo-random direction (param_projection), in the
+        model's parameter order. Whole parameters here; ZeRO-3 gathers each first. Every rank
+        calls it (a collective where the backend gathers)."""
+        total, offset = 0.0, 0
+        for p in self.engine.parameters():
+            total, offset = total + param_projection(p, offset), offset + p.numel()
+        return float(total)
+
     # ------------------------------------------------------------------ fp16 and counters
     @property
     def loss_scale_floor(self) -> float:
@@ -171,3 +182,16 @@ class Strategy:
     def malloc_key(self):
         """The key of this backend in train/launch/host_settings.py's measured tables."""
         raise NotImplementedError
+
+
+_GOLDEN = 0.6180339887498949  # the direction's frequency: irrational, so no two elements share a weight pattern
+
+
+def param_projection(p: torch.Tensor, offset: int) -> torch.Tensor:
+    """sum_i p_i cos((offset + i) x golden ratio) in float64, p flattened: element i of the whole
+    model (offset: the elements of the parameters before p) always gets the same weight, so a
+    change to any element moves the sum, and it cannot cancel the way a plain sum of a
+    symmetric update would."""
+    flat = p.detach().reshape(-1).to(torch.float64)
+    idx = torch.arange(offset, offset + flat.numel(), dtype=torch.float64, device=flat.device)
+    return (flat * torch.cos(idx * _GOLDEN)).sum().cpu()
