@@ -61,7 +61,7 @@ train.max_steps is K (so the LR schedule is that of a K-step run, the same in bo
 
 QUANTITIES = ("loss", "grad_norm", "param_checksum")
 # Relative tolerance per precision of the run checked; the reference is always fp32.
-TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}
+TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-2}  # bf16, fp16: docs/troubleshooting.md#zerotrain-verify
 CHECKSUM = "debug/param_checksum"
 MAIN = Path(__file__).resolve().parent.parent / "main.py"  # the training program: train/main.py
 MATRIX = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
@@ -229,7 +229,7 @@ def read_result(name: str, run_dir: Path, ok: bool, log: Path) -> Result:
         if "loss" in r:
             steps.setdefault(s, {}).update(loss=r["loss"], grad_norm=r.get("grad_norm"))
         if CHECKSUM in r:
-            steps.setdefault(s, {})["param_checksum"] = r[CHECKSUM]
+            steps.setdefault(s, {}).update(param_checksum=r[CHECKSUM], checksum_scale=math.sqrt(r[CHECKSUM + "_sq"]))
     label, precision = name, "fp32"
     rank0 = run_dir / "ranks" / "rank0.json"
     if rank0.exists():
@@ -240,12 +240,13 @@ def read_result(name: str, run_dir: Path, ok: bool, log: Path) -> Result:
     return Result(label, run_dir, ok, log, steps, precision)
 
 
-def rel_diff(a, b) -> float:
+def rel_diff(a, b, scale=None) -> float:
+    """|a - b| relative to the larger of them, or to `scale` where given."""
     if a is None or b is None:
         return math.inf  # a step or a number one run lacks
     if not (math.isfinite(a) and math.isfinite(b)):
         return 0.0 if a == b else math.inf
-    scale = max(abs(a), abs(b))
+    scale = scale or max(abs(a), abs(b))
     return 0.0 if scale == 0 else abs(a - b) / scale
 
 
@@ -257,8 +258,11 @@ def compare(ref: Result, got: Result, steps: int):
     rows, first = [], None
     for step in range(1, steps + 1):
         for q in QUANTITIES:
-            a, b = ref.steps.get(step, {}).get(q), got.steps.get(step, {}).get(q)
-            d = rel_diff(a, b)
+            theirs = ref.steps.get(step, {})
+            a, b = theirs.get(q), got.steps.get(step, {}).get(q)
+            # The checksum relative to its size for random signs (Strategy.param_checksum): the
+            # typical relative change of one parameter, whatever the sum's cancellation.
+            d = rel_diff(a, b, theirs.get("checksum_scale") if q == "param_checksum" else None)
             row = (step, q, a, b, d, d <= tol)
             rows.append(row)
             if first is None and not row[5]:

@@ -95,18 +95,18 @@ class ZeroStrategy(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def param_checksum(self) -> float:
+    def param_checksum(self) -> tuple[float, float]:
         """ZeRO-3 holds 1/world of each parameter: gathered one at a time (every rank), so the
         checksum covers the whole model with one parameter's extra memory."""
         if not self.partitions_parameters:
             return super().param_checksum()
         import deepspeed
         from zerotrain.train.strategy.base import param_projection
-        total, offset = 0.0, 0
+        total, offset = torch.zeros(2, dtype=torch.float64), 0
         for p in self.engine.parameters():
             with deepspeed.zero.GatheredParameters([p]):
                 total, offset = total + param_projection(p, offset), offset + p.numel()
-        return float(total)
+        return float(total[0]), float(total[1])
 
     # ------------------------------------------------------------------ fp16 and counters
     @property

@@ -113,8 +113,8 @@ class Checkpointing:
 
 class ParamChecksum:
     """debug.param_checksum: every step, the parameters' checksum as the step left them
-    (Strategy.param_checksum), logged as debug/param_checksum next to the step's loss and
-    grad_norm (`zerotrain verify` reads the three)."""
+    (Strategy.param_checksum), logged as debug/param_checksum and its scale
+    debug/param_checksum_sq next to the step's loss and grad_norm (`zerotrain verify` reads them)."""
 
     def __init__(self, trainer):
         self.t = trainer
@@ -122,9 +122,9 @@ class ParamChecksum:
     def on_step(self, tick: Tick) -> None:
         if tick.out is None:
             return
-        value = self.t.strategy.param_checksum()  # every rank: a gather under ZeRO-3
+        value, sq = self.t.strategy.param_checksum()  # every rank: a gather under ZeRO-3
         if self.t.acc.is_main_process:
-            self.t.loggers.log({"debug/param_checksum": value}, tick.step)
+            self.t.loggers.log({"debug/param_checksum": value, "debug/param_checksum_sq": sq}, tick.step)
 
 
 class StepDone:
