@@ -171,9 +171,10 @@ class Trainer:
                               plan=self.memory_plan.estimate if self.memory_plan else None)
         log = components_.LogLine(self, window, bar)
         steps = [components_.StepTimer(window, self.batch.accum), components_.MemoryProbe(report),
-                 components_.HealthCheck(self), log, components_.Evaluation(self)]
-        if self.cfg.debug.param_checksum:
+                 components_.HealthCheck(self), log]
+        if self.cfg.debug.param_checksum:  # before an evaluation's forward (ZeRO-3 leaves parameters in flight)
             steps.append(components_.ParamChecksum(self))
+        steps.append(components_.Evaluation(self))
         if self.checkpointer is not None:
             steps.append(components_.Checkpointing(self, cadence))
         steps.append(components_.StepDone(self, bar, signals))
