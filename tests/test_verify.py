@@ -66,3 +66,5 @@ def test_verify_names_the_first_divergence_of_a_planted_bug(tmp_path, bug, base,
     first_bad = next(r for r in rows if "<--" in " ".join(r))
     assert (int(first_bad[0]), first_bad[1]) == (step, quantity)
     assert float(rows[0][-1]) <= 1e-5  # step 1's loss: the same data and weights went in
+    if bug == "loss_accum_twice":  # the norm is the only witness: the weights and losses stay the same
+        assert all(float(r[-1]) <= 1e-5 for r in rows if r[1] != "grad_norm"), rows
