@@ -112,10 +112,10 @@ def _parser() -> ArgumentParser:
 
 def parse_train_args(argv: list[str]) -> TrainArgs:
     known, rest = _parser().parse_known_args(argv)
-    return TrainArgs(known.config, known.ds_config, known.debug, _overrides(rest))
+    return TrainArgs(known.config, known.ds_config, known.debug, parse_overrides(rest))
 
 
-def _overrides(rest: list[str]) -> list[tuple[str, str]]:
+def parse_overrides(rest: list[str]) -> list[tuple[str, str]]:
     """`--section.key VALUE` / `--section.key=VALUE` and the shorthands, in order, as (key, value)
     for train.config.load_config, which judges the keys and values."""
     out, i = [], 0

@@ -19,6 +19,8 @@ COMMANDS = {
     "export": ("zerotrain.train.commands.export", "main", "checkpoint -> Hugging Face safetensors weights (offline, CPU, any world size)"),
     "import": ("zerotrain.train.commands.import_ckpt", "main", "native DeepSpeed (ZeRO-0..3, any world size) or HF Trainer "
                                                  "checkpoint -> a zerotrain checkpoint (--trust-pickle)"),
+    "verify": ("zerotrain.train.commands.verify", "main", "run a run file K steps in 1 fp32 process and under its strategy and "
+                                       "world; compare loss, grad norm, parameter checksum per step"),
     "plan": ("zerotrain.train.commands.plan", "main", "per-device memory of DDP / ZeRO-1/2/3 / offload for a model and cluster; "
                                    "recommends the fastest that fits"),
 }

@@ -26,6 +26,17 @@ ZEROTRAIN_INJECT_SIGTERM_IN_WRITE=5  "writing" (checkpoint.async): after its fir
                              for it (at most 120 s): the stop always meets a write in flight.
 ZEROTRAIN_PREPARE_STOP_AFTER=K   "shard_written": `zerotrain prepare` stops after K shards, as an
                              interruption would.
+ZEROTRAIN_PLANT_BUG=<name>   a known kind of wrong-numbers bug, planted in runs of 2 or more
+                             processes only (a 1-process run, `zerotrain verify`'s reference, stays
+                             right), for tests/test_verify.py to show verify catches it:
+  grad_times_world     "plant_grad_times_world": under ZeRO, the loss (so the gradient) times the
+                       world size, as a sum where a mean belongs;
+  skip_clip            "plant_skip_clip": under DDP, no clipping (train.grad_clip ignored);
+  lr_ahead             "plant_lr_ahead": the trainer sets the LR of the next step;
+  drop_partition       "plant_drop_partition": under ZeRO-1/2, the last rank zeroes its partition
+                       of the reduced gradient before the norm and the step;
+  loss_accum_twice     "plant_loss_accum_twice": under DDP, backward divides the loss by the
+                       accumulation steps once more.
 ZEROTRAIN_MOE_LEAF=0         "no_moe_leaf": ZeRO-3 leaves sparse-MoE blocks to DeepSpeed's
                              per-module gathering (models/moe.py), to show what the leaf avoids.
 """
@@ -37,6 +48,7 @@ import signal
 import time
 from typing import Callable
 
+PLANTED_BUGS = ("grad_times_world", "skip_clip", "lr_ahead", "drop_partition", "loss_accum_twice")
 _armed: dict[str, Callable[..., bool]] = {}  # point -> hook; empty in every real run
 
 
@@ -67,6 +79,12 @@ def load(env=None) -> None:
     stop_after = int(env.get("ZEROTRAIN_PREPARE_STOP_AFTER", "0") or 0)
     if stop_after:
         _armed["shard_written"] = lambda shards: shards >= stop_after
+    bug = env.get("ZEROTRAIN_PLANT_BUG", "")
+    if bug:
+        if bug not in PLANTED_BUGS:
+            raise ValueError(f"ZEROTRAIN_PLANT_BUG={bug}: one of {', '.join(PLANTED_BUGS)}")
+        # drop_partition: the last rank's partition only.
+        _armed["plant_" + bug] = lambda world, rank=None: world > 1 and rank in (None, world - 1)
     if env.get("ZEROTRAIN_MOE_LEAF", "1") == "0":
         _armed["no_moe_leaf"] = lambda: True
 

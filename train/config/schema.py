@@ -139,6 +139,10 @@ class DebugConfig:
     trace_data: bool = False
     """Debug: every rank appends a fingerprint (crc32) of each sample it trains on to
     <run_dir>/ranks/rank<R>.data.jsonl, to verify sharding and resume order."""
+    param_checksum: bool = False
+    """After every optimizer step, log debug/param_checksum: a checksum of every parameter as
+    the step left it (Strategy.param_checksum; under ZeRO-3 each parameter is gathered, a
+    collective and a host read per step). `zerotrain verify` turns it on to compare strategies."""
 
 
 @dataclass

@@ -132,6 +132,19 @@ class Strategy:
         DeepSpeed computed over the reduced partitions). Each engine still computes it itself."""
         raise NotImplementedError
 
+    def param_checksum(self) -> tuple[float, float]:
+        """A checksum of every parameter as the last step left it, the same numbers for the same
+        values under every backend and world size (`zerotrain verify` compares them): the
+        parameters' projection on a fixed pseudo-random direction w (param_projection), in the
+        model's parameter order, and ||w * p||^2, its size were the signs random (a difference
+        divided by its square root reads as the typical relative change of one element). Whole
+        parameters here; ZeRO-3 gathers each first. Every rank calls it (a collective where the
+        backend gathers)."""
+        total, offset = torch.zeros(2, dtype=torch.float64), 0
+        for p in self.engine.parameters():
+            total, offset = total + param_projection(p, offset), offset + p.numel()
+        return float(total[0]), float(total[1])
+
     # ------------------------------------------------------------------ fp16 and counters
     @property
     def loss_scale_floor(self) -> float:
@@ -171,3 +184,17 @@ class Strategy:
     def malloc_key(self):
         """The key of this backend in train/launch/host_settings.py's measured tables."""
         raise NotImplementedError
+
+
+_GOLDEN = 0.6180339887498949  # the direction's frequency: irrational, so no two elements share a weight pattern
+
+
+def param_projection(p: torch.Tensor, offset: int) -> torch.Tensor:
+    """[sum_i w_i p_i, sum_i (w_i p_i)^2] in float64, p flattened, w_i = cos((offset + i) x golden
+    ratio): element i of the whole model (offset: the elements of the parameters before p)
+    always gets the same weight, so a change to any element moves the sum, and a symmetric
+    update cannot cancel out the way it would in a plain sum."""
+    flat = p.detach().reshape(-1).to(torch.float64)
+    idx = torch.arange(offset, offset + flat.numel(), dtype=torch.float64, device=flat.device)
+    weighted = flat * torch.cos(idx * _GOLDEN)
+    return torch.stack([weighted.sum(), weighted.square().sum()]).cpu()

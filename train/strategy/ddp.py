@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from zerotrain.train import testhooks
 from zerotrain.train.errors import ConfigError
 from zerotrain.train.optim import loss_scale
 from zerotrain.train.strategy.base import Strategy
@@ -36,7 +37,14 @@ class DDPStrategy(Strategy):
         return adamw(model, optim_cfg, fused=True)
 
     # ------------------------------------------------------------------ one step
+    def backward(self, loss) -> None:
+        if testhooks.fire("plant_loss_accum_twice", world=self.acc.num_processes):  # zerotrain verify's tests
+            loss = loss / self.acc.gradient_accumulation_steps
+        super().backward(loss)
+
     def step(self, clip: float):
+        if testhooks.fire("plant_skip_clip", world=self.acc.num_processes):  # zerotrain verify's tests
+            clip = 0.0
         norm = self.acc.clip_grad_norm_(self.engine.parameters(), clip if clip > 0 else float("inf"))
         # A non-finite global norm is the same on every rank (gradients are all-reduced first),
         # so every rank skips together, decided on the device: the fused AdamW

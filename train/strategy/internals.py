@@ -288,3 +288,18 @@ def offloads(zero) -> tuple[bool, bool]:
 def grad_accumulator(p):
     """A parameter's DeepSpeed gradient accumulator (`grad_accum`), if any."""
     return getattr(p, "grad_accum", None)
+
+
+def drop_partition_gradients(optimizer) -> None:
+    """A planted bug for tests (train/testhooks.py "plant_drop_partition"): the ZeRO-1/2
+    optimizer's step first zeroes this rank's partition of the reduced gradient
+    (averaged_gradients), so both the global norm and this rank's update lose it."""
+    step = optimizer.step
+    _get(optimizer, "averaged_gradients")  # fails now, in one line, on a class without it
+
+    def dropped(*args, **kwargs):
+        for group in optimizer.averaged_gradients.values():
+            for g in group or ():
+                g.zero_()
+        return step(*args, **kwargs)
+    optimizer.step = dropped

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 import zerotrain.train.strategy.internals as internals
+from zerotrain.train import testhooks
 from zerotrain.train.errors import ConfigError
 from zerotrain.train.optim import loss_scale
 from zerotrain.train.strategy.base import Strategy
@@ -69,6 +70,9 @@ class ZeroStrategy(Strategy):
         facts = {}
         if self.precision != "fp32":
             workload.keep_norm_stats_fp32(self.engine)  # 16-bit parameters, fp32 BatchNorm statistics
+        if not self.partitions_parameters and testhooks.fire("plant_drop_partition", world=self.acc.num_processes,
+                                                             rank=self.acc.process_index):
+            internals.drop_partition_gradients(self.engine.optimizer)  # zerotrain verify's tests
         if self.partitions_parameters:
             from zerotrain.models import partition_counts
             facts["zero3"] = partition_counts(workload.model)
@@ -80,11 +84,29 @@ class ZeroStrategy(Strategy):
         dtype = next(p for p in self.engine.parameters()).dtype
         return None if dtype == torch.float32 else dtype
 
+    def backward(self, loss) -> None:
+        if testhooks.fire("plant_grad_times_world", world=self.acc.num_processes):  # zerotrain verify's tests
+            loss = loss * self.acc.num_processes
+        super().backward(loss)
+
     def step(self, clip: float):
         # The engine already unscaled, clipped and stepped inside backward().
         norm = self.engine.get_global_grad_norm()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def param_checksum(self) -> tuple[float, float]:
+        """ZeRO-3 holds 1/world of each parameter: gathered one at a time (every rank), so the
+        checksum covers the whole model with one parameter's extra memory."""
+        if not self.partitions_parameters:
+            return super().param_checksum()
+        import deepspeed
+        from zerotrain.train.strategy.base import param_projection
+        total, offset = torch.zeros(2, dtype=torch.float64), 0
+        for p in self.engine.parameters():
+            with deepspeed.zero.GatheredParameters([p]):
+                total, offset = total + param_projection(p, offset), offset + p.numel()
+        return float(total[0]), float(total[1])
 
     # ------------------------------------------------------------------ fp16 and counters
     @property

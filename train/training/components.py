@@ -118,6 +118,22 @@ class Checkpointing:
             ckpt.flush(tick.step)
 
 
+class ParamChecksum:
+    """debug.param_checksum: every step, the parameters' checksum as the step left them
+    (Strategy.param_checksum), logged as debug/param_checksum and its scale
+    debug/param_checksum_sq next to the step's loss and grad_norm (`zerotrain verify` reads them)."""
+
+    def __init__(self, trainer):
+        self.t = trainer
+
+    def on_step(self, tick: Tick) -> None:
+        if tick.out is None:
+            return
+        value, sq = self.t.strategy.param_checksum()  # every rank: a gather under ZeRO-3
+        if self.t.acc.is_main_process:
+            self.t.loggers.log({"debug/param_checksum": value, "debug/param_checksum_sq": sq}, tick.step)
+
+
 class StepDone:
     """After a step's log, eval and save: the progress bar, rank 0's elastic progress (what a
     restart counts as lost) and the test hooks (train/testhooks.py; nothing when unset)."""

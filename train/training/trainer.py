@@ -171,7 +171,10 @@ class Trainer:
                               plan=self.memory_plan.estimate if self.memory_plan else None)
         log = components_.LogLine(self, window, bar)
         steps = [components_.StepTimer(window, self.batch.accum), components_.MemoryProbe(report),
-                 components_.HealthCheck(self), log, components_.Evaluation(self)]
+                 components_.HealthCheck(self), log]
+        if self.cfg.debug.param_checksum:  # before an evaluation's forward (ZeRO-3 leaves parameters in flight)
+            steps.append(components_.ParamChecksum(self))
+        steps.append(components_.Evaluation(self))
         if self.checkpointer is not None:
             steps.append(components_.Checkpointing(self, cadence))
         steps.append(components_.StepDone(self, bar, signals))
@@ -241,7 +244,8 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def train_step(self) -> StepResult:
         acc, model = self.acc, self.model
-        lr = lr_at(self.cfg.optim, self.state.step, self.max_steps)
+        ahead = testhooks.fire("plant_lr_ahead", world=self.topo.world_size)  # a planted bug (zerotrain verify's tests)
+        lr = lr_at(self.cfg.optim, self.state.step + (1 if ahead else 0), self.max_steps)
         set_lr(self.raw_optimizer, lr)
         t_data = 0.0
         # Summed where it is computed: reading a loss is a host-device sync, so the trainer reads

@@ -1,0 +1,70 @@
+"""`zerotrain verify` (issue 38): the run file K steps in 1 fp32 process and under its strategy
+on 2 processes, compared per step. It passes where the strategies compute the same thing, and
+catches each planted bug (train/testhooks.py ZEROTRAIN_PLANT_BUG, active in multi-process runs
+only) at the step and in the quantity where it first shows. Real launches (torchrun)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, fp32, subprocess_env
+
+pytestmark = pytest.mark.multiproc
+
+DEFAULT = str(REPO / "examples" / "default.yaml")
+
+
+def verify(tmp_path, ds_json: str, *extra: str, bug: str | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "zerotrain.train.cli", "verify", DEFAULT, "--ds-config", ds_json,
+           "--keep", str(tmp_path / "verify"), *extra]
+    return subprocess.run(cmd, cwd=REPO, env=subprocess_env({"ZEROTRAIN_PLANT_BUG": bug}), capture_output=True,
+                          text=True, timeout=600)
+
+
+def table_rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+
+
+@pytest.mark.parametrize("base", ["zero2", "zero3"])
+def test_verify_passes_where_the_strategy_computes_the_same(tmp_path, base):
+    proc = verify(tmp_path, fp32(tmp_path, base))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = table_rows(proc.stdout)
+    assert [(int(r[0]), r[1]) for r in rows] == [(s, q) for s in (1, 2, 3) for q in ("loss", "grad_norm", "param_checksum")]
+    assert all(float(r[-1]) <= 1e-5 for r in rows), rows
+    losses = [float(r[2]) for r in rows if r[1] == "loss"]
+    assert losses[2] < losses[0]  # it trained: three real steps, not one number three times
+    assert "OK: loss, grad_norm and param_checksum agree at every step within 1e-05 relative (fp32)" in proc.stdout
+
+
+# (planted bug, strategy, extra flags, the step and quantity where it first shows)
+PLANTED = [
+    # The gradient summed where it is averaged: the norm doubles at once (the AdamW step barely moves).
+    ("grad_times_world", "zero2", [], 1, "grad_norm"),
+    # The logged norm is the pre-clip one: the same; what changes is the step the clipped
+    # gradient makes (AdamW's eps: the unclipped gradient is larger), from the first step.
+    ("skip_clip", "ddp", ["--train.grad_clip=0.1"], 1, "param_checksum"),
+    # Same gradients, the next step's warmup LR: the first update is larger.
+    ("lr_ahead", "zero2", [], 1, "param_checksum"),
+    # Rank 1's half of the reduced gradient zeroed before the norm and the step.
+    ("drop_partition", "zero2", [], 1, "grad_norm"),
+    # Divided by the accumulation twice: the norm halves; AdamW's update is scale-invariant, so
+    # only the norm shows it (the loss is logged before backward).
+    ("loss_accum_twice", "ddp", ["--train.grad_accum_steps=2"], 1, "grad_norm"),
+]
+
+
+@pytest.mark.parametrize("bug,base,extra,step,quantity", PLANTED, ids=[p[0] for p in PLANTED])
+def test_verify_names_the_first_divergence_of_a_planted_bug(tmp_path, bug, base, extra, step, quantity):
+    proc = verify(tmp_path, fp32(tmp_path, base), *extra, bug=bug)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"FAIL: first divergence at step {step}, {quantity}:" in proc.stdout, proc.stdout
+    rows = table_rows(proc.stdout)
+    first_bad = next(r for r in rows if "<--" in " ".join(r))
+    assert (int(first_bad[0]), first_bad[1]) == (step, quantity)
+    assert float(rows[0][-1]) <= 1e-5  # step 1's loss: the same data and weights went in
+    if bug == "loss_accum_twice":  # the norm is the only witness: the weights and losses stay the same
+        assert all(float(r[-1]) <= 1e-5 for r in rows if r[1] != "grad_norm"), rows

@@ -1,0 +1,291 @@
+"""`zerotrain verify RUN_FILE`: are this run's numbers the same under its strategy and world as
+in one fp32 process? Before a long run, on the user's own model, data and settings.
+
+It launches the training program itself (train/main.py: the same build and the same step as
+`zerotrain train`, no second loop) K steps twice, each with debug.param_checksum on and a log line
+every step:
+  - the reference: 1 process, plain PyTorch in fp32, the same global batch (the accumulation
+    steps times the data-parallel world) and so the same samples in each step (the sampler's
+    global order does not depend on the world size: tests/test_stages.py, tests/test_fit.py);
+  - the run checked: the chosen DeepSpeed JSON (--ds-config, else the run file's) on N
+    processes (torchrun).
+Then it compares, step by step, the three numbers every strategy reports the same way: the
+loss (mean over the global batch), the global gradient norm before clipping (Strategy.step's)
+and the checksum of the parameters the step left (Strategy.param_checksum), prints a table
+and the first step and quantity beyond the tolerance, and exits 0 (agree) or 1 (diverge).
+
+--matrix checks every shipped strategy (ds_configs/: DDP, ZeRO-1/2/3, offload) in fp32 on 1 and
+2 processes against one reference, a row per combination. docs/troubleshooting.md says what a
+divergence in each quantity points to.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from zerotrain.train import paths
+from zerotrain.train.args import parse_overrides
+from zerotrain.train.cli_args import ArgumentParser, Value
+from zerotrain.train.errors import ConfigError, UserError, user_errors
+
+USAGE = """usage: zerotrain verify RUN_FILE [--ds-config F] [--nproc N] [--steps K] [--matrix] [--keep DIR]
+                        [--section.key VALUE ...]
+
+Runs RUN_FILE's model, data, batch and optimizer settings for K optimizer steps twice: as a
+1-process fp32 reference with the same global batch, and under the DeepSpeed JSON F (default:
+the run file's distributed.ds_config) on N processes. After each step it compares the loss,
+the global gradient norm and a checksum of the updated parameters, prints a table and the
+first step and quantity that differ beyond the tolerance, and exits 0 (agree) or 1 (differ).
+
+  --ds-config F   the strategy to check (a ds_configs JSON; ds_configs/ddp.json = plain DDP)
+  --nproc N       processes of the run checked (default 2)
+  --steps K       optimizer steps (default 3)
+  --matrix        instead: every shipped strategy (DDP, ZeRO-1/2/3, offload) in fp32 on 1 and
+                  N processes, one row each
+  --keep DIR      keep the runs (metrics.jsonl, logs) in DIR instead of a temporary directory
+  --section.key V a run-file override applied to both runs (e.g. --train.grad_accum_steps 2)
+  --debug         tracebacks instead of one-line errors
+
+Tolerances (relative): fp32 1e-5; bf16 and fp16 runs are compared with the bands in
+docs/troubleshooting.md. Checkpoints, exports, evaluation and samples are off in both runs;
+train.max_steps is K (so the LR schedule is that of a K-step run, the same in both).
+"""
+
+QUANTITIES = ("loss", "grad_norm", "param_checksum")
+# Relative tolerance per precision of the run checked; the reference is always fp32.
+TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-2}  # bf16, fp16: docs/troubleshooting.md#zerotrain-verify
+CHECKSUM = "debug/param_checksum"
+MAIN = Path(__file__).resolve().parent.parent / "main.py"  # the training program: train/main.py
+MATRIX = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+
+
+@dataclass
+class Options:
+    run_file: str
+    ds_config: str | None
+    nproc: int
+    steps: int
+    matrix: bool
+    keep: str | None
+    debug: bool
+    overrides: list
+
+
+@dataclass
+class Result:
+    """One launch: its name, where it ran, and per step {quantity: value}."""
+    name: str
+    run_dir: Path
+    ok: bool
+    log: Path
+    steps: dict
+    precision: str = "fp32"
+
+
+def parse(argv: list[str]) -> Options:
+    p = ArgumentParser("zerotrain verify", USAGE)
+    p.add_argument("run_file", nargs="?")
+    p.add_argument("--ds-config", action=Value)
+    p.add_argument("--nproc", action=Value, convert=int, default=2)
+    p.add_argument("--steps", action=Value, convert=int, default=3)
+    p.add_argument("--keep", action=Value)
+    p.add_argument("--matrix", action="store_true")
+    p.add_argument("--debug", action="store_true")
+    known, rest = p.parse_known_args(argv)
+    if not known.run_file or known.run_file.startswith("-"):
+        raise ConfigError("zerotrain verify needs a run file, e.g. zerotrain verify examples/default.yaml")
+    if known.nproc < 1 or known.steps < 1:
+        raise ConfigError(f"--nproc and --steps must be >= 1 (got {known.nproc}, {known.steps})")
+    return Options(known.run_file, known.ds_config, known.nproc, known.steps, known.matrix, known.keep,
+                   known.debug, parse_overrides(rest))
+
+
+def main(argv: list[str]) -> int:
+    debug = "--debug" in argv
+    with user_errors(debug):
+        opts = parse(argv)
+        from zerotrain.train.config import load_config
+        cfg = load_config(opts.run_file, opts.overrides)  # a bad run file: one line now, not in a launch
+        work = Path(opts.keep) if opts.keep else Path(tempfile.mkdtemp(prefix="zerotrain-verify-"))
+        work.mkdir(parents=True, exist_ok=True)
+        plan = _Plan(opts, cfg, work)
+        if opts.matrix:
+            return plan.matrix()
+        return plan.single()
+    return 2
+
+
+class _Plan:
+    """The launches of one verify and their comparison."""
+
+    def __init__(self, opts: Options, cfg, work: Path):
+        self.opts, self.cfg, self.work = opts, cfg, work
+        self.sp = cfg.distributed.sequence_parallel
+
+    def single(self) -> int:
+        ref = self.reference()
+        got = self.launch("checked", self.opts.ds_config, self.opts.nproc)
+        label = f"{got.name} x{self.opts.nproc}"
+        print(f"zerotrain verify: {self.opts.run_file}, {self.opts.steps} steps; reference: 1 process, DDP (fp32); "
+              f"checked: {label}")
+        rows, first = compare(ref, got, self.opts.steps)
+        print(table(rows, label))
+        print(verdict(first, got, label))
+        return 0 if first is None else 1
+
+    def matrix(self) -> int:
+        ref = self.reference()
+        worlds = sorted({1, self.opts.nproc})
+        print(f"zerotrain verify --matrix: {self.opts.run_file}, {self.opts.steps} steps, fp32, "
+              f"against 1 process DDP (fp32)")
+        failed = 0
+        for name in MATRIX:
+            ds = self.fp32_json(name)
+            for world in worlds:
+                got = self.launch(f"{name}_w{world}", ds, world)
+                _, first = compare(ref, got, self.opts.steps)
+                failed += first is not None
+                label = f"{got.name} x{world}"
+                print(f"  {label:<60} {verdict(first, got, label)}", flush=True)
+        return 1 if failed else 0
+
+    # ------------------------------------------------------------------ launches
+    def reference(self) -> Result:
+        ref = self.launch("reference", self.fp32_json("ddp"), 1)
+        if not ref.ok:
+            raise UserError(f"the 1-process fp32 reference run of {self.opts.run_file} failed (its log: {ref.log}); "
+                            f"fix what it says (zerotrain train --config {self.opts.run_file} shows the same) and "
+                            f"verify again")
+        return ref
+
+    def fp32_json(self, base: str) -> str:
+        """A shipped JSON with bf16 and fp16 off, written into the work dir."""
+        data = json.loads((paths.DS_CONFIGS / f"{base}.json").read_text())
+        data["bf16"], data["fp16"] = {"enabled": False}, {"enabled": False}
+        out = self.work / f"{base}_fp32.json"
+        out.write_text(json.dumps(data, indent=1))
+        return str(out)
+
+    def launch(self, name: str, ds_config: str | None, world: int) -> Result:
+        run_dir = self.work / name
+        args = ["--config", self.opts.run_file, *(["--ds-config", ds_config] if ds_config else []),
+                *[f"--{k}={v}" for k, v in self.opts.overrides], *self.fixed(run_dir, world)]
+        if world == 1:
+            cmd = [sys.executable, str(MAIN), *args]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+                   "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(MAIN), *args]
+        log = self.work / f"{name}.log"
+        print(f"verify: running {name} ({world} process{'es' if world > 1 else ''}), log {log}", flush=True)
+        with open(log, "w") as f:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        if rc != 0:
+            tail = log.read_text().strip().splitlines()[-5:]
+            print(f"verify: {name} exited {rc}; the end of {log}:\n  " + "\n  ".join(tail), flush=True)
+        return read_result(name, run_dir, rc == 0, log)
+
+    def fixed(self, run_dir: Path, world: int) -> list[str]:
+        """What both runs set: K steps, a log line and a checksum every step, nothing saved or
+        evaluated, full fp32 matmuls, and the same global batch (the world's share of it). Both
+        start fresh: resume "auto" finds no checkpoint in a new run dir (and these runs save none)."""
+        out = {"train.max_steps": self.opts.steps, "train.eval_every": 0, "train.eval_batches": 1,
+               "train.sample_tokens": 0, "logging.every_steps": 1, "logging.progress": "false",
+               "logging.trackers": "jsonl", "checkpoint.every_steps": 0, "checkpoint.every_minutes": 0,
+               "checkpoint.save_at_end": "false", "checkpoint.export": "false", "checkpoint.resume": "auto",
+               "debug.param_checksum": "true", "hardware.tf32": "false", "train.run_dir": str(run_dir)}
+        if self.cfg.train.epochs:
+            out["train.epochs"] = "null"
+        if world == 1:
+            out["distributed.sequence_parallel"] = 1
+        if self.cfg.train.global_batch_size is None:  # else each run derives its accumulation from it
+            accum = self.cfg.train.grad_accum_steps or 1
+            dp_checked = max(1, self.opts.nproc // self.sp)  # the data-parallel ranks of the run checked
+            dp = world if world == 1 else max(1, world // self.sp)
+            out["train.grad_accum_steps"] = accum * dp_checked // dp
+        return [f"--{k}={v}" for k, v in out.items()]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_result(name: str, run_dir: Path, ok: bool, log: Path) -> Result:
+    """Per step: the log line's loss and grad_norm, the checksum row's param_checksum."""
+    steps: dict = {}
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    for r in rows:
+        s = r.get("step")
+        if "loss" in r:
+            steps.setdefault(s, {}).update(loss=r["loss"], grad_norm=r.get("grad_norm"))
+        if CHECKSUM in r:
+            steps.setdefault(s, {}).update(param_checksum=r[CHECKSUM], checksum_scale=math.sqrt(r[CHECKSUM + "_sq"]))
+    label, precision = name, "fp32"
+    rank0 = run_dir / "ranks" / "rank0.json"
+    if rank0.exists():
+        label = json.loads(rank0.read_text()).get("strategy", name)
+    cfg = run_dir / "config.json"
+    if cfg.exists():
+        precision = json.loads(cfg.read_text()).get("resolved", {}).get("precision", "fp32")
+    return Result(label, run_dir, ok, log, steps, precision)
+
+
+def rel_diff(a, b, scale=None) -> float:
+    """|a - b| relative to the larger of them, or to `scale` where given."""
+    if a is None or b is None:
+        return math.inf  # a step or a number one run lacks
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return 0.0 if a == b else math.inf
+    scale = scale or max(abs(a), abs(b))
+    return 0.0 if scale == 0 else abs(a - b) / scale
+
+
+def compare(ref: Result, got: Result, steps: int):
+    """The table's rows (step, quantity, reference, checked, rel. diff, within) and the first
+    row beyond the tolerance of `got`'s precision (None: they agree). A step either run lacks
+    (it failed) is a divergence at that step."""
+    tol = TOLERANCE.get(got.precision, TOLERANCE["fp32"])
+    rows, first = [], None
+    for step in range(1, steps + 1):
+        for q in QUANTITIES:
+            theirs = ref.steps.get(step, {})
+            a, b = theirs.get(q), got.steps.get(step, {}).get(q)
+            # The checksum relative to its size for random signs (Strategy.param_checksum): the
+            # typical relative change of one parameter, whatever the sum's cancellation.
+            d = rel_diff(a, b, theirs.get("checksum_scale") if q == "param_checksum" else None)
+            row = (step, q, a, b, d, d <= tol)
+            rows.append(row)
+            if first is None and not row[5]:
+                first = (*row, tol)
+    return rows, first
+
+
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.9g}"
+
+
+def table(rows, label: str) -> str:
+    lines = [f"{'step':>4}  {'quantity':<15} {'reference':>18} {label[:28]:>28} {'rel. diff':>10}"]
+    for step, q, a, b, d, ok in rows:
+        lines.append(f"{step:>4}  {q:<15} {_num(a):>18} {_num(b):>28} {d:>10.2e}{'' if ok else '  <-- beyond tolerance'}")
+    return "\n".join(lines)
+
+
+def verdict(first, got: Result, label: str) -> str:
+    if first is None:
+        tol = TOLERANCE.get(got.precision, TOLERANCE["fp32"])
+        return f"OK: loss, grad_norm and param_checksum agree at every step within {tol:g} relative ({got.precision})"
+    step, q, a, b, d, _, tol = first
+    why = "" if got.ok else f" ({label} failed: see {got.log})"
+    return (f"FAIL: first divergence at step {step}, {q}: reference {_num(a)} vs {_num(b)}, relative difference "
+            f"{d:.2e} > {tol:g} ({got.precision}){why}; docs/troubleshooting.md#zerotrain-verify says what it points to")
