@@ -270,3 +270,12 @@ def test_missing_ds_config_lists_shipped_files(tmp_path):
     cfg = load_config(None)
     with pytest.raises(ConfigError, match="not found.*ds_configs/zero2.json"):
         load_ds_setup(str(tmp_path / "nope.json"), cfg, cfg.train.batch(1), 10, cuda=False)
+
+
+def test_none_on_the_command_line_is_a_word_for_a_string_key_and_null_for_an_optional_one():
+    """--checkpoint.resume none was refused as "must be a string, not null" (it is the documented
+    value); an Optional key still reads none/null as null."""
+    cfg = load_config(None, [("checkpoint.resume", "none"), ("train.epochs", "none"), ("logging.wandb.entity", "null")])
+    assert cfg.checkpoint.resume == "none" and cfg.train.epochs is None and cfg.logging.wandb.entity is None
+    with pytest.raises(ConfigError, match="train.max_steps must be an integer, not null"):
+        load_config(None, [("train.max_steps", "none")])

@@ -195,11 +195,11 @@ class _Plan:
     def fixed(self, run_dir: Path, world: int) -> list[str]:
         """What both runs set: K steps, a log line and a checksum every step, nothing saved or
         evaluated, full fp32 matmuls, and the same global batch (the world's share of it). Both
-        start fresh: resume "auto" finds no checkpoint in a new run dir (and these runs save none)."""
+        start fresh (checkpoint.resume none, whatever the run file says)."""
         out = {"train.max_steps": self.opts.steps, "train.eval_every": 0, "train.eval_batches": 1,
                "train.sample_tokens": 0, "logging.every_steps": 1, "logging.progress": "false",
                "logging.trackers": "jsonl", "checkpoint.every_steps": 0, "checkpoint.every_minutes": 0,
-               "checkpoint.save_at_end": "false", "checkpoint.export": "false", "checkpoint.resume": "auto",
+               "checkpoint.save_at_end": "false", "checkpoint.export": "false", "checkpoint.resume": "none",
                "debug.param_checksum": "true", "hardware.tf32": "false", "train.run_dir": str(run_dir)}
         if self.cfg.train.epochs:
             out["train.epochs"] = "null"

@@ -139,7 +139,10 @@ _SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 def _coerce(value, tp, key: str, from_cli: bool):
     """Check (file) or convert (CLI string) `value` to type `tp`; ConfigError names `key`."""
     base, optional = _unwrap_optional(tp)
-    if value is None or (from_cli and isinstance(value, str) and value.lower() in ("null", "none")):
+    # On the command line "none"/"null" is null only where null is allowed: a string key keeps
+    # the word ("--checkpoint.resume none" is the string checkpoint.resume documents).
+    spelled_null = from_cli and isinstance(value, str) and value.lower() in ("null", "none")
+    if value is None or (spelled_null and (optional or base is not str)):
         if optional:
             return None
         raise ConfigError(f"{key} must be {_type_name(tp)}, not null")
