@@ -98,7 +98,7 @@ class TextData(DataSection):
     """byte-level language modelling on text (default corpus: this Python's standard library sources)."""
     KIND: ClassVar[str] = "text"
     kind: str = "text"
-    """text, tokens, sft, imagefolder, regression or stream: it decides the section's other
+    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
     keys (--help lists each kind's)."""
     path: Optional[str] = None
     """A file or directory of text (None = the embedded default corpus)."""
@@ -120,7 +120,7 @@ class TokensData(DataSection):
     """flat uint16/uint32 token files or shard directories from `zerotrain prepare`, or a weighted mixture of them."""
     KIND: ClassVar[str] = "tokens"
     kind: str = "tokens"
-    """text, tokens, sft, imagefolder, regression or stream: it decides the section's other
+    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
     keys (--help lists each kind's)."""
     path: Optional[str] = None
     """The .bin file (a sibling .val.bin is the validation split if present), or a shard
@@ -182,7 +182,7 @@ class SftData(DataSection):
     records), loss on the responses only."""
     KIND: ClassVar[str] = "sft"
     kind: str = "sft"
-    """text, tokens, sft, imagefolder, regression or stream: it decides the section's other
+    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
     keys (--help lists each kind's)."""
     path: Optional[str] = None
     """The .jsonl file (a sibling .val.jsonl is the validation split if present), or a .bin set
@@ -245,7 +245,7 @@ class ImageFolderData(DataSection):
     """images in root/train/<class>/*, root/val/<class>/*."""
     KIND: ClassVar[str] = "imagefolder"
     kind: str = "imagefolder"
-    """text, tokens, sft, imagefolder, regression or stream: it decides the section's other
+    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
     keys (--help lists each kind's)."""
     path: Optional[str] = None
     """The root holding train/ and val/."""
@@ -268,7 +268,7 @@ class RegressionData(DataSection):
     """synthetic linear data (for model "linear")."""
     KIND: ClassVar[str] = "regression"
     kind: str = "regression"
-    """text, tokens, sft, imagefolder, regression or stream: it decides the section's other
+    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
     keys (--help lists each kind's)."""
     num_samples: int = 4096
     """Dataset size."""
@@ -288,7 +288,7 @@ class StreamData(DataSection):
     """local parquet/arrow/jsonl files tokenized while training, no prepare step."""
     KIND: ClassVar[str] = "stream"
     kind: str = "stream"
-    """text, tokens, sft, imagefolder, regression or stream: it decides the section's other
+    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
     keys (--help lists each kind's)."""
     path: Optional[str] = None
     """A .parquet/.arrow/.jsonl file or a directory of them (found as `zerotrain prepare` finds them)."""
