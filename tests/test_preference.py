@@ -274,7 +274,7 @@ def test_lora_reference_is_the_base_with_adapters_off(tmp_path, llama, tokenizer
 
 # ----------------------------------------------------------------------------- real launches
 
-K = 100.0  # AdamW with betas (0, 0) and eps 1e6 >> |g|: the first update is exactly lr / eps x g
+K = 1e4  # AdamW with betas (0, 0) and eps 1e6 >> |g|: the first update is exactly lr / eps x g
 
 
 def _step_args(model: str, path: Path, run_dir: Path, ds: str, micro: int, accum: int, loss: str) -> list[str]:
@@ -339,7 +339,7 @@ def test_step_one_loss_and_gradients_equal_the_naive_implementation_under_every_
         assert 0.0 <= step1["rewards/accuracies"] <= 1.0 and "logps/rejected" in step1
     print("relative |loss - naive|, max relative |grad - naive| per tensor:", report)
     for name, (d_loss, d_grad) in report.items():
-        assert d_loss <= 1e-6 and d_grad <= 1e-5, (name, report)
+        assert d_loss <= 1e-6 and d_grad <= 1e-6, (name, report)
 
 
 @pytest.mark.multiproc
@@ -382,7 +382,8 @@ def test_lora_step_one_under_zero3_equals_ddp(tmp_path, llama, tokenizer_dir):
         assert abs(loss - float(ref)) <= 1e-6 * float(ref), (name, loss, float(ref))
         for key, b in bs.items():
             got = -adapters[f"base_model.model.{key}.lora_B.weight"] / K
-            assert _rel(got, b.grad) <= 1e-5, (name, key, _rel(got, b.grad))
+            print(name, key, "relative |grad - naive|", _rel(got, b.grad))
+            assert _rel(got, b.grad) <= 1e-6, (name, key, _rel(got, b.grad))
 
 
 @pytest.mark.multiproc
