@@ -71,7 +71,7 @@ def test_every_dotted_option_in_the_docs_is_a_key():
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_loads(path):
     cfg = load_config(str(path))
-    assert cfg.data.kind in ("text", "tokens", "sft", "imagefolder", "regression", "stream")
+    assert cfg.data.kind in ("text", "tokens", "sft", "preference", "imagefolder", "regression", "stream")
 
 
 @pytest.mark.parametrize("where,text", BLOCKS, ids=[b for b, _ in BLOCKS])
