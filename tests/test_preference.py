@@ -337,6 +337,9 @@ def test_step_one_loss_and_gradients_equal_the_naive_implementation_under_every_
         worst = max(_rel((init[n] - w1[n]) / K, g) for n, g in ref_grads.items())
         report[name] = (abs(step1["loss"] - ref_loss) / abs(ref_loss), worst)
         assert 0.0 <= step1["rewards/accuracies"] <= 1.0 and "logps/rejected" in step1
+        if name == "ddp 1x micro8":  # the export is a transformers model that loads unchanged
+            exported = AutoModelForCausalLM.from_pretrained(str(run_dir / "export"), local_files_only=True)
+            assert torch.equal(exported.state_dict()["lm_head.weight"], w1["lm_head.weight"])
     print("relative |loss - naive|, max relative |grad - naive| per tensor:", report)
     for name, (d_loss, d_grad) in report.items():
         assert d_loss <= 1e-6 and d_grad <= 1e-6, (name, report)
@@ -378,6 +381,9 @@ def test_lora_step_one_under_zero3_equals_ddp(tmp_path, llama, tokenizer_dir):
             mod.register_forward_hook(adapter(name))
     ref = naive_loss("sigmoid", 0.5, 0.0, policy, base, token_pairs(tok, recs), 32)
     ref.backward()
+    from peft import PeftModel  # the export is a PEFT adapter directory that loads unchanged
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "zero3_2x_micro2_accum2" / "export"))
+    assert sum(1 for n, _ in peft_model.named_parameters() if "lora_B" in n) == len(bs) == 4
     for name, (loss, adapters) in out.items():
         assert abs(loss - float(ref)) <= 1e-6 * float(ref), (name, loss, float(ref))
         for key, b in bs.items():
