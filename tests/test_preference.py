@@ -394,8 +394,8 @@ def test_lora_step_one_under_zero3_equals_ddp(tmp_path, llama, tokenizer_dir):
 
 @pytest.mark.multiproc
 def test_a_few_hundred_steps_raise_held_out_accuracy_well_above_chance(tmp_path):
-    """examples/dpo.yaml's task (letters preferred over digits), gpt-tiny on bytes: the held-out
-    val/rewards/accuracies starts near chance and ends well above it; the export loads back."""
+    """examples/dpo.yaml's task (letters preferred over digits), gpt-tiny on bytes, 200 steps: the
+    held-out val/rewards/accuracies (64 pairs of another seed) is >= 0.9; the export is written."""
     from zerotrain.train.data.make_preferences import write
     train, _ = write(tmp_path / "d" / "train.jsonl", 512, 64, 0)
     run_dir = tmp_path / "run"
@@ -405,6 +405,6 @@ def test_a_few_hundred_steps_raise_held_out_accuracy_well_above_chance(tmp_path)
     rows = [r for r in metrics(run_dir) if "val/rewards/accuracies" in r]
     assert rows[-1]["val/rewards/accuracies"] >= 0.9, rows
     assert any("rewards/margins" in r for r in metrics(run_dir))
-    assert (run_dir / "export" / "model.safetensors").is_file() or list((run_dir / "export").glob("*.safetensors"))
-    assert synthetic_records(3, 0) == synthetic_records(3, 0)
+    assert list((run_dir / "export").glob("*.safetensors"))
+    assert synthetic_records(3, 0) == synthetic_records(3, 0)  # the set is a pure function of its seed
     assert math.isfinite(rows[-1]["val/loss"])
