@@ -147,6 +147,57 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     return ChunkedCrossEntropy.apply(logits.contiguous(), targets, int(ignore_index), int(chunk_bytes), denominator)
 
 
+class ChunkedTokenLosses(torch.autograd.Function):
+    """Per-row cross-entropy (N,) with a gradient, chunked as ChunkedCrossEntropy: backward is
+    (softmax - onehot) x the row's incoming gradient, never an fp32 (N, V) tensor beyond a chunk."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index: int, chunk_bytes: int):
+        with _no_autocast(logits):
+            m, logsum = _row_stats(logits, chunk_bytes)
+            tgt, valid, safe = _target_logits(logits, targets, ignore_index)
+            per_row = (m - tgt) + logsum
+            per_row = torch.where(valid, per_row, torch.zeros_like(per_row))
+        ctx.save_for_backward(logits, m, logsum, safe, valid)
+        ctx.chunk_bytes = chunk_bytes
+        return per_row
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_rows):
+        logits, m, logsum, safe, valid = ctx.saved_tensors
+        n, v = logits.shape
+        with _no_autocast(logits):
+            row_scale = torch.where(valid, grad_rows.float(), torch.zeros((), dtype=torch.float32, device=m.device))
+            grad = torch.empty_like(logits)
+            rows = _rows_per_chunk(v, ctx.chunk_bytes)
+            fp32 = logits.dtype == torch.float32
+            buf = None if fp32 else torch.empty((min(rows, n), v), dtype=torch.float32, device=logits.device)
+            for s in range(0, n, rows):
+                e = min(n, s + rows)
+                b = grad[s:e] if fp32 else buf[:e - s]
+                torch.sub(logits[s:e], m[s:e, None], out=b)
+                b.sub_(logsum[s:e, None])
+                b.exp_()
+                b.scatter_add_(1, safe[s:e, None], torch.full((e - s, 1), -1.0, dtype=torch.float32, device=b.device))
+                b.mul_(row_scale[s:e, None])
+                if not fp32:
+                    grad[s:e].copy_(b)
+        return grad, None, None, None
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX,
+                chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """log p(target) per row of (N, V) logits, fp32 (N,), 0 for ignored rows, differentiable when
+    the logits require grad: the fp32 mathematics of log_softmax(logits.float()).gather(targets)
+    without an fp32 (N, V) copy (preference tuning sums them per sequence: models/preference.py)."""
+    _check(logits, targets)
+    targets = targets.long()
+    if not logits.requires_grad:
+        return -token_losses(logits, targets, ignore_index, chunk_bytes)
+    return -ChunkedTokenLosses.apply(logits.contiguous(), targets, int(ignore_index), int(chunk_bytes))
+
+
 def _check(logits: torch.Tensor, targets: torch.Tensor):
     if logits.dim() != 2 or targets.dim() != 1 or targets.size(0) != logits.size(0):
         raise ValueError(f"cross_entropy wants (N, V) logits and (N,) targets, got {tuple(logits.shape)} "
@@ -168,4 +219,5 @@ def _no_autocast(t: torch.Tensor):
     return torch.autocast(device_type=dev, enabled=False) if on else contextlib.nullcontext()
 
 
-__all__ = ["CHUNK_BYTES", "IGNORE_INDEX", "ChunkedCrossEntropy", "cross_entropy", "token_losses"]
+__all__ = ["CHUNK_BYTES", "IGNORE_INDEX", "ChunkedCrossEntropy", "ChunkedTokenLosses", "cross_entropy", "token_logps",
+           "token_losses"]

@@ -16,6 +16,7 @@ from zerotrain.models.losses import IGNORE_INDEX, cross_entropy, token_losses
 
 if TYPE_CHECKING:
     from zerotrain.models.moe import MoEInfo, MoEStats
+    from zerotrain.models.preference import Preference
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Workload:
     moe: Optional["MoEStats"] = None        # sparse-MoE hf: models (models/moe.py): aux loss, expert load
     model_loss: bool = False                # py: models with model.loss "model": forward(**batch) returns the loss
     sparse: Optional["MoEInfo"] = None      # sparse-MoE blocks of a py: model: ZeRO-3 leaves, its own loss
+    preference: Optional["Preference"] = None  # train.objective dpo: the pair loss and its metrics (models/preference.py)
 
     @property
     def moe_info(self) -> Optional["MoEInfo"]:
@@ -59,6 +61,8 @@ class Workload:
         micro-batch's number of labelled tokens (the trainer's token-count normalisation).
         A py: model with model.loss "model" returns its own loss from forward(**batch)
         (models/user.py): taken as it is, `denominator` not applied."""
+        if self.preference is not None:  # pairs of preference data: DPO / IPO / SimPO, mean over pairs
+            return self.preference.loss(self, model, batch)
         if self.model_loss:
             return own_loss(model(**batch))
         if self.moe is not None:  # the router's aux loss and routed tokens come with the logits
@@ -79,6 +83,8 @@ class Workload:
     def eval_stats(self, model, batch) -> dict[str, torch.Tensor]:
         """Per-sample statistics (shape [B]) so that gather_for_metrics can drop padding exactly.
         A model that computes its own loss gives one number per micro-batch: each sample carries it."""
+        if self.preference is not None:
+            return self.preference.eval_stats(self, model, batch)
         if self.model_loss:
             loss = own_loss(model(**batch))
             return {"loss": loss.expand(next(iter(batch.values())).size(0))}

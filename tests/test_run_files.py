@@ -71,7 +71,7 @@ def test_every_dotted_option_in_the_docs_is_a_key():
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_loads(path):
     cfg = load_config(str(path))
-    assert cfg.data.kind in ("text", "tokens", "sft", "imagefolder", "regression", "stream")
+    assert cfg.data.kind in ("text", "tokens", "sft", "preference", "imagefolder", "regression", "stream")
 
 
 @pytest.mark.parametrize("where,text", BLOCKS, ids=[b for b, _ in BLOCKS])
@@ -116,7 +116,7 @@ def test_a_key_of_another_kind_family_or_release_is_one_line(tmp_path, text, mes
     ([("data.kind", "tokens"), ("data.max_bytes", "10")], "--data.max_bytes is not a key of data.kind tokens"),
     ([("data.max_bytes", "10"), ("data.kind", "tokens")], "--data.max_bytes is not a key of data.kind tokens"),
     ([("model.name", "linear"), ("model.lora.r", "4")], "--model.lora.r is not a key of model family linear"),
-    ([("data.kind", "streams")], 'data.kind "streams" is not one of text, tokens, sft, imagefolder, regression, '
+    ([("data.kind", "streams")], 'data.kind "streams" is not one of text, tokens, sft, preference, imagefolder, regression, '
                                  'stream (did you mean "stream"?)'),
 ])
 def test_overrides_are_checked_against_the_variant(overrides, message):

@@ -98,7 +98,7 @@ class TextData(DataSection):
     """byte-level language modelling on text (default corpus: this Python's standard library sources)."""
     KIND: ClassVar[str] = "text"
     kind: str = "text"
-    """text, tokens, sft, imagefolder, regression or stream: it decides the section's other
+    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
     keys (--help lists each kind's)."""
     path: Optional[str] = None
     """A file or directory of text (None = the embedded default corpus)."""
@@ -120,7 +120,7 @@ class TokensData(DataSection):
     """flat uint16/uint32 token files or shard directories from `zerotrain prepare`, or a weighted mixture of them."""
     KIND: ClassVar[str] = "tokens"
     kind: str = "tokens"
-    """text, tokens, sft, imagefolder, regression or stream: it decides the section's other
+    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
     keys (--help lists each kind's)."""
     path: Optional[str] = None
     """The .bin file (a sibling .val.bin is the validation split if present), or a shard
@@ -182,7 +182,7 @@ class SftData(DataSection):
     records), loss on the responses only."""
     KIND: ClassVar[str] = "sft"
     kind: str = "sft"
-    """text, tokens, sft, imagefolder, regression or stream: it decides the section's other
+    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
     keys (--help lists each kind's)."""
     path: Optional[str] = None
     """The .jsonl file (a sibling .val.jsonl is the validation split if present), or a .bin set
@@ -211,11 +211,41 @@ class SftData(DataSection):
 
 
 @dataclass
+class PreferenceData(DataSection):
+    """preference pairs JSONL ({"prompt", "chosen", "rejected"}: strings, or chat messages through
+    the tokenizer's template), for train.objective dpo; the loss on the response tokens only."""
+    KIND: ClassVar[str] = "preference"
+    kind: str = "preference"
+    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
+    keys (--help lists each kind's)."""
+    path: Optional[str] = None
+    """The .jsonl file of {"prompt", "chosen", "rejected"} records (a sibling .val.jsonl is the
+    validation split if present). prompt: a string or a list of {"role", "content"} messages;
+    chosen / rejected: a string or a list of assistant messages."""
+    seq_len: Optional[int] = None
+    """Each of a record's two sequences (prompt + chosen, prompt + rejected) is at most seq_len + 1
+    tokens: the prompt is kept whole, each response is cut at its end (docs/workloads.md); a
+    prompt that leaves no response token is refused. None = the model's context length."""
+    val_fraction: float = 0.05
+    """Without a separate validation file: the fraction of records held out (the last ones)."""
+    tokenizer: Optional[str] = None
+    """Local Hugging Face tokenizer directory; None = the hf:<dir> model's own directory, or bytes
+    (vocab 256, NUL ends a response) for zerotrain's GPT presets."""
+    chat_template: bool = True
+    """Render records with the tokenizer's chat template when it has one (as data.kind sft)."""
+    num_workers: Optional[int] = None
+    """DataLoader worker processes per rank. None = 0: the records are in memory."""
+
+    def __post_init__(self):
+        self._check()
+
+
+@dataclass
 class ImageFolderData(DataSection):
     """images in root/train/<class>/*, root/val/<class>/*."""
     KIND: ClassVar[str] = "imagefolder"
     kind: str = "imagefolder"
-    """text, tokens, sft, imagefolder, regression or stream: it decides the section's other
+    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
     keys (--help lists each kind's)."""
     path: Optional[str] = None
     """The root holding train/ and val/."""
@@ -238,7 +268,7 @@ class RegressionData(DataSection):
     """synthetic linear data (for model "linear")."""
     KIND: ClassVar[str] = "regression"
     kind: str = "regression"
-    """text, tokens, sft, imagefolder, regression or stream: it decides the section's other
+    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
     keys (--help lists each kind's)."""
     num_samples: int = 4096
     """Dataset size."""
@@ -258,7 +288,7 @@ class StreamData(DataSection):
     """local parquet/arrow/jsonl files tokenized while training, no prepare step."""
     KIND: ClassVar[str] = "stream"
     kind: str = "stream"
-    """text, tokens, sft, imagefolder, regression or stream: it decides the section's other
+    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
     keys (--help lists each kind's)."""
     path: Optional[str] = None
     """A .parquet/.arrow/.jsonl file or a directory of them (found as `zerotrain prepare` finds them)."""
@@ -292,7 +322,7 @@ class StreamData(DataSection):
         _check_document_mask(self)
 
 
-DATA_KINDS: dict[str, type] = {c.KIND: c for c in (TextData, TokensData, SftData, ImageFolderData, RegressionData,
+DATA_KINDS: dict[str, type] = {c.KIND: c for c in (TextData, TokensData, SftData, PreferenceData, ImageFolderData, RegressionData,
                                                    StreamData)}
 
 

@@ -52,6 +52,34 @@ class OptimConfig:
 
 
 @dataclass
+class DpoConfig:
+    """Preference tuning (train.objective dpo) on data.kind preference: docs/workloads.md."""
+    loss: str = "sigmoid"
+    """sigmoid (DPO, Rafailov et al. 2023), ipo (Azar et al. 2023) or simpo (Meng et al. 2024:
+    length-normalised log-probabilities, no reference model)."""
+    beta: float = 0.1
+    """DPO / SimPO: the reward scale beta; IPO: the regularisation tau (the margin target is 1 / (2 tau))."""
+    gamma: float = 0.5
+    """SimPO only: the target reward margin gamma (the paper's gamma / beta ratio times beta)."""
+    reference: str = "live"
+    """Where the reference log-probabilities come from (sigmoid, ipo): "live", computed in the
+    same step without gradient, under model.lora by the same model with its adapters off (no
+    extra memory), else by a frozen copy of the initial model (one more copy of the weights per
+    rank; not under ZeRO-3, whose parameters are partitioned)."""
+
+    def __post_init__(self):
+        if self.loss not in ("sigmoid", "ipo", "simpo"):
+            raise ConfigError(f'train.dpo.loss must be sigmoid, ipo or simpo (got "{self.loss}")')
+        if not (self.beta > 0 and math.isfinite(self.beta)):
+            raise ConfigError(f"train.dpo.beta must be a number > 0 (got {self.beta})")
+        if not (self.gamma >= 0 and math.isfinite(self.gamma)):
+            raise ConfigError(f"train.dpo.gamma must be a number >= 0 (got {self.gamma})")
+        if self.reference != "live":
+            raise ConfigError(f'train.dpo.reference must be "live" (got "{self.reference}"); reference '
+                              f"log-probabilities computed ahead of the run are not supported yet")
+
+
+@dataclass
 class TrainConfig:
     seed: int = 1234
     micro_batch_size: int = 8
@@ -76,6 +104,11 @@ class TrainConfig:
     """LM: bytes/tokens generated as a sample at the end (0 = none)."""
     nan_policy: str = "skip"
     """On a NaN/Inf loss: "skip" the step (counted) or "stop" (checkpoint the last good state)."""
+    objective: str = "lm"
+    """What is trained: "lm" (the model's own loss: next-token cross-entropy on language-model
+    data, or the task's loss) or "dpo" (preference tuning on data.kind preference, train.dpo)."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """train.objective dpo: the preference loss, beta, gamma and the reference."""
     max_bad_steps: int = 5
     """Stop after this many consecutive non-finite steps, whatever nan_policy says. Both are
     decided at each log line (logging.every_steps) and before each checkpoint, where the trainer
@@ -98,6 +131,8 @@ class TrainConfig:
             raise ConfigError(f"train.sample_tokens must be >= 0 (got {self.sample_tokens})")
         if self.nan_policy not in ("skip", "stop"):
             raise ConfigError(f'train.nan_policy must be "skip" or "stop" (got "{self.nan_policy}")')
+        if self.objective not in ("lm", "dpo"):
+            raise ConfigError(f'train.objective must be "lm" or "dpo" (got "{self.objective}")')
         if self.max_bad_steps <= 0:
             raise ConfigError(f"train.max_bad_steps must be positive (got {self.max_bad_steps})")
 
@@ -314,6 +349,12 @@ class RunConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def __post_init__(self):
+        if (self.train.objective == "dpo") != (self.data.kind == "preference"):
+            raise ConfigError("train.objective dpo trains on data.kind preference and that data on it only; "
+                              + ("set data.kind preference" if self.train.objective == "dpo"
+                                 else "set train.objective dpo"))
+        if self.train.objective == "dpo" and self.distributed.sequence_parallel > 1:
+            raise ConfigError("train.objective dpo does not run with distributed.sequence_parallel yet; set it to 1")
         if self.data.kind == "stream" and self.train.epochs:
             raise ConfigError("train.epochs: a stream (data.kind stream) has no known length before it is "
                               "tokenized; set train.max_steps instead (or `zerotrain prepare` the files first)")

@@ -36,6 +36,9 @@ def build_data(cfg: DataSection, seq_len: Optional[int], seed: int, tokenizer: O
     if cfg.kind == "sft":
         from zerotrain.train.data.sft import build_sft
         return build_sft(cfg, seq_len, tokenizer, seed)
+    if cfg.kind == "preference":
+        from zerotrain.train.data.preference import build_preference
+        return build_preference(cfg, seq_len, tokenizer)
     if cfg.kind == "stream":
         from zerotrain.train.data.stream import build_stream
         return build_stream(cfg, seq_len, seed, tokenizer)

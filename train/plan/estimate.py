@@ -117,6 +117,9 @@ def _with_batch(shape: ModelShape, s: Option, device: Device, batch: BatchShape,
     gpt, b = shape.gpt, s.elem_bytes
     exchange = sp_exchange_bytes(gpt, batch, b) if gpt is not None else 0
     terms["backward_work"] = terms.get("backward_work", 0) + exchange
+    if batch.reference_copy:  # DPO's live reference of full fine-tuning: every parameter once more, fp32
+        terms["buffers"] = terms.get("buffers", 0) + 4 * shape.num_params
+        notes = notes + ["frozen fp32 reference copy in buffers"]
     runtime = device.runtime + (cost.startup(s) if device.kind == "cpu" and device.runtime else 0)
     e = Estimate(s, activations=activation_bytes(gpt, batch, b) if gpt is not None else None, runtime=runtime,
                  device_kind=device.kind, notes=notes, **terms)

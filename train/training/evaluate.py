@@ -59,7 +59,7 @@ class Evaluator:
         per = max(1.0, sums.pop("tokens", 0.0)) if "tokens" in sums else max(1, count)
         out = {f"val/{k}": v / per for k, v in sums.items()}
         out["val/samples"] = count
-        if "val/loss" in out and self.workload.task == "lm":
+        if "val/loss" in out and self.workload.task == "lm" and self.workload.preference is None:
             out["val/ppl"] = math.exp(min(50.0, out["val/loss"]))
         return out
 

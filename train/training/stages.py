@@ -140,10 +140,10 @@ def load_data(cfg: RunConfig, rt: Runtime) -> RunData:
 def _seq_len(cfg: RunConfig, spec: ModelSpec) -> Optional[int]:
     ctx = spec.context
     seq_len = cfg.data.seq_len or ctx
-    if cfg.data.kind in ("text", "tokens", "sft", "stream") and seq_len is None and spec.family == "py":
+    if cfg.data.kind in ("text", "tokens", "sft", "preference", "stream") and seq_len is None and spec.family == "py":
         raise ConfigError(f'data.seq_len: model.name "{cfg.model.name}" is your own model, whose context zerotrain '
                           f"does not know; set data.seq_len (tokens per sample)")
-    if cfg.data.kind in ("text", "tokens", "sft", "stream") and seq_len is None:
+    if cfg.data.kind in ("text", "tokens", "sft", "preference", "stream") and seq_len is None:
         raise ConfigError(f'data.kind "{cfg.data.kind}" is language-model data but model.name "{cfg.model.name}" '
                           f"is not a language model; use a GPT preset or hf:<dir>, or another data.kind")
     if ctx is not None and seq_len > ctx:
@@ -254,6 +254,8 @@ def build_model(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed) -
             make_leaf(workload.model, moe)
         if acc.is_main_process:
             print(f"zerotrain: {moe.banner(aux=workload.moe is not None)}", flush=True)
+    if cfg.train.objective == "dpo":
+        workload.preference = _preference(cfg, workload, strategy, acc.device)
     channels_last = hardware.use_channels_last(cfg, strategy, workload.family, rt.cuda)
     if channels_last:
         workload.model.to(memory_format=torch.channels_last)
@@ -262,6 +264,25 @@ def build_model(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed) -
     raw_optimizer = strategy.build_optimizer(workload.model, cfg.optim)
     set_seed(cfg.train.seed + dist.topo.rank)
     return Model(workload=workload, raw_optimizer=raw_optimizer, channels_last=channels_last)
+
+
+def _preference(cfg: RunConfig, workload: Workload, strategy: Strategy, device):
+    """train.objective dpo's objective and its live reference (models/preference.py): under
+    model.lora the model with its adapters off, else a frozen copy of the initial model."""
+    from zerotrain.models.preference import Preference, frozen_copy
+    d, lora = cfg.train.dpo, workload.lora is not None
+    reference = None
+    if d.loss != "simpo" and not lora:
+        if strategy.partitions_parameters:
+            raise ConfigError(f"train.dpo.loss {d.loss} needs a reference model; under ZeRO-3 full fine-tuning has no "
+                              f"frozen copy (its parameters are partitioned): add model.lora (the reference is then "
+                              f"the base, adapters off), use ZeRO-0/1/2 or DDP, or train.dpo.loss simpo")
+        if cfg.model.init_from:
+            raise ConfigError("train.dpo: the reference of full fine-tuning is a copy of the model as built, before "
+                              "model.init_from is loaded; export those weights as an hf: directory and name it in "
+                              "model.name, or add model.lora")
+        reference = frozen_copy(workload.model).to(device)
+    return Preference(d.loss, d.beta, d.gamma, reference=reference, lora=lora)
 
 
 # ---------------------------------------------------------------------------- loaders

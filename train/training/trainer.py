@@ -230,6 +230,8 @@ class Trainer:
             m.update(moe_metrics)
             for line in warnings if self.acc.is_main_process else ():
                 print(f"zerotrain: WARNING: {line}", flush=True)
+        if self.workload.preference is not None:  # rewards/*, logps/* under TRL's names (models/preference.py)
+            m.update(self.workload.preference.window(self.acc))
         self.loggers.log(m, self.state.step)
         if bar:
             post = {"loss": f"{m['loss']:.4f}"}

@@ -1,0 +1,156 @@
+"""Preference tuning objectives (train.objective dpo on data.kind preference): DPO, IPO, SimPO.
+
+For a pair (x, y_w chosen, y_l rejected), with log pi(y|x) the summed log-probability of the
+response tokens under the policy and log ref(y|x) under the reference:
+
+    sigmoid (DPO, Rafailov et al. 2023, eq. 7):
+        h = beta ((log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l)))
+        loss = -log sigmoid(h)
+    ipo (Azar et al. 2023, eq. 17, sampled form):
+        h = (log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l))
+        loss = (h - 1 / (2 beta))^2                            (beta is the paper's tau)
+    simpo (Meng et al. 2024, eq. 6; no reference):
+        loss = -log sigmoid(beta / |y_w| log pi(y_w) - beta / |y_l| log pi(y_l) - gamma)
+
+|y| is the number of response tokens (labels) of the sequence after truncation. A micro-batch's
+loss is the mean over its pairs; every micro-batch holds train.micro_batch_size pairs, so the
+engines' mean over micro-batches and ranks is the mean over the global batch's pairs.
+
+Metrics (TRL's names): rewards/chosen = beta (log pi(y_w) - log ref(y_w)) (simpo: beta / |y_w|
+log pi(y_w)), rewards/rejected likewise, rewards/margins = chosen - rejected, rewards/accuracies
+= the share of pairs with margin > 0, logps/chosen and logps/rejected = log pi summed over the
+response; means over the pairs of the logging interval.
+
+The chosen and rejected sequences of a micro-batch go through one forward, concatenated along
+the batch (2B rows). The reference log-probabilities come from one no-grad forward of the same
+rows: under model.lora the model itself with every adapter switched off (peft's layers'
+`_disable_adapters`), else a frozen copy of the initial model; both in eval mode (no dropout).
+Log-probabilities are models/losses.py's token_logps: fp32 mathematics, no fp32 (N, V) copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from zerotrain.models.losses import IGNORE_INDEX, token_logps
+
+LOSSES = ("sigmoid", "ipo", "simpo")
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of the labelled tokens per row, fp32 (R,), number of labels (R,))
+    of (R, T, V) logits and (R, T) labels."""
+    per_tok = token_logps(logits.reshape(-1, logits.size(-1)), labels.reshape(-1)).view(labels.shape)
+    return per_tok.sum(1), (labels != IGNORE_INDEX).sum(1)
+
+
+def pair_losses(kind: str, beta: float, gamma: float, pc: torch.Tensor, pr: torch.Tensor,
+                rc: Optional[torch.Tensor], rr: Optional[torch.Tensor], nc: torch.Tensor,
+                nr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-pair loss, chosen reward, rejected reward), fp32 (B,) each (module docstring)."""
+    if kind == "simpo":
+        rew_c, rew_r = beta * pc / nc.clamp(min=1), beta * pr / nr.clamp(min=1)
+        return -F.logsigmoid(rew_c - rew_r - gamma), rew_c.detach(), rew_r.detach()
+    h = (pc - rc) - (pr - rr)
+    loss = -F.logsigmoid(beta * h) if kind == "sigmoid" else (h - 1.0 / (2.0 * beta)) ** 2
+    return loss, (beta * (pc - rc)).detach(), (beta * (pr - rr)).detach()
+
+
+class Preference:
+    """The objective of a run with train.objective dpo: the loss of a micro-batch of pairs, its
+    validation statistics, and the interval's metrics (summed on the device, read at log lines)."""
+
+    def __init__(self, loss: str, beta: float, gamma: float, reference: Optional[torch.nn.Module] = None,
+                 lora: bool = False):
+        assert loss in LOSSES
+        self.kind, self.beta, self.gamma = loss, float(beta), float(gamma)
+        self.reference, self.lora = reference, lora  # a frozen copy (full fine-tuning) or None
+        self.sums: Optional[torch.Tensor] = None     # METRICS sums + the pair count, on the device
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kind != "simpo"
+
+    @staticmethod
+    def rows(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, labels) of the micro-batch's 2B rows: the chosen sequences, then the rejected."""
+        return (torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]]),
+                torch.cat([batch["chosen_labels"], batch["rejected_labels"]]))
+
+    @contextlib.contextmanager
+    def _reference_mode(self, model):
+        """The model as the reference: eval mode, and under LoRA every adapter off."""
+        layers = [m for m in model.modules() if hasattr(m, "_disable_adapters")] if self.lora else []
+        was = [m._disable_adapters for m in layers]
+        training = model.training
+        model.eval()
+        for m in layers:
+            m._disable_adapters = True
+        try:
+            yield
+        finally:
+            for m, w in zip(layers, was):
+                m._disable_adapters = w
+            model.train(training)
+
+    @torch.no_grad()
+    def reference_logps(self, workload, model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.reference is not None:
+            return sequence_logps(workload.logits(self.reference, {"input_ids": ids}), labels)[0]
+        with self._reference_mode(model):
+            return sequence_logps(workload.logits(model, {"input_ids": ids}), labels)[0]
+
+    def _pairs(self, workload, model, batch: dict):
+        ids, labels = self.rows(batch)
+        b = batch["chosen_input_ids"].size(0)
+        ref = self.reference_logps(workload, model, ids, labels) if self.needs_reference else None
+        logps, n = sequence_logps(workload.logits(model, {"input_ids": ids}), labels)
+        rc, rr = (ref[:b], ref[b:]) if ref is not None else (None, None)
+        loss, rew_c, rew_r = pair_losses(self.kind, self.beta, self.gamma, logps[:b], logps[b:], rc, rr, n[:b], n[b:])
+        stats = torch.stack([rew_c, rew_r, rew_c - rew_r, (rew_c > rew_r).float(), logps[:b].detach(),
+                             logps[b:].detach()], 1)  # (B, len(METRICS))
+        return loss, stats
+
+    def loss(self, workload, model, batch: dict) -> torch.Tensor:
+        """The micro-batch's mean pair loss (fp32); its metrics are added to the interval's sums."""
+        loss, stats = self._pairs(workload, model, batch)
+        row = torch.cat([stats.sum(0), stats.new_tensor([stats.size(0)])]).double()
+        self.sums = row if self.sums is None else self.sums + row
+        return loss.mean()
+
+    @torch.no_grad()
+    def eval_stats(self, workload, model, batch: dict) -> dict[str, torch.Tensor]:
+        """Per pair (shape [B]): the loss and every metric (val/loss, val/rewards/accuracies, ...)."""
+        loss, stats = self._pairs(workload, model, batch)
+        return {"loss": loss.float(), **{k: stats[:, j] for j, k in enumerate(METRICS)}}
+
+    def window(self, acc) -> dict:
+        """The interval's metrics, means over every rank's pairs (one all-reduce). Resets the sums."""
+        if self.sums is None:
+            return {}
+        flat = self.sums
+        dist = torch.distributed
+        if acc.num_processes > 1 and dist.is_available() and dist.is_initialized():
+            flat = flat.clone()
+            dist.all_reduce(flat)
+        vals = flat.tolist()
+        self.sums = None
+        n = max(vals[-1], 1.0)
+        return {k: v / n for k, v in zip(METRICS, vals)}
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The reference of full fine-tuning: a copy of the initial model that never trains."""
+    import copy
+    ref = copy.deepcopy(model)
+    ref.requires_grad_(False)
+    return ref.eval()
+
+
+__all__ = ["LOSSES", "METRICS", "Preference", "frozen_copy", "pair_losses", "sequence_logps"]
