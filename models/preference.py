@@ -25,6 +25,9 @@ The chosen and rejected sequences of a micro-batch go through one forward, conca
 the batch (2B rows). The reference log-probabilities come from one no-grad forward of the same
 rows: under model.lora the model itself with every adapter switched off (peft's layers'
 `_disable_adapters`), else a frozen copy of the initial model; both in eval mode (no dropout).
+With train.dpo.reference precomputed there is no reference forward: the batch carries each
+pair's reference log-probabilities (`zerotrain prepare --reference`, train/data/reference.py),
+as reference_chosen_logps / reference_rejected_logps, (B,) each.
 Log-probabilities are models/losses.py's token_logps: fp32 mathematics, no fp32 (N, V) copy.
 """
 
@@ -67,10 +70,11 @@ class Preference:
     validation statistics, and the interval's metrics (summed on the device, read at log lines)."""
 
     def __init__(self, loss: str, beta: float, gamma: float, reference: Optional[torch.nn.Module] = None,
-                 lora: bool = False):
+                 lora: bool = False, precomputed: bool = False):
         assert loss in LOSSES
         self.kind, self.beta, self.gamma = loss, float(beta), float(gamma)
         self.reference, self.lora = reference, lora  # a frozen copy (full fine-tuning) or None
+        self.precomputed = precomputed               # the reference log-probs come with the batch
         self.sums: Optional[torch.Tensor] = None     # METRICS sums + the pair count, on the device
 
     @property
@@ -109,7 +113,12 @@ class Preference:
     def _pairs(self, workload, model, batch: dict):
         ids, labels = self.rows(batch)
         b = batch["chosen_input_ids"].size(0)
-        ref = self.reference_logps(workload, model, ids, labels) if self.needs_reference else None
+        if not self.needs_reference:
+            ref = None
+        elif self.precomputed:
+            ref = torch.cat([batch["reference_chosen_logps"], batch["reference_rejected_logps"]]).float()
+        else:
+            ref = self.reference_logps(workload, model, ids, labels)
         logps, n = sequence_logps(workload.logits(model, {"input_ids": ids}), labels)
         rc, rr = (ref[:b], ref[b:]) if ref is not None else (None, None)
         loss, rew_c, rew_r = pair_losses(self.kind, self.beta, self.gamma, logps[:b], logps[b:], rc, rr, n[:b], n[b:])
@@ -153,4 +162,22 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return ref.eval()
 
 
-__all__ = ["LOSSES", "METRICS", "Preference", "frozen_copy", "pair_losses", "sequence_logps"]
+__all__ = ["LOSSES", "METRICS", "Preference", "dataset_reference_logps", "frozen_copy", "pair_losses", "sequence_logps"]
+
+
+@torch.no_grad()
+def dataset_reference_logps(workload, pairs, device, rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) reference log-probs, fp32 (N,) each, of every record of `pairs` (a
+    train/data/preference.py PreferencePairs) under workload.model as it is, in eval mode:
+    `zerotrain prepare --reference`. The same rows and code as the live reference, `rows` pairs
+    per forward."""
+    model = workload.model.to(device).eval()
+    out_c, out_r = [], []
+    for start in range(0, len(pairs), rows):
+        batch = torch.utils.data.default_collate([pairs[i] for i in range(start, min(start + rows, len(pairs)))])
+        ids, labels = Preference.rows(batch)
+        logps = sequence_logps(workload.logits(model, {"input_ids": ids.to(device)}), labels.to(device))[0].cpu()
+        b = batch["chosen_input_ids"].size(0)
+        out_c.append(logps[:b])
+        out_r.append(logps[b:])
+    return torch.cat(out_c), torch.cat(out_r)

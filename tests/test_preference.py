@@ -408,3 +408,98 @@ def test_a_few_hundred_steps_raise_held_out_accuracy_well_above_chance(tmp_path)
     assert list((run_dir / "export").glob("*.safetensors"))
     assert synthetic_records(3, 0) == synthetic_records(3, 0)  # the set is a pure function of its seed
     assert math.isfinite(rows[-1]["val/loss"])
+
+
+# ----------------------------------------------------------------------------- precomputed reference
+
+def _prepare_reference(args: list[str]) -> None:
+    from zerotrain.train.commands.prepare import main as prepare_main
+    assert prepare_main(["--reference"] + args) == 0
+
+
+def test_precomputed_reference_gives_the_live_frozen_copy_loss_and_gradients_in_process(tmp_path):
+    """`prepare --reference` with the run's model (gpt-tiny, train.seed) writes d.reference.safetensors
+    beside the data, keyed by JSONL line; the run's pairs then carry it, and the step-1 loss and
+    gradients equal the live frozen-copy reference's. Preparing again is a no-op."""
+    from zerotrain.train.config import DpoConfig, RunConfig, TrainConfig
+    from zerotrain.train.training.stages import attach_reference
+    recs = _records(6, 7)
+    recs.insert(2, {"prompt": "a", "chosen": "same", "rejected": "same"})  # skipped: the keys are line numbers
+    path = write_jsonl(tmp_path / "d.jsonl", recs)
+    seq_len, seed = 48, 11
+    args = ["--model.name", "gpt-tiny", "--data.kind", "preference", "--data.path", str(path), "--data.seq_len",
+            str(seq_len), "--data.val_fraction", "0.34", "--train.objective", "dpo", "--train.seed", str(seed),
+            "--train.dpo.reference", "precomputed"]
+    _prepare_reference(args)
+    assert (tmp_path / "d.reference.safetensors").is_file()
+    _prepare_reference(args)  # up to date: nothing to do
+    data = pref(path, seq_len, val_fraction=0.34)
+    cfg = RunConfig(model=ModelConfig(name="gpt-tiny"), data=DataConfig(kind="preference", path=str(path),
+                                                                          seq_len=seq_len, val_fraction=0.34),
+                    train=TrainConfig(objective="dpo", seed=seed, dpo=DpoConfig(reference="precomputed")))
+    attach_reference(cfg, resolve(cfg.model), seq_len, data)
+    assert data.val is not None and data.val.reference is not None  # the validation split too
+    from accelerate.utils import set_seed
+    grads, losses = {}, {}
+    for mode in ("live", "precomputed"):
+        set_seed(seed)
+        wl = build_workload(resolve(ModelConfig(name="gpt-tiny")), data)
+        wl.preference = (Preference("sigmoid", 0.4, 0.0, precomputed=True) if mode == "precomputed"
+                         else Preference("sigmoid", 0.4, 0.0, reference=frozen_copy(wl.model)))
+        batch = torch.utils.data.default_collate([data.train[i] for i in range(len(data.train))])
+        assert ("reference_chosen_logps" in batch) == True  # noqa: E712 (attached to the dataset)
+        loss = wl.loss(wl.model, batch)
+        loss.backward()
+        losses[mode], grads[mode] = float(loss), {n: p.grad.clone() for n, p in wl.model.named_parameters()}
+    assert abs(losses["precomputed"] - losses["live"]) <= 1e-6 * abs(losses["live"]), losses
+    for n, g in grads["live"].items():
+        assert _rel(grads["precomputed"][n], g) <= 1e-6, (n, _rel(grads["precomputed"][n], g))
+
+
+def test_a_stale_reference_file_is_refused_in_one_line(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "d.jsonl", _records(4, 8))
+    args = ["--model.name", "gpt-tiny", "--data.kind", "preference", "--data.path", str(path), "--data.seq_len", "32",
+            "--data.val_fraction", "0", "--train.objective", "dpo", "--train.dpo.reference", "precomputed"]
+    run = args + ["--train.max_steps", "1", "--train.run_dir", str(tmp_path / "run"), "--ds-config",
+                  "ds_configs/ddp.json", "--checkpoint.save_at_end", "false"]
+    code, err = run_main(capsys, run)  # no file yet
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "prepare --reference" in err, err
+    _prepare_reference(args)
+    capsys.readouterr()
+    for change, expected in ((["--data.seq_len", "24"], "data.seq_len differs"),
+                             (["--train.seed", "5"], "train.seed differs")):
+        code, err = run_main(capsys, run + change)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and expected in err, err
+    path.write_text(path.read_text() + json.dumps({"prompt": "p", "chosen": "c", "rejected": "r"}) + "\n")
+    code, err = run_main(capsys, run)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "d.reference.safetensors is stale" in err, err
+
+
+@pytest.mark.multiproc
+def test_full_fine_tuning_with_a_precomputed_reference_under_zero3_equals_ddp_with_the_live_copy(tmp_path, llama):
+    """Full fine-tuning has a reference under ZeRO-3 once it is precomputed: 2 processes with
+    accumulation give the step-1 loss and update of 1-process DDP with the live frozen copy."""
+    from safetensors.torch import load_file
+    recs = _records(8, 9)
+    path = write_jsonl(tmp_path / "d.jsonl", recs)
+    write_jsonl(tmp_path / "d.val.jsonl", _records(2, 10))
+    _prepare_reference(["--model.name", f"hf:{llama}", "--data.kind", "preference", "--data.path", str(path),
+                        "--data.seq_len", "32", "--train.objective", "dpo", "--train.dpo.reference", "precomputed"])
+    assert (tmp_path / "d.val.reference.safetensors").is_file()
+    init = load_file(str(llama / "model.safetensors"))
+    out = {}
+    for name, (launcher, nproc, stage, micro, accum, ref) in {
+            "ddp 1x micro8 live": ("python", 1, "ddp", 8, 1, "live"),
+            "zero3 2x micro2 accum2 precomputed": ("torchrun", 2, "zero3", 2, 2, "precomputed")}.items():
+        run_dir = tmp_path / name.replace(" ", "_")
+        run_train(launcher, nproc, _step_args(f"hf:{llama}", path, run_dir, fp32(tmp_path, stage), micro, accum,
+                                              "sigmoid") + ["--train.dpo.reference", ref],
+                  env={"HF_HUB_OFFLINE": "1"})
+        w1 = _exported(run_dir)
+        out[name] = ([r for r in metrics(run_dir) if "loss" in r][0]["loss"],
+                     {n: (init[n] - w1[n]) / K for n in init})
+    (l0, g0), (l1, g1) = out.values()
+    assert abs(l1 - l0) <= 1e-6 * abs(l0), (l0, l1)
+    worst = max(_rel(g1[n], g0[n]) for n in g0)
+    print("zero3 precomputed vs ddp live: relative |loss|", abs(l1 - l0) / abs(l0), "max relative |grad|", worst)
+    assert worst <= 1e-6

@@ -8,6 +8,7 @@ instruction records -> a prepared set for data.kind = sft.
     zerotrain prepare corpus/ --out data/corpus --tokenizer models/my-llama  # shards + manifest, all cores
     zerotrain prepare data.parquet --text-field text --out data/corpus      # local HF dataset files
     zerotrain prepare --verify data/corpus                                  # sha256 of every shard
+    zerotrain prepare --reference --config examples/dpo.yaml                # DPO reference log-probs, once
 
 --out DIR (no .bin suffix): shards of --shard-tokens tokens + DIR/manifest.json, tokenized on
 --workers processes (identical shards for any number), resumable after an interruption by
@@ -26,6 +27,15 @@ chat template was used (--no-chat-template = data.chat_template false) and the s
 and sha256: training refuses a set made with another tokenizer or template setting, or from
 a source that has changed since. A bad record stops prepare with one line naming file:line
 (exit 2) and leaves no output. Layout: train/data/sft_file.py.
+
+--reference --config RUN.yaml [--section.key VALUE ...]: for a run with data.kind preference,
+the reference log-probabilities of every record of data.path (and of its <name>.val.jsonl), from
+the run's model at its starting weights (model.name built as the run builds it, train.seed; the
+base model under model.lora), in fp32 on one device (CUDA if there is one), written beside each
+file as <name>.reference.safetensors (train/data/reference.py). A run with
+train.dpo.reference precomputed then reads them instead of running a reference model. Re-running
+with nothing changed does nothing; a file made for other data, tokenizer, seq_len, model or seed
+is refused by training in one line.
 
 Streams: files are read in 4 MiB pieces (cut at line ends) and tokenized ~16 MiB at a
 time, so corpora larger than memory work. (A file over 4 MiB is thus tokenized piecewise:
@@ -139,6 +149,11 @@ def write_tokens(files: Iterable[Path], tokenizer, out: Path, progress: Callable
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--reference" in argv:
+        rest = [a for a in argv if a != "--reference"]
+        with user_errors("--debug" in rest):
+            return prepare_reference([a for a in rest if a != "--debug"])
     p = argparse.ArgumentParser(prog="zerotrain prepare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
@@ -311,4 +326,67 @@ def prepare_sft(a) -> int:
               f"({side['trained_tokens']:,} trained) from {src} (tokenizer {side['tokenizer']}, chat template "
               f"{'yes' if side['chat_template'] else 'no'}) in {time.perf_counter() - rate.t0:.1f}s: "
               f"{rate.line(side['records'], side['num_tokens'])}", flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------- --reference
+
+def prepare_reference(argv: list[str]) -> int:
+    """`prepare --reference --config RUN.yaml [overrides]`: the reference log-probs of a DPO run's
+    pairs (train/data/reference.py), computed once with the run's model at its starting weights."""
+    import dataclasses
+
+    import torch
+    from accelerate.utils import set_seed
+
+    from zerotrain.models import build_workload, resolve
+    from zerotrain.models.preference import dataset_reference_logps
+    from zerotrain.train.args import parse_train_args
+    from zerotrain.train.config.loader import load_config
+    from zerotrain.train.data import build_data, reference
+    from zerotrain.train.data.preference import read_pairs
+    from zerotrain.train.data.sft import byte_encoder, hf_encoder, val_path
+    from zerotrain.train.training import stages
+
+    a = parse_train_args(argv)
+    if a.ds_config:
+        raise ConfigError("prepare --reference runs on one device: give no --ds-config")
+    cfg = load_config(a.config, a.overrides)
+    if cfg.data.kind != "preference":
+        raise ConfigError("prepare --reference: the run's data.kind must be preference (with train.objective dpo)")
+    if cfg.model.init_from:
+        raise ConfigError("prepare --reference computes with the model as built, before model.init_from is loaded; "
+                          "export those weights as an hf: directory and name it in model.name")
+    spec = resolve(cfg.model)
+    seq_len = stages._seq_len(cfg, spec)
+    tokenizer = cfg.data.tokenizer or (spec.name[3:] if spec.family == "hf" else None)
+    bundle = build_data(cfg.data, seq_len, cfg.train.seed, tokenizer)
+    enc = hf_encoder(tokenizer, cfg.data.chat_template) if tokenizer else byte_encoder()
+    source = Path(cfg.data.path).expanduser()
+    sources = [source] + ([val_path(source)] if val_path(source).is_file() and val_path(source) != source else [])
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    workload = None
+    for src in sources:
+        t0 = time.perf_counter()
+        pairs, _, _ = read_pairs(src, enc, seq_len)
+        if pairs is None:
+            continue
+        want = stages.reference_identity(cfg, spec, seq_len, bundle, src)
+        out = reference.reference_path(src)
+        if out.is_file():
+            try:
+                reference.load(src, want, pairs.lines)
+                print(f"{out} is up to date for {src}: nothing to do ({len(pairs)} records)", flush=True)
+                continue
+            except DataError:
+                pass  # stale: made again
+        if workload is None:  # the run's starting weights: its seed, then the model as build_model builds it
+            base = resolve(dataclasses.replace(cfg.model, lora=None)) if cfg.model.lora is not None else spec
+            set_seed(cfg.train.seed)
+            workload = build_workload(base, bundle)
+        chosen, rejected = dataset_reference_logps(workload, pairs, device)
+        reference.write(out, pairs.lines, chosen.numpy(), rejected.numpy(), want)
+        print(f"wrote {out}: reference log-probs of {len(pairs):,} records of {src} (model {cfg.model.name}"
+              f"{', base without adapters' if cfg.model.lora is not None else ''}, seq_len {seq_len}, {device.type}) "
+              f"in {time.perf_counter() - t0:.1f}s", flush=True)
     return 0

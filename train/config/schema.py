@@ -65,7 +65,10 @@ class DpoConfig:
     """Where the reference log-probabilities come from (sigmoid, ipo): "live", computed in the
     same step without gradient, under model.lora by the same model with its adapters off (no
     extra memory), else by a frozen copy of the initial model (one more copy of the weights per
-    rank; not under ZeRO-3, whose parameters are partitioned)."""
+    rank; not under ZeRO-3, whose parameters are partitioned); or "precomputed", read from
+    <data.path stem>.reference.safetensors (and the validation file's), written once by
+    `zerotrain prepare --reference` with the run's model at its starting weights: no reference
+    forward and no copy, so full fine-tuning has a reference under ZeRO-3 too."""
 
     def __post_init__(self):
         if self.loss not in ("sigmoid", "ipo", "simpo"):
@@ -74,9 +77,8 @@ class DpoConfig:
             raise ConfigError(f"train.dpo.beta must be a number > 0 (got {self.beta})")
         if not (self.gamma >= 0 and math.isfinite(self.gamma)):
             raise ConfigError(f"train.dpo.gamma must be a number >= 0 (got {self.gamma})")
-        if self.reference != "live":
-            raise ConfigError(f'train.dpo.reference must be "live" (got "{self.reference}"); reference '
-                              f"log-probabilities computed ahead of the run are not supported yet")
+        if self.reference not in ("live", "precomputed"):
+            raise ConfigError(f'train.dpo.reference must be "live" or "precomputed" (got "{self.reference}")')
 
 
 @dataclass

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset
 
 from zerotrain.train.config import PreferenceData
@@ -50,9 +51,18 @@ SIDES = ("chosen", "rejected")
 class PreferencePairs(Dataset):
     """Pairs as two aligned SFTSequences (record i of each is the record's chosen / rejected)."""
 
-    def __init__(self, chosen: SFTSequences, rejected: SFTSequences, lines: np.ndarray):
+    def __init__(self, chosen: SFTSequences, rejected: SFTSequences, lines: np.ndarray,
+                 source: Optional[Path] = None):
         assert len(chosen) == len(rejected) == len(lines)
-        self.chosen, self.rejected, self.lines = chosen, rejected, lines
+        self.chosen, self.rejected, self.lines = chosen, rejected, lines  # lines: each record's JSONL line
+        self.source = source                  # the JSONL file the records come from
+        self.reference: Optional[tuple[np.ndarray, np.ndarray]] = None  # precomputed (chosen, rejected) logps
+
+    def attach_reference(self, chosen: np.ndarray, rejected: np.ndarray) -> None:
+        """train.dpo.reference precomputed: each sample then carries its reference log-probs
+        (train/data/reference.py), as reference_chosen_logps / reference_rejected_logps."""
+        assert len(chosen) == len(rejected) == len(self)
+        self.reference = (chosen, rejected)
 
     def __len__(self) -> int:
         return len(self.chosen)
@@ -62,8 +72,12 @@ class PreferencePairs(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         c, r = self.chosen[i], self.rejected[i]
-        return {"chosen_input_ids": c["input_ids"], "chosen_labels": c["labels"],
-                "rejected_input_ids": r["input_ids"], "rejected_labels": r["labels"]}
+        out = {"chosen_input_ids": c["input_ids"], "chosen_labels": c["labels"],
+               "rejected_input_ids": r["input_ids"], "rejected_labels": r["labels"]}
+        if self.reference is not None:
+            out["reference_chosen_logps"] = torch.tensor(self.reference[0][i])
+            out["reference_rejected_logps"] = torch.tensor(self.reference[1][i])
+        return out
 
 
 def _messages(value, where: str, key: str) -> list[tuple[str, str]]:
@@ -144,12 +158,13 @@ def read_pairs(path: Path, enc: Encoder, seq_len: int) -> tuple[Optional[Prefere
     dtype = np.int64 if enc.vocab_size > 2 ** 31 else np.int32
     made = {s: SFTSequences(np.asarray(i, dtype=dtype), np.asarray(t, dtype=np.bool_), np.asarray(o, dtype=np.int64),
                             seq_len, enc.pad) for s, (i, t, o) in seqs.items()}
-    return PreferencePairs(made["chosen"], made["rejected"], np.asarray(lines, dtype=np.int64)), same, first_same
+    return (PreferencePairs(made["chosen"], made["rejected"], np.asarray(lines, dtype=np.int64), path), same,
+            first_same)
 
 
 def _slice(pairs: PreferencePairs, start: int, stop: int) -> PreferencePairs:
     return PreferencePairs(subset(pairs.chosen, start, stop), subset(pairs.rejected, start, stop),
-                           pairs.lines[start:stop])
+                           pairs.lines[start:stop], pairs.source)
 
 
 def build_preference(cfg: PreferenceData, seq_len: Optional[int], tokenizer: Optional[str],
@@ -195,4 +210,5 @@ def build_preference(cfg: PreferenceData, seq_len: Optional[int], tokenizer: Opt
                                f"rejected padded to {seq_len}; {split})",
                       extra={"max_token": max(int(train.chosen.ids.max()), int(train.rejected.ids.max())),
                              "token_file": str(path), "tokenizer": enc.name, "preference": True,
+                             "tokenizer_sha256": enc.identity(), "chat_template": enc.render is not None,
                              "skipped_identical": same})

@@ -104,13 +104,15 @@ def model_shape(spec, data):
 def plan_batch(cfg, batch, seq_len):
     """The planner's view of one rank's micro-batch in this run. Preference pairs (train.objective
     dpo) are one forward of 2 x micro rows (chosen and rejected); the live reference of full
-    fine-tuning is a frozen copy of the model (models/preference.py), under LoRA no extra weights."""
+    fine-tuning is a frozen copy of the model (models/preference.py), under LoRA no extra weights;
+    train.dpo.reference precomputed reads log-probs with the data: no copy."""
     from zerotrain.train.plan.shapes import BatchShape
     dpo = cfg.train.objective == "dpo"
     return BatchShape(batch.micro * (2 if dpo else 1), seq_len, batch.accum, cfg.model.activation_checkpointing,
                       sequence_parallel=cfg.distributed.sequence_parallel,
                       document_mask=cfg.data.packing or cfg.data.document_mask,
-                      reference_copy=dpo and cfg.train.dpo.loss != "simpo" and cfg.model.lora is None)
+                      reference_copy=(dpo and cfg.train.dpo.loss != "simpo" and cfg.model.lora is None
+                                      and cfg.train.dpo.reference == "live"))
 
 
 def _device(budget: Budget):

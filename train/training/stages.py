@@ -132,9 +132,29 @@ def load_data(cfg: RunConfig, rt: Runtime) -> RunData:
     # sft: data.tokenizer, else an hf:<dir> model's own tokenizer, else bytes (the GPT presets)
     tokenizer = cfg.data.tokenizer or (spec.name[3:] if spec.family == "hf" else None)
     bundle = build_data(cfg.data, seq_len, cfg.train.seed, tokenizer)
+    if cfg.train.objective == "dpo" and cfg.train.dpo.reference == "precomputed" and cfg.train.dpo.loss != "simpo":
+        attach_reference(cfg, spec, seq_len, bundle)
     sampler = _sampler(cfg, bundle, rt.batch)
     max_steps = cfg.train.epochs * sampler.steps_per_epoch if cfg.train.epochs else cfg.train.max_steps
     return RunData(spec=spec, seq_len=seq_len, bundle=bundle, sampler=sampler, max_steps=max_steps)
+
+
+def reference_identity(cfg: RunConfig, spec: ModelSpec, seq_len: int, bundle: DataBundle, source: Path) -> dict:
+    """What the precomputed reference log-probs of `source` depend on (train/data/reference.py):
+    train.seed only where it fixes the starting weights (not an hf: model's)."""
+    from zerotrain.train.data import reference
+    return reference.identity(source, bundle.extra["tokenizer_sha256"], bundle.extra["chat_template"], seq_len,
+                              cfg.model.name, cfg.train.seed if spec.family != "hf" else 0)
+
+
+def attach_reference(cfg: RunConfig, spec: ModelSpec, seq_len: int, bundle: DataBundle) -> None:
+    """train.dpo.reference precomputed: every pair (training and validation) gets its reference
+    log-probs from the file beside its JSONL file, checked against this run (one line if stale)."""
+    from zerotrain.train.data import reference
+    for pairs in (bundle.train, bundle.val):
+        if pairs is not None:
+            want = reference_identity(cfg, spec, seq_len, bundle, pairs.source)
+            pairs.attach_reference(*reference.load(pairs.source, want, pairs.lines))
 
 
 def _seq_len(cfg: RunConfig, spec: ModelSpec) -> Optional[int]:
@@ -272,6 +292,8 @@ def _preference(cfg: RunConfig, workload: Workload, strategy: Strategy, device):
     from zerotrain.models.preference import Preference, frozen_copy
     d, lora = cfg.train.dpo, workload.lora is not None
     reference = None
+    if d.loss != "simpo" and d.reference == "precomputed":  # read with the data (load_data): no copy
+        return Preference(d.loss, d.beta, d.gamma, precomputed=True)
     if d.loss != "simpo" and not lora:
         if strategy.partitions_parameters:
             raise ConfigError(f"train.dpo.loss {d.loss} needs a reference model; under ZeRO-3 full fine-tuning has no "
