@@ -503,3 +503,17 @@ def test_full_fine_tuning_with_a_precomputed_reference_under_zero3_equals_ddp_wi
     worst = max(_rel(g1[n], g0[n]) for n in g0)
     print("zero3 precomputed vs ddp live: relative |loss|", abs(l1 - l0) / abs(l0), "max relative |grad|", worst)
     assert worst <= 1e-6
+
+
+def test_the_planner_counts_a_reference_copy_only_for_a_live_reference_of_full_fine_tuning():
+    from types import SimpleNamespace
+    from zerotrain.train.config import DpoConfig, RunConfig, TrainConfig
+    from zerotrain.train.plan.memory_check import plan_batch
+    batch = SimpleNamespace(micro=2, accum=1)
+    copies = {}
+    for ref in ("live", "precomputed"):
+        cfg = RunConfig(data=DataConfig(kind="preference", path="d.jsonl"),
+                        train=TrainConfig(objective="dpo", dpo=DpoConfig(reference=ref)))
+        shape = plan_batch(cfg, batch, 32)
+        copies[ref] = (shape.reference_copy,)
+    assert copies["live"][0] is True and copies["precomputed"][0] is False
