@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -66,6 +67,7 @@ def parse(argv):
     p.add_argument("--work", default=None, help="where the run directories go (default: a temp dir on /tmp's disk)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per launch")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
+    p.add_argument("--keep", action="store_true", help="keep each launch's checkpoints (default: removed once read)")
     a = p.parse_args(argv)
     bad = [s for s in a.sizes.split(",") if s not in SIZES]
     if bad:
@@ -123,6 +125,8 @@ def run_one(a, size: str, mode: str, i: int, work: Path) -> dict:
                "--checkpoint.export", "false", "--checkpoint.keep_last", "2", "--optim.warmup_steps", "2",
                "--checkpoint.async", "true" if mode == "async" else "false"], d / "train.log")
     rs = rows(run)
+    if not a.keep:  # gpt-78m's checkpoints are ~1.8 GB a launch
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)
     step_t = {r["step"]: r["step_time_s"] for r in rs if "step_time_s" in r}
     saves = [r for r in rs if "checkpoint/save_s" in r]
     # the checkpoint's step (async logs it at the commit step, sync at its own step) and the
