@@ -130,7 +130,7 @@ class Checkpointer:
         self.resumed_from: Path | None = None  # the checkpoint load() restored, if any
         self.components: dict[str, Stateful] = {}
         self.register("engine", strategy)
-        # checkpoint.async (build.py turns it off when the host snapshot would not fit)
+        # checkpoint.async (off when its host snapshot would not fit the memory budget: train/plan/memory_plan.py)
         self.background = bool(getattr(cfg, "async_", False))
         self._staging: Staging | None = None
         self._pending: BackgroundWrite | None = None

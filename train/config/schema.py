@@ -216,7 +216,16 @@ class CheckpointConfig:
     write is still running (logged), and `latest` moves only once every rank's files are durable.
     A failed write (disk full) is one warning line: the previous checkpoint stays, the next save
     tries again. Costs host memory the size of the rank's share of the checkpoint (~12 bytes x
-    parameters / processes; not yet counted by the memory plan). Lifecycle: docs/checkpoints.md."""
+    parameters / processes), which the memory plan counts: on a CPU, where it would not fit the
+    budget, the run saves synchronously (one banner line). Lifecycle: docs/checkpoints.md.
+    Default false, from the measurement (BENCHMARKS.md "Asynchronous checkpoint saves", CPU, 2
+    processes): it cuts the loop's blocked time per save ~11x (gpt-78m: 4.76 s to 0.43 s, the copy at
+    ~70% of memcpy speed once the buffers exist), but on a CPU the write runs on the cores training
+    uses (the steps it overlapped were 1.3 s slower in the median, up to 16 s under load, within this
+    shared machine's noise), every rank keeps its share of the checkpoint in memory all run long
+    (gpt-78m: +440 MiB per rank, +16% peak RSS: on a CPU the memory that bounds the model size),
+    a failed write becomes a warning instead of an error, and the CUDA path is not measured yet.
+    Turn it on where a save is long against the step and the host has the RAM (GPU nodes)."""
 
     def __post_init__(self):
         if self.every_steps < 0:

@@ -55,6 +55,8 @@ def banner(t) -> str:
         if t.memory_plan.text:
             lines.append(f"  model states {t.memory_plan.text} per rank (estimated)")
         lines.append(f"  memory       {_memory_text(t.memory_plan)}")
+        if t.memory_plan.async_off:  # checkpoint.async's snapshot would not fit (train/plan/memory_plan.py)
+            lines.append(f"  checkpoint   {t.memory_plan.async_off}")
     host = t.resolved_config.get("resolved", {}).get("host_settings") or {}
     if host.get("banner"):  # a host setting that costs step time is on (train/launch/host_settings.py)
         lines.append(f"  {host['banner']}")

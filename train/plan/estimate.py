@@ -5,6 +5,12 @@ train/commands/plan.py; the check before a run and --ds-config auto, train/plan/
 A rank's peak is
 
     runtime + model states + buffers + max(activations + backward work, optimizer-step work)
+            [+ the checkpoint.async host snapshot, on a CPU]
+
+With checkpoint.async each rank keeps a host copy of its share of the checkpoint between saves
+(`snapshot_bytes`): on a CPU that is the device's memory, so it counts in the peak; on CUDA it is
+host RAM (pinned), which the memory check does not model (its budget is the GPU's), so there it
+is reported (Estimate.snapshot) but not compared with anything.
 
 What each backend holds (model states, buffers, its own transients, offloaded bytes) is the
 strategy package's cost model, train/strategy/cost.py; this module adds what the micro-batch and
@@ -17,6 +23,7 @@ BENCHMARKS.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -67,6 +74,7 @@ class Estimate:
     step_work: int = 0          # transient during the optimizer step
     runtime: int = 0            # held before the model exists (Device.runtime)
     device_kind: str = "cuda"
+    snapshot: int = 0           # checkpoint.async: the host snapshot of this rank's checkpoint share
     fits: Optional[bool] = None
     notes: list = field(default_factory=list)
 
@@ -81,8 +89,9 @@ class Estimate:
 
     @property
     def device_total(self) -> int:
-        """Peak bytes per device. On a CPU the offloaded states live in the same memory."""
-        host = self.host if self.device_kind == "cpu" else 0
+        """Peak bytes per device. On a CPU the offloaded states and the checkpoint.async
+        snapshot live in the same memory."""
+        host = self.host + self.snapshot if self.device_kind == "cpu" else 0
         return self.runtime + self.model_states + self.buffers + self.work + host
 
     def to_dict(self) -> dict:
@@ -93,20 +102,33 @@ class Estimate:
                                  "backward_work": self.backward_work, "step_work": self.step_work,
                                  "runtime": self.runtime, "model_states": self.model_states,
                                  "total": self.device_total},
-                "host_bytes_per_rank": self.host, "comm_vs_ddp": self.comm, "pcie_bytes_per_step": self.pcie,
+                "host_bytes_per_rank": self.host, "checkpoint_snapshot_bytes": self.snapshot, "comm_vs_ddp": self.comm, "pcie_bytes_per_step": self.pcie,
                 "fits": self.fits, "notes": self.notes}
 
 
 # ----------------------------------------------------------------------------- the arithmetic
 
+def snapshot_bytes(shape: ModelShape, world: int, frozen_saved: bool = True) -> int:
+    """checkpoint.async's host snapshot on the largest rank: what its checkpoint files hold, the fp32
+    master value and the two AdamW moments of its share of every trained tensor (each rank saves
+    ~1/world of each: train/strategy/holders.py slot.save), and the fp32 value of its share of the
+    frozen ones unless the run is LoRA's (its checkpoints hold the adapters only: `frozen_saved`
+    False). The persistent buffers rank 0 also copies are left out (the GPT has none)."""
+    share = lambda ts: sum(math.ceil(t / world) for t in ts)  # noqa: E731
+    return 12 * share(shape.tensors) + (4 * share(shape.frozen) if frozen_saved else 0)
+
+
 def estimate(shape: ModelShape, s: Option, world: int, batch: BatchShape, rank: Optional[int] = None,
-             device: Device = CUDA) -> Estimate:
-    """Peak bytes per device for one rank (`rank`), or the largest over all ranks (None)."""
+             device: Device = CUDA, snapshot: int = 0) -> Estimate:
+    """Peak bytes per device for one rank (`rank`), or the largest over all ranks (None).
+    `snapshot`: checkpoint.async's host snapshot per rank (`snapshot_bytes`; 0 = saves are synchronous)."""
     notes = list(s.notes) + ([] if shape.gpt is not None else ["activations unknown (parameter count only)"])
     if not shape.shapes_known:
         notes.append("transients of single tensors unknown (parameter count only)")
     terms, caveats = cost.terms(shape, s, world, batch, device, rank)
-    return _with_batch(shape, s, device, batch, terms, notes + caveats)
+    e = _with_batch(shape, s, device, batch, terms, notes + caveats)
+    e.snapshot = int(snapshot)
+    return e
 
 
 def _with_batch(shape: ModelShape, s: Option, device: Device, batch: BatchShape, terms: dict,

@@ -127,6 +127,8 @@ def _why(e) -> str:
     parts.append(f"activations+backward {hb(bwd)}" if bwd >= e.step_work else f"optimizer step {hb(e.step_work)}")
     if e.host and e.device_kind == "cpu":
         parts.append(f"offloaded {hb(e.host)}")
+    if e.snapshot and e.device_kind == "cpu":
+        parts.append(f"checkpoint.async snapshot {hb(e.snapshot)}")
     return ", ".join(parts)
 
 
@@ -249,16 +251,17 @@ def _advice(cfg) -> str:
     return "try " + ", ".join(tips)
 
 
-def require_fit(cfg, spec, ds, data, batch, seq_len, world: int, budget: Budget, shape=None):
+def require_fit(cfg, spec, ds, data, batch, seq_len, world: int, budget: Budget, shape=None, snapshot: int = 0):
     """The plan for the chosen strategy against the budget: (its Estimate, None) when it fits
     with the margin, (Estimate, a warning line) when it fits without, DoesNotFit otherwise.
     `shape`: the model's (model_shape), when the caller has it (the run's memory plan,
-    train/plan/memory_plan.py, which calls this before the model exists)."""
+    train/plan/memory_plan.py, which calls this before the model exists). `snapshot`: the
+    checkpoint.async host snapshot per rank (estimate.snapshot_bytes) the run keeps, if any."""
     from zerotrain.train.plan.estimate import estimate
     from zerotrain.train.strategy.option import Option
     shape = shape if shape is not None else model_shape(spec, data)
     pb, device = plan_batch(cfg, batch, seq_len), _device(budget)
-    e = estimate(shape, Option.from_setup(ds), world, pb, device=device)  # the largest rank
+    e = estimate(shape, Option.from_setup(ds), world, pb, device=device, snapshot=snapshot)  # the largest rank
     margin = cfg.distributed.memory_margin
     if fits(e, budget, margin):
         return e, None

@@ -17,6 +17,13 @@ one micro-batch and one device answer two questions, hence two estimates in one 
 * `estimate`: this rank's, what the banner prints (rank 0's) and what this rank's measured model
   states are logged next to (plan/*). The two differ only under ZeRO-1/2, where a rank also holds
   the whole gradient of each tensor that straddles its partition (train/strategy/cost.py).
+
+checkpoint.async keeps a host snapshot of each rank's share of the checkpoint (estimate.py
+`snapshot_bytes`). On a CPU that is device memory: both estimates count it, and when the plan with
+it would not leave distributed.memory_margin of the budget free the run saves synchronously
+instead (`async_off`: one banner line; the Checkpointer reads it), and is checked without it. On
+CUDA the snapshot is pinned host RAM, which the check does not model (its budget is the GPU's):
+the estimates carry it (Estimate.snapshot, config.json) but nothing is compared with it.
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from zerotrain.train.errors import UserError
+from zerotrain.train.observe.report import human_bytes
 from zerotrain.train.plan import memory_check
-from zerotrain.train.plan.estimate import Device, Estimate, estimate
+from zerotrain.train.plan.estimate import Device, Estimate, estimate, snapshot_bytes
 from zerotrain.train.strategy.option import Option
 
 if TYPE_CHECKING:
@@ -41,6 +49,7 @@ class MemoryPlan:
     checked: Optional[Estimate]    # the largest rank's plan the check compared with the budget; None: not checked
     estimate: Optional[Estimate]   # this rank's plan; None when the planner cannot size the model
     text: str                      # the banner's text for `estimate`, or why there is none
+    async_off: str = ""            # checkpoint.async asked for, but its snapshot would not fit: why (the banner's line)
 
 
 def make(cfg, spec, ds, data, batch, seq_len, world: int, rank: int, device_kind: str, is_main: bool,
@@ -56,8 +65,18 @@ def make(cfg, spec, ds, data, batch, seq_len, world: int, rank: int, device_kind
     device = Device(budget.device, budget.runtime) if budget is not None else Device(device_kind, 0)
     try:
         shape = choice.shape if choice is not None else memory_check.model_shape(spec, data)
-        mine = estimate(shape, Option.from_setup(ds), world, memory_check.plan_batch(cfg, batch, seq_len), rank,
-                        device)
+        option, pb = Option.from_setup(ds), memory_check.plan_batch(cfg, batch, seq_len)
+        snap = snapshot_bytes(shape, world, frozen_saved=getattr(cfg.model, "lora", None) is None) \
+            if cfg.checkpoint.async_ else 0
+        async_off = ""
+        if snap and on and device.kind == "cpu":
+            largest = estimate(shape, option, world, pb, device=device, snapshot=snap)
+            if not memory_check.fits(largest, budget, cfg.distributed.memory_margin):
+                snap, async_off = 0, (
+                    f"checkpoint.async off: its host snapshot ({human_bytes(largest.snapshot)} per rank) would "
+                    f"take the predicted peak to {memory_check.with_margin(largest, budget, cfg.distributed.memory_margin)}"
+                    f" ({budget.source}); saves are synchronous")
+        mine = estimate(shape, option, world, pb, rank, device, snapshot=snap)
     except Exception as e:  # noqa: BLE001 - the plan is advisory for models the planner does not know
         if on and isinstance(e, UserError):
             raise
@@ -66,7 +85,8 @@ def make(cfg, spec, ds, data, batch, seq_len, world: int, rank: int, device_kind
     checked = None
     if on:
         try:
-            checked, warning = memory_check.require_fit(cfg, spec, ds, data, batch, seq_len, world, budget, shape)
+            checked, warning = memory_check.require_fit(cfg, spec, ds, data, batch, seq_len, world, budget, shape,
+                                                        snapshot=snap)
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -74,7 +94,7 @@ def make(cfg, spec, ds, data, batch, seq_len, world: int, rank: int, device_kind
         else:
             if warning and is_main:
                 print(f"zerotrain: {warning}", flush=True)
-    return MemoryPlan(budget, checked, mine, banner_text(mine))
+    return MemoryPlan(budget, checked, mine, banner_text(mine), async_off)
 
 
 def _note(say: bool, e: Exception) -> None:
@@ -84,9 +104,10 @@ def _note(say: bool, e: Exception) -> None:
 
 def banner_text(e: Estimate) -> str:
     """What report.banner prints as "model states <text> per rank (estimated)"."""
-    from zerotrain.train.observe.report import human_bytes
     return (f"{human_bytes(e.model_states)} (params {human_bytes(e.params)}, grads {human_bytes(e.grads)}, "
             f"optimizer {human_bytes(e.optimizer)})"
             + (f" + activations {human_bytes(e.activations)}" if e.activations is not None else "")
             + f" + buffers {human_bytes(e.buffers)}" + (f", host {human_bytes(e.host)}" if e.host else "")
+            + (f", checkpoint.async snapshot {human_bytes(e.snapshot)}" + (" (host RAM)" if e.device_kind != "cpu" else "")
+               if e.snapshot else "")
             + f"; peak {human_bytes(e.device_total)}" + (" incl. the runtime" if e.runtime else ""))

@@ -65,6 +65,8 @@ def _resolved(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed, mod
                                 "runtime_bytes": budget.runtime}
     if dist.planned.checked is not None:
         out["memory_plan"] = dist.planned.checked.to_dict()  # the peak the check compared with the budget
+    if dist.planned.async_off:  # checkpoint.async asked for, saves synchronous: why
+        out["checkpoint_async_off"] = dist.planned.async_off
     if strategy.ds.precision_why:  # the JSON's "enabled": "auto", resolved (train/strategy/ds_config.py)
         out["precision_auto"] = strategy.ds.precision_why
     if dist.choice is not None:

@@ -5,6 +5,7 @@ train/training/record.py."""
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import socket
@@ -399,7 +400,9 @@ def start_services(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed
     loggers = trackers.jsonl(acc, cfg, rt.run_dir)
     # The banner's "model states" and "memory" lines; the plan is compared with mem/* at step 2.
     memory_plan = dist.planned  # made once, before the model existed (train/plan/memory_plan.py)
-    checkpointer = Checkpointer(cfg=cfg.checkpoint, run_dir=rt.run_dir, rank=topo.rank, world=topo.world_size,
+    # checkpoint.async whose host snapshot would not fit the memory budget: synchronous saves
+    ckpt_cfg = dataclasses.replace(cfg.checkpoint, async_=False) if memory_plan.async_off else cfg.checkpoint
+    checkpointer = Checkpointer(cfg=ckpt_cfg, run_dir=rt.run_dir, rank=topo.rank, world=topo.world_size,
                                 strategy=strategy, workload=workload, sampler=data.sampler, batch=rt.batch,
                                 model_name=cfg.model.name, log=loggers.log, resolved_config=record)
     state = _restore(checkpointer, cfg, rt.resume)
