@@ -208,7 +208,7 @@ def test_cli_reads_a_run_file(tmp_path, capsys):
     assert plan_cli.main([str(run), "--device-mem", "24GB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["batch"] == {"micro": 4, "seq_len": 512, "accum": 2, "checkpointing": False, "sequence_parallel": 1,
-                            "document_mask": False}
+                            "document_mask": False, "reference_copy": False}
     assert out["model"] == "gpt2-124m"
 
 
