@@ -82,8 +82,11 @@ def test_a_fresh_venv_with_the_wheel_runs_beside_the_users_own_models_package(wh
     purelib = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                   capture_output=True, text=True, check=True).stdout.strip())
     (purelib / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # --ignore-installed: the borrowed site-packages (or a zerotrain.egg-info on PYTHONPATH) may
+    # already list a zerotrain; the wheel must land in the fresh venv regardless.
     subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "--python", str(py), "install",
-                    "-q", "--no-deps", str(wheel)], check=True, capture_output=True, timeout=300)
+                    "-q", "--no-deps", "--ignore-installed", str(wheel)], check=True, capture_output=True, timeout=300,
+                   env=subprocess_env({"PYTHONPATH": None}))
     user = tmp_path / "user_project"
     (user / "models").mkdir(parents=True)
     (user / "models" / "__init__.py").write_text(USER_MODELS)
