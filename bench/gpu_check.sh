@@ -22,6 +22,15 @@
 #               every run's loss falls, and the logged losses agree within 2% at every logged
 #               step (bench/gpu_checks.py BF16_RTOL says why 2%).
 #      (all ten small runs at once on the one GPU: correctness, not speed)
+#      ckpt_async  checkpoint.async (issue 39; not yet run on a GPU): the same small model, ZeRO-2
+#               bf16, 1 process, 7 steps, a save every 2 written in the background (pinned buffers
+#               reused, copies on a side stream); then a resume from step 4's save to step 7 and a
+#               synchronous run of 7 steps. PASS: exit 0; saves 2, 4, 6 committed (`latest` = 6,
+#               manifests verified); checkpoint/save_s (blocked, less any wait for the previous
+#               write) < checkpoint/write_s at saves 4 and 6; the resumed run's first loss equal,
+#               as written, to the async run's. The later resumed losses, the sync run's losses
+#               and the step-6 files' sha256 against the sync run's are recorded (required in
+#               --dry-run, where fp32 on CPU is deterministic).
 #   2. mfu_trainer[_compiled]  GPT-2-124M (vocab 50304, 12 x 768, seq 1024) on a synthetic
 #               token file, bf16, DDP, one GPU: the trainer's own MFU (metrics.jsonl) >= 50%;
 #      mfu_independent[_compiled]  bench/gpu_mfu.py: the same model timed without the trainer.
@@ -186,6 +195,43 @@ for cfg in $BF16_CFGS; do
   bg "bf16_$cfg" $RUN_SECS check_bf16 $PY train/main.py --ds-config "$CFGS/${cfg}_$BF_PREC.json" "${SMALL[@]}" \
     "${BF_EVERY[@]}" "${QUIET[@]}" --train.run_dir "$RUNS/bf16_$cfg"
 done
+# checkpoint.async (issue 39): the small model under ZeRO-2, one process, a save every 2 steps
+# written in the background (on CUDA: pinned buffers reused across saves, copies on a side
+# stream; 7 steps, so that each save's write overlaps training); then a resume from step 4's
+# save (written while steps 5-6 trained) and a synchronous run of the same length, side by side.
+if [ $DRY = 0 ]; then
+  CK=(--model.name gpt-tiny --model.d_model 256 --model.n_layer 4 --data.seq_len 128 --data.max_bytes 1000000
+      --train.micro_batch_size 16 --optim.lr 1e-3 --optim.warmup_steps 2)
+  CK_FLAGS=(--require-faster) CK_NOTE=""
+else
+  CK=(--model.name gpt-tiny --data.seq_len 32 --data.max_bytes 200000 --train.micro_batch_size 8 --optim.lr 3e-3
+      --optim.warmup_steps 2)
+  CK_FLAGS=(--strict-sync) CK_NOTE="dry run: fp32 on CPU, blocked vs write recorded, not compared"
+fi
+CK+=(--ds-config "$CFGS/ckpt_zero2_$BF_PREC.json" --train.max_steps 7 --logging.every_steps 1 "${QUIET[@]}"
+     --checkpoint.keep_last 3)
+$CHK ds-json ds_configs/zero2.json "$CFGS/ckpt_zero2_$BF_PREC.json" --precision $BF_PREC
+ckpt_async_runs() {  # ckpt_async_runs TRAINER ARGS...: the async run, then the resume and the sync run at once
+  local rc=0 pid
+  rm -rf "$RUNS/ckpt_async" "$RUNS/ckpt_resume" "$RUNS/ckpt_sync"
+  echo "== async run"
+  $PY train/main.py "$@" --checkpoint.async true --checkpoint.every_steps 2 --train.run_dir "$RUNS/ckpt_async" \
+    || return
+  echo "== resume from step 4, and the synchronous run"
+  $PY train/main.py "$@" --checkpoint.async true --checkpoint.every_steps 0 --train.run_dir "$RUNS/ckpt_resume" \
+    --checkpoint.resume "$RUNS/ckpt_async/checkpoints/step_00000004" &
+  pid=$!
+  $PY train/main.py "$@" --checkpoint.async false --checkpoint.every_steps 2 --train.run_dir "$RUNS/ckpt_sync" \
+    || rc=$?
+  wait $pid || rc=$?
+  return $rc
+}
+check_ckpt_async() {
+  $CHK ckpt-async "$1" "$RUNS/ckpt_async" "$RUNS/ckpt_resume" "$RUNS/ckpt_sync" --steps 2,4,6 --resume-from 4 \
+    "${CK_FLAGS[@]}" --note "$CK_NOTE"
+}
+export -f ckpt_async_runs; export PY RUNS
+bg ckpt_async 240 check_ckpt_async bash -c 'ckpt_async_runs "$@"' ckpt_async_runs "${CK[@]}"
 wait
 $CHK agree bf16_agree $(for c in $BF16_CFGS; do echo "$c=$RUNS/bf16_$c"; done) --note "$BF_NOTE"
 

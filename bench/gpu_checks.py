@@ -319,6 +319,116 @@ def check_plan(name: str, stages_dir: Path, note: str = "") -> int:
                   "would let a run that does not fit start", fig, shown)
 
 
+def _losses_by_launch(run_dir: Path) -> list[dict[int, float]]:
+    """{step: loss} per launch as written (a resumed launch appends rows from an earlier step)."""
+    runs, last = [{}], 0
+    for r in train_rows(read_rows(run_dir)):
+        if r["step"] <= last:
+            runs.append({})
+        runs[-1][r["step"]] = r["loss"]
+        last = r["step"]
+    return runs
+
+
+def _checkpoint_problems(root: Path, steps: list[int]) -> list[str]:
+    """What tests/test_async_checkpoint.py asks of committed saves: each step's directory has its
+    manifest and every file matches it (size, sha256), `latest` names the last, no `.tmp-` left."""
+    sys.path.insert(0, str(REPO))
+    from zerotrain.train.checkpoint import files as io
+    problems = []
+    latest = root / io.LATEST
+    want = io.step_dir_name(steps[-1])
+    if not latest.is_file() or latest.read_text().strip() != want:
+        problems.append(f"latest is {latest.read_text().strip() if latest.is_file() else 'missing'}, not {want}")
+    for s in steps:
+        d = root / io.step_dir_name(s)
+        try:
+            m = io.read_manifest(d)
+        except Exception as e:  # noqa: BLE001 - reported
+            problems.append(f"step {s}: {e}")
+            continue
+        bad = [p for n, rec in m["files"].items() if (p := io.check_file(d, n, rec))]
+        if m.get("step") != s or io.META not in m["files"] or bad:
+            problems.append(f"step {s}: manifest step {m.get('step')}, {len(bad)} damaged files {bad[:1]}")
+    tmp = [p.name for p in root.iterdir() if p.name.startswith(io.TMP_PREFIX)] if root.is_dir() else []
+    if tmp:
+        problems.append(f"half-written saves left: {tmp}")
+    return problems
+
+
+def _tensor_hashes(ckpt: Path) -> dict[str, str]:
+    """sha256 of a checkpoint's tensor and RNG files, from its manifest (meta.json, which holds the
+    resolved config and so checkpoint.async, left out)."""
+    sys.path.insert(0, str(REPO))
+    from zerotrain.train.checkpoint import files as io
+    return {n: r["sha256"] for n, r in io.read_manifest(ckpt)["files"].items() if n != io.META}
+
+
+def check_ckpt_async(name: str, async_run: Path, resume_run: Path, sync_run: Path, steps: list[int],
+                     resume_from: int, require_faster: bool, strict_sync: bool, note: str = "") -> int:
+    """checkpoint.async on one process: every save committed (complete, verified, `latest` on the
+    last), checkpoint/save_s (the loop blocked) and checkpoint/write_s (the background write) per
+    save from metrics.jsonl, and a resume from the save at `resume_from` (written while the run
+    trained on) that logs the same losses, bit for bit, as the asynchronous run did after it.
+
+    require_faster (GPU): blocked < write for every save after the first (the first allocates the
+    pinned buffers), the blocked time taken less the wait for the previous save's write (which
+    on a GPU may outlast the 2 steps between saves). The resumed run's first loss depends only on the saved state (forward only),
+    so it must always be bit-identical; its later losses, the synchronous run's losses and the
+    sha256 of its checkpoint files against the asynchronous ones also depend on the backward being
+    deterministic: required with strict_sync (CPU), recorded on a GPU."""
+    sys.path.insert(0, str(REPO))
+    from zerotrain.train.checkpoint import files as io
+    fig = {"async_run": str(async_run), "resume_run": str(resume_run), "sync_run": str(sync_run),
+           "save_steps": steps, "resume_from": resume_from}
+    shown = ("saves", "save_s", "snapshot_s", "write_s", "resume_equal", "sync_equal", "sync_sha_equal")
+    problems = _checkpoint_problems(async_run / "checkpoints", steps)
+    rows = [r for r in read_rows(async_run) if "checkpoint/write_s" in r]
+    fig.update(saves=[r.get("checkpoint/step") for r in rows], save_s=[r["checkpoint/save_s"] for r in rows],
+               write_s=[r["checkpoint/write_s"] for r in rows], wait_s=[r.get("checkpoint/wait_s") for r in rows],
+               bytes=[r.get("checkpoint/bytes") for r in rows],
+               snapshot_bytes=max((r.get("checkpoint/snapshot_bytes") or 0 for r in rows), default=None))
+    if fig["saves"] != steps:
+        problems.append(f"metrics.jsonl logged async saves at steps {fig['saves']}, expected {steps}")
+    # save_s includes the wait for the previous save's write when it was still running (a GPU
+    # step is shorter than a write); checkpoint/wait_s of save k is that wait plus the wait when
+    # save k itself was flushed, which is the next save's: peel it off to get the snapshot's own cost.
+    before = [0.0]
+    for w in fig["wait_s"][:-1]:
+        before.append(max(0.0, (w or 0.0) - before[-1]))
+    fig["waited_before_s"] = before[:len(rows)]
+    fig["snapshot_s"] = [b - w for b, w in zip(fig["save_s"], fig["waited_before_s"])]
+    slow = [s for s, b, w in zip(fig["saves"][1:], fig["snapshot_s"][1:], fig["write_s"][1:]) if not b < w]
+    if require_faster and (slow or len(rows) < 2):
+        problems.append(f"the loop was blocked (less the wait for the previous write) at least as long as the "
+                        f"background write at steps {slow}")
+    ref = _losses_by_launch(async_run)[0]
+    resumed = _losses_by_launch(resume_run)[-1]
+    after = sorted(s for s in ref if s > resume_from)
+    fig.update(async_losses=[ref[s] for s in sorted(ref)], resumed_losses=[resumed.get(s) for s in after],
+               resume_first_equal=bool(after) and resumed.get(after[0]) == ref[after[0]],
+               resume_equal=bool(after) and sorted(resumed) == after and all(resumed[s] == ref[s] for s in after))
+    if not fig["resume_first_equal"]:
+        problems.append(f"resumed from step {resume_from}, the first loss {resumed.get(after[0]) if after else None} "
+                        f"is not the async run's {ref.get(after[0]) if after else None}")
+    elif strict_sync and not fig["resume_equal"]:
+        problems.append(f"resumed losses {fig['resumed_losses']} differ from the async run's after step {resume_from}")
+    sync = _losses_by_launch(sync_run)[0]
+    fig["sync_losses"] = [sync[s] for s in sorted(sync)]
+    fig["sync_equal"] = bool(sync) and sync == ref
+    try:
+        a, b = (_tensor_hashes(r / "checkpoints" / io.step_dir_name(steps[-1])) for r in (async_run, sync_run))
+        fig["sync_sha_equal"] = bool(a) and a == b
+    except Exception as e:  # noqa: BLE001 - reported
+        fig["sync_sha_equal"] = False
+        problems.append(f"sync checkpoint: {e}")
+    if strict_sync and not fig["sync_equal"]:
+        problems.append("the async run's losses differ from the synchronous run's")
+    if strict_sync and not fig["sync_sha_equal"]:
+        problems.append(f"step {steps[-1]}'s tensor files differ from the synchronous run's (sha256)")
+    return record(name, not problems, "; ".join(problems) or note, fig, shown)
+
+
 def failed(name: str, rc: int, limit: int, log: Path) -> int:
     """A launch that exited non-zero: the exit status and the log line that says why."""
     text = log.read_text(errors="replace").splitlines() if log.is_file() else []
@@ -493,6 +603,11 @@ def main(argv=None) -> int:
     s.add_argument("--min-ratio", type=float, default=0.97); s.add_argument("--note", default="")
     s = sub.add_parser("plan"); s.add_argument("name"); s.add_argument("stages_dir", type=Path)
     s.add_argument("--note", default="")
+    s = sub.add_parser("ckpt-async"); s.add_argument("name"); s.add_argument("async_run", type=Path)
+    s.add_argument("resume_run", type=Path); s.add_argument("sync_run", type=Path)
+    s.add_argument("--steps", required=True, help="the save steps, comma-separated")
+    s.add_argument("--resume-from", type=int, required=True); s.add_argument("--require-faster", action="store_true")
+    s.add_argument("--strict-sync", action="store_true"); s.add_argument("--note", default="")
     s = sub.add_parser("failed"); s.add_argument("name"); s.add_argument("rc", type=int)
     s.add_argument("limit", type=int); s.add_argument("log", type=Path)
     s = sub.add_parser("record"); s.add_argument("name"); s.add_argument("result", choices=("pass", "fail"))
@@ -536,6 +651,9 @@ def main(argv=None) -> int:
         return check_stage(a.name, a.stages_dir, a.min_ratio, a.note)
     if a.cmd == "plan":
         return check_plan(a.name, a.stages_dir, a.note)
+    if a.cmd == "ckpt-async":
+        return check_ckpt_async(a.name, a.async_run, a.resume_run, a.sync_run, [int(x) for x in a.steps.split(",")],
+                                a.resume_from, a.require_faster, a.strict_sync, a.note)
     if a.cmd == "failed":
         return failed(a.name, a.rc, a.limit, a.log)
     if a.cmd == "record":

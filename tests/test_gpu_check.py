@@ -136,6 +136,30 @@ def test_stage_and_plan_checkers(tmp_path):
     assert recorded(tmp_path, "plan_zero2")["figures"]["planner_error"] == pytest.approx(-1 / 3)
 
 
+def test_async_checkpoint_checker_fails_a_slow_snapshot_a_missing_save_and_a_changed_resume(tmp_path):
+    """Save 2's write still ran at save 4 (0.2 s waited: in save 4's blocked time and in save 2's
+    wait_s), save 6's snapshot alone took longer than its write; no checkpoint was committed; the
+    resumed run's first loss is off in the last bit. The dry run (test_dry_run) is the PASS case."""
+    losses = {s: 5.0 - 0.1 * s for s in range(1, 8)}
+    saves = [(2, 0.01, 0.1, 0.2), (4, 0.25, 0.1, 0.2), (6, 0.15, 0.1, 0.0)]  # step, save_s, write_s, wait_s
+    rows = [{"step": s, "loss": v} for s, v in losses.items()]
+    rows += [{"step": s + 1, "checkpoint/step": s, "checkpoint/save_s": b, "checkpoint/write_s": w,
+              "checkpoint/wait_s": wt, "checkpoint/bytes": 100} for s, b, w, wt in saves]
+    write_metrics(tmp_path / "async", sorted(rows, key=lambda r: r["step"]))
+    write_metrics(tmp_path / "resume", [{"step": s, "loss": math.nextafter(v, 0) if s == 5 else v}
+                                        for s, v in losses.items() if s > 4])
+    write_metrics(tmp_path / "sync", [{"step": s, "loss": v} for s, v in losses.items()])
+    r = checker(tmp_path, "ckpt-async", "ckpt_async", *(str(tmp_path / d) for d in ("async", "resume", "sync")),
+                "--steps", "2,4,6", "--resume-from", "4", "--require-faster")
+    assert r.returncode == 1 and r.stdout.startswith("FAIL ckpt_async "), r.stdout + r.stderr
+    assert "latest is missing, not step_00000006" in r.stdout
+    assert "background write at steps [6]" in r.stdout          # save 4's 0.25 s was mostly the wait
+    assert "the first loss" in r.stdout
+    f = recorded(tmp_path, "ckpt_async")["figures"]
+    assert f["waited_before_s"] == [0.0, 0.2, 0.0] and f["snapshot_s"] == pytest.approx([0.01, 0.05, 0.15])
+    assert f["saves"] == [2, 4, 6] and f["sync_equal"] and not f["resume_first_equal"]
+
+
 def test_failed_launch_names_the_timeout_and_the_error(tmp_path):
     log = tmp_path / "x.log"
     log.write_text("starting\nRuntimeError: CUDA error: out of memory\nsome teardown noise\n")
@@ -176,8 +200,8 @@ def test_dry_run(tmp_path):
     lines = [ln for ln in p.stdout.splitlines() if re.match(r"(PASS|FAIL) ", ln)]
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     want = ["env", *[f"fp16_{c}" for c in ("ddp", "zero0", "zero1", "zero2", "zero3")],
-            *[f"bf16_{c}" for c in ("ddp", "zero0", "zero3")], "bf16_agree", "mfu_trainer", "mfu_independent",
-            "stage_zero2"]
+            *[f"bf16_{c}" for c in ("ddp", "zero0", "zero3")], "bf16_agree", "ckpt_async", "mfu_trainer",
+            "mfu_independent", "stage_zero2"]
     assert sorted(ln.split()[1] for ln in lines) == sorted(want), lines
     assert all(ln.startswith("PASS ") for ln in lines), lines
     assert (out / "checks.txt").read_text().splitlines() == lines
@@ -203,6 +227,20 @@ def test_dry_run(tmp_path):
         assert checks[f"bf16_{c}"]["last_loss"] < checks[f"bf16_{c}"]["first_loss"]
     assert agree["max_rel_spread"] == pytest.approx(max(agree["rel_spread_per_step"]), abs=1e-6)
     assert agree["max_rel_spread"] < 1e-4  # fp32: the stages differ by summation order only
+
+    # checkpoint.async: saves 2, 4, 6 committed with their blocked and write times; the resume
+    # from step 4 logged the async run's losses, and the sync run matched it (fp32 on CPU)
+    c = checks["ckpt_async"]
+    assert c["saves"] == [2, 4, 6] and len(c["save_s"]) == len(c["write_s"]) == 3
+    assert all(x > 0 for x in c["save_s"] + c["write_s"]) and c["snapshot_bytes"] > 0
+    assert c["resume_first_equal"] and c["resume_equal"] and c["sync_equal"] and c["sync_sha_equal"]
+    assert c["resumed_losses"] == c["async_losses"][4:7] and len(c["async_losses"]) == 7
+    assert c["snapshot_s"] == [b - w for b, w in zip(c["save_s"], c["waited_before_s"])]
+    assert c["sync_losses"] == c["async_losses"]
+    ckpts = out / "runs" / "ckpt_async" / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000006"
+    rows = [json.loads(ln) for ln in (out / "runs" / "ckpt_async" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["checkpoint/write_s"] for r in rows if "checkpoint/write_s" in r] == c["write_s"]
 
     # MFU: the trainer's figure and the independent timing use the same FLOPs and peak
     from zerotrain.models.gpt import preset
