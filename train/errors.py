@@ -35,6 +35,11 @@ def user_errors(debug: bool = False):
             _distributed().report_user_error(str(e))
         sys.exit(e.exit_code)
     except Exception as e:
+        # debug.collectives: ranks at different collectives, or one that never came (exit 1).
+        desync = _distributed().explain_collective(e) if _distributed() is not None and not debug else None
+        if desync is not None:
+            print(desync, file=sys.stderr, flush=True)
+            sys.exit(1)
         # A collective failing because another rank died: say which node (exit 1, not a usage error),
         # or, where that rank stopped on a user error it already printed, exit as it did.
         lost = _distributed().explain_peer_failure(e) if _distributed() is not None else None
@@ -51,8 +56,9 @@ _PEERS = None
 
 def report_peers_with(peers) -> None:
     """Called by train/launch/distributed.py when a launch imports it (a bad flag never imports torch
-    for this): `peers` has report_user_error, peer_user_error and explain_peer_failure, which
-    user_errors uses to tell the other ranks, and to name a rank that died."""
+    for this): `peers` has report_user_error, peer_user_error, explain_peer_failure and
+    explain_collective, which user_errors uses to tell the other ranks, to name a rank that died,
+    and to say which ranks ran different collectives (debug.collectives)."""
     global _PEERS
     _PEERS = peers
 
