@@ -215,4 +215,5 @@ class StackOnRequest(threading.Thread):
                 store.set(key + "/done", "1")
             except Exception:  # noqa: BLE001
                 pass
+            time.sleep(1.0)  # the asking rank prints its line first: the launcher stops the others once one exits
             os._exit(1)
