@@ -217,3 +217,6 @@ class StackOnRequest(threading.Thread):
                 pass
             time.sleep(1.0)  # the asking rank prints its line first: the launcher stops the others once one exits
             os._exit(1)
+
+
+dist_.PEERS_API.explain_collective = explain  # user_errors (train/errors.py) asks it first

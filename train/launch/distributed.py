@@ -260,8 +260,6 @@ def gather_roster(topo: Topology) -> list[dict]:
               + "; ".join(describe_node(n, roster) for n in sorted({r["node_rank"] for r in roster})), flush=True)
     if topo.num_nodes > 1 and topo.local_rank == 0 and _PEERS["timeout_s"]:
         PeerWatchdog.start_for(topo, _PEERS["timeout_s"])
-    from zerotrain.train.launch import collectives  # (it imports this module)
-    collectives.StackOnRequest.start_for(topo.rank)  # debug.collectives: a peer may ask for this rank's stack
     return roster
 
 
@@ -407,12 +405,6 @@ def explain_peer_failure(exc: BaseException) -> str | None:
             f"(distributed.timeout_s={_PEERS['timeout_s']}). {_what_next()}")
 
 
-def explain_collective(exc: BaseException) -> str | None:
-    """debug.collectives: this rank's one line for a collective check that failed (collectives.py)."""
-    from zerotrain.train.launch import collectives
-    return collectives.explain(exc)
-
-
 def _what_next() -> str:
     from zerotrain.train.launch import elastic
     if elastic.restarts_left():
@@ -449,7 +441,8 @@ def rendezvous_errors(timeout_s: int):
         raise
 
 
-# user_errors (train/errors.py) tells the other ranks of a user error, and names a peer that died.
-errors.report_peers_with(SimpleNamespace(report_user_error=report_user_error, peer_user_error=peer_user_error,
-                                         explain_peer_failure=explain_peer_failure,
-                                         explain_collective=explain_collective))
+# user_errors (train/errors.py) tells the other ranks of a user error, and names a peer that died;
+# train/launch/collectives.py puts its explain_collective here when imported (debug.collectives).
+PEERS_API = SimpleNamespace(report_user_error=report_user_error, peer_user_error=peer_user_error,
+                            explain_peer_failure=explain_peer_failure, explain_collective=lambda exc: None)
+errors.report_peers_with(PEERS_API)

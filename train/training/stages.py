@@ -190,6 +190,7 @@ def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, d
     hardware.keep_cpu_threads(rt.threads)
     topo = dist_.topology(rt.launcher, "nccl" if rt.cuda else "gloo")
     dist_.check_world(acc, topo)
+    collectives.StackOnRequest.start_for(topo.rank)  # debug.collectives: a peer may ask for this rank's stack
     sp = sp_.SPRun.join(rt.sp_size, topo.rank, topo.world_size, data.spec.family) if rt.sp_size > 1 else None
     trackers.preflight(acc, cfg)  # a tracker's package missing, W&B online without credentials: every rank stops
     rank_facts = _rank_facts(acc, topo, strategy)
