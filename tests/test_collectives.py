@@ -154,3 +154,26 @@ def test_the_check_is_a_config_key_with_a_positive_timeout():
     assert cfg.debug.collectives is True and cfg.debug.collectives_timeout_s == 20
     with pytest.raises(ConfigError, match="debug.collectives_timeout_s"):
         load_config(None, [("debug.collectives_timeout_s", "0")])
+
+
+def test_a_missing_rank_is_named_by_rank_0_and_by_the_others(monkeypatch, tmp_path):
+    """torch 2.14's messages when a rank does not come (world 2): rank 0 names the rank missing;
+    rank 1, when rank 0 is the one missing, hears only that rank 0 did not answer."""
+    from zerotrain.train import process_group
+    from zerotrain.train.launch import collectives
+    monkeypatch.setitem(collectives._STATE, "on", True)
+    monkeypatch.setitem(collectives._STATE, "timeout_s", 20)
+    monkeypatch.setitem(collectives._STATE, "run_dir", tmp_path)
+    monkeypatch.setattr(collectives, "_ask_for_stacks", lambda ranks, waited: asked.append((ranks, waited)))
+    monkeypatch.setattr(process_group, "size", lambda: 2)
+    asked = []
+    monkeypatch.setenv("RANK", "0")
+    line = collectives.explain(RuntimeError("[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 20000 ms"))
+    assert line.startswith("[rank 0] zerotrain: error: rank 1 did not come to the collective at start-up within 20 s")
+    monkeypatch.setenv("RANK", "1")
+    line = collectives.explain(RuntimeError(
+        "Rank 1 successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0. "
+        "Please check rank 0 logs for faulty rank.\n Original exception: \n[gloo/transport/tcp/unbound_buffer.cc:129] "
+        "Timed out waiting 20000ms for send operation to complete"))
+    assert line.startswith("[rank 1] zerotrain: error: rank 0 did not come to the collective at start-up within 20 s")
+    assert asked == [([1], 20.0), ([0], 20)]

@@ -41,6 +41,8 @@ _MISMATCH = re.compile(r"Detected mismatch between collectives on ranks\. Rank (
                        r"(CollectiveFingerPrint\(.*?\)), but Rank (\d+) is running collective: "
                        r"(CollectiveFingerPrint\(.*?\))\.\s*Collectives differ", re.S)
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier in (\d+) ms")
+# a rank other than 0 at the barrier: rank 0 (which collects the others) did not answer
+_NO_ROOT = re.compile(r"received errors while waiting for send/recv from rank (\d+)")
 ASK_EVERY_S = 0.5   # how often a rank looks whether a peer asked for its stack
 
 
@@ -141,10 +143,14 @@ def explain(exc: BaseException) -> str | None:
                 f"order: look for work done on some ranks only (a save, an evaluation or a reduction under "
                 f"`if rank == ...`) or a tensor whose shape depends on the rank (docs/troubleshooting.md "
                 f"\"Collective mismatch\"). {_checkpoint_line()}")
-    m = _MISSING.search(text)
-    if m:
-        missing = [int(r) for r in re.findall(r"\d+", m.group(1))]
-        waited = int(m.group(2)) / 1000
+    m, root = _MISSING.search(text), _NO_ROOT.search(text)
+    if root and process_group.size() > 2:  # rank 0 may be the stuck one, or waiting for another: its line says
+        return (f"[rank {me}] zerotrain: error: rank {root.group(1)} did not answer at the collective at {where} "
+                f"within {_STATE['timeout_s']} s (debug.collectives_timeout_s): it is stuck outside any collective, "
+                f"or it names the rank that is in its own line. {_checkpoint_line()}")
+    if m or root:
+        missing = [int(r) for r in re.findall(r"\d+", m.group(1))] if m else [int(root.group(1))]
+        waited = int(m.group(2)) / 1000 if m else _STATE["timeout_s"]
         _ask_for_stacks(missing, waited)
         who = "rank" + ("s " if len(missing) > 1 else " ") + ", ".join(map(str, missing))
         return (f"[rank {me}] zerotrain: error: {who} did not come to the collective at {where} within "
