@@ -52,6 +52,12 @@ def enable(cfg) -> int:
     on, else distributed.timeout_s."""
     _STATE["run_dir"] = Path(cfg.train.run_dir)
     if not cfg.debug.collectives:
+        if _STATE["on"]:  # an earlier run in this process (tests) had it on
+            from torch.distributed import distributed_c10d
+            dist.set_debug_level(dist.DebugLevel.OFF)
+            os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+            distributed_c10d.default_pg_timeout = _STATE["default_timeout"]
+            _STATE.update(on=False, timeout_s=None)
         return cfg.distributed.timeout_s
     if dist.is_initialized():  # too late: the group exists without the wrapper
         raise RuntimeError("debug.collectives must be set before the process group starts")
@@ -60,6 +66,7 @@ def enable(cfg) -> int:
     dist.set_debug_level(dist.DebugLevel.DETAIL)
     # Groups created later without a timeout (DeepSpeed's copy of the world group) take this one.
     from torch.distributed import distributed_c10d
+    _STATE.setdefault("default_timeout", distributed_c10d.default_pg_timeout)
     distributed_c10d.default_pg_timeout = datetime.timedelta(seconds=timeout_s)
     _ddp_logs_no_construction()
     _STATE.update(on=True, timeout_s=timeout_s)
