@@ -168,6 +168,38 @@ def explain(exc: BaseException) -> str | None:
     return None
 
 
+def report(exc: BaseException) -> bool:
+    """Print this rank's one line for a collective check that failed (False: `exc` is not one).
+    Ranks at different collectives all raise: each then waits (at most 5 s) until the others
+    printed theirs too, since the launcher stops every rank once one exits."""
+    line = explain(exc)
+    if line is None:
+        return False
+    print(line, file=sys.stderr, flush=True)
+    if _MISMATCH.search(_texts(exc)):
+        _wait_for_the_others_lines()
+    return True
+
+
+def _wait_for_the_others_lines(wait_s: float = 5.0) -> None:
+    store = dist_._store_client()
+    if store is None:
+        return
+    start = dist_._PEERS["roster"][0]["start"]
+
+    def key(rank) -> str:
+        return f"zerotrain/desync/{start}/{rank}"
+
+    try:
+        store.set(key(os.environ.get("RANK", "?")), "1")
+        others = [key(r["rank"]) for r in dist_._PEERS["roster"]]
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not store.check(others):
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store's host is gone: nobody left to wait for
+        pass
+
+
 def _stack_key(rank: int) -> str:
     return f"zerotrain/stack/{dist_._PEERS['roster'][0]['start']}/{rank}"
 
@@ -232,4 +264,4 @@ class StackOnRequest(threading.Thread):
             os._exit(1)
 
 
-dist_.PEERS_API.explain_collective = explain  # user_errors (train/errors.py) asks it first
+dist_.PEERS_API.report_collective_failure = report  # user_errors (train/errors.py) asks it first
