@@ -35,6 +35,9 @@ def user_errors(debug: bool = False):
             _distributed().report_user_error(str(e))
         sys.exit(e.exit_code)
     except Exception as e:
+        # debug.collectives: ranks at different collectives, or one that never came (exit 1).
+        if not debug and collective_failure(e):
+            sys.exit(1)
         # A collective failing because another rank died: say which node (exit 1, not a usage error),
         # or, where that rank stopped on a user error it already printed, exit as it did.
         lost = _distributed().explain_peer_failure(e) if _distributed() is not None else None
@@ -46,13 +49,25 @@ def user_errors(debug: bool = False):
         sys.exit(1)
 
 
+def collective_failure(exc: BaseException) -> bool:
+    """debug.collectives: print this rank's one line for a collective check that failed, once
+    (train/main.py calls it before the trainer closes, user_errors after); True if `exc` is one."""
+    if getattr(exc, "zerotrain_reported", False):
+        return True
+    if _distributed() is None or not _distributed().report_collective_failure(exc):
+        return False
+    exc.zerotrain_reported = True
+    return True
+
+
 _PEERS = None
 
 
 def report_peers_with(peers) -> None:
     """Called by train/launch/distributed.py when a launch imports it (a bad flag never imports torch
-    for this): `peers` has report_user_error, peer_user_error and explain_peer_failure, which
-    user_errors uses to tell the other ranks, and to name a rank that died."""
+    for this): `peers` has report_user_error, peer_user_error, explain_peer_failure and
+    report_collective_failure, which user_errors uses to tell the other ranks, to name a rank
+    that died, and to say which ranks ran different collectives (debug.collectives)."""
     global _PEERS
     _PEERS = peers
 

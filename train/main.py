@@ -29,7 +29,7 @@ device_env.apply()  # before torch is imported: ZEROTRAIN_DEVICE=cpu
 library_warnings.quiet()  # before DeepSpeed's first collective: torch's deprecations of the calls it makes
 
 from zerotrain.train.args import parse_train_args  # noqa: E402
-from zerotrain.train.errors import user_errors  # noqa: E402
+from zerotrain.train.errors import collective_failure, user_errors  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             trainer.start()
             trainer.finish(trainer.fit())
+        except Exception as e:
+            if not args.debug:  # debug.collectives: this rank's line now, before close() (a peer may exit first)
+                collective_failure(e)
+            raise
         finally:
             trainer.close()
         if trainer.stop_reason == "diverged":

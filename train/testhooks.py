@@ -37,6 +37,15 @@ ZEROTRAIN_PLANT_BUG=<name>   a known kind of wrong-numbers bug, planted in runs 
                        of the reduced gradient before the norm and the step;
   loss_accum_twice     "plant_loss_accum_twice": under DDP, backward divides the loss by the
                        accumulation steps once more.
+ZEROTRAIN_INJECT_DESYNC=<kind>:<rank>:<step>   ranks that part ways (debug.collectives' tests,
+                             tests/test_collectives.py): at optimizer step <step> (1-based), rank
+                             <rank> only
+  extra_allreduce      "desync_extra_allreduce": runs one all-reduce more, once its micro-batches are done;
+  vote_shape           "desync_vote_shape": casts its stop vote with a tensor of one more element;
+  eval                 "desync_eval": evaluates after the step (the others do not);
+  save                 "desync_save": saves after the step (the others do not);
+  stuck_loader         "desync_stuck_loader": sleeps forever fetching the step's first micro-batch
+                       (a data loader deadlock).
 ZEROTRAIN_MOE_LEAF=0         "no_moe_leaf": ZeRO-3 leaves sparse-MoE blocks to DeepSpeed's
                              per-module gathering (models/moe.py), to show what the leaf avoids.
 """
@@ -48,6 +57,7 @@ import signal
 import time
 from typing import Callable
 
+DESYNCS = ("extra_allreduce", "vote_shape", "eval", "save", "stuck_loader")
 PLANTED_BUGS = ("grad_times_world", "skip_clip", "lr_ahead", "drop_partition", "loss_accum_twice")
 _armed: dict[str, Callable[..., bool]] = {}  # point -> hook; empty in every real run
 
@@ -85,6 +95,13 @@ def load(env=None) -> None:
             raise ValueError(f"ZEROTRAIN_PLANT_BUG={bug}: one of {', '.join(PLANTED_BUGS)}")
         # drop_partition: the last rank's partition only.
         _armed["plant_" + bug] = lambda world, rank=None: world > 1 and rank in (None, world - 1)
+    desync = env.get("ZEROTRAIN_INJECT_DESYNC", "")
+    if desync:
+        kind, who, at = desync.split(":")
+        if kind not in DESYNCS:
+            raise ValueError(f"ZEROTRAIN_INJECT_DESYNC={desync}: <kind>:<rank>:<step>, kind one of {', '.join(DESYNCS)}")
+        act = {"extra_allreduce": _extra_allreduce, "stuck_loader": _sleep_forever}.get(kind, lambda: True)
+        _armed["desync_" + kind] = lambda step, rank: (rank, step) == (int(who), int(at)) and act()
     if env.get("ZEROTRAIN_MOE_LEAF", "1") == "0":
         _armed["no_moe_leaf"] = lambda: True
 
@@ -103,6 +120,17 @@ def _after_step_hooks(env) -> list[Callable[..., bool]]:
     if hold:
         hooks.append(lambda step, rank, stop, elastic: elastic and step == int(hold) and _hold(stop))
     return hooks
+
+
+def _extra_allreduce() -> bool:
+    import torch
+    torch.distributed.all_reduce(torch.zeros(3))
+    return False
+
+
+def _sleep_forever() -> bool:
+    while True:
+        time.sleep(1)
 
 
 def _die() -> bool:

@@ -195,7 +195,8 @@ class _Plan:
     def fixed(self, run_dir: Path, world: int) -> list[str]:
         """What both runs set: K steps, a log line and a checksum every step, nothing saved or
         evaluated, full fp32 matmuls, and the same global batch (the world's share of it). Both
-        start fresh (checkpoint.resume none, whatever the run file says)."""
+        start fresh (checkpoint.resume none, whatever the run file says). The run checked has
+        debug.collectives on: ranks that part ways are named in seconds, not after a hang."""
         out = {"train.max_steps": self.opts.steps, "train.eval_every": 0, "train.eval_batches": 1,
                "train.sample_tokens": 0, "logging.every_steps": 1, "logging.progress": "false",
                "logging.trackers": "jsonl", "checkpoint.every_steps": 0, "checkpoint.every_minutes": 0,
@@ -205,6 +206,8 @@ class _Plan:
             out["train.epochs"] = "null"
         if world == 1:
             out["distributed.sequence_parallel"] = 1
+        else:
+            out["debug.collectives"] = "true"
         if self.cfg.train.global_batch_size is None:  # else each run derives its accumulation from it
             accum = self.cfg.train.grad_accum_steps or 1
             dp_checked = max(1, self.opts.nproc // self.sp)  # the data-parallel ranks of the run checked

@@ -180,6 +180,26 @@ class DebugConfig:
     """After every optimizer step, log debug/param_checksum: a checksum of every parameter as
     the step left it (Strategy.param_checksum; under ZeRO-3 each parameter is gathered, a
     collective and a host read per step). `zerotrain verify` turns it on to compare strategies."""
+    collectives: bool = False
+    """Check, before every collective, that every rank runs the same one (operation, shapes,
+    dtypes): torch's TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper around the process group. A mismatch
+    (an all-reduce on some ranks only, a tensor of another shape, a save or an evaluation on one
+    rank) stops every rank within seconds with one line naming the operation, the shapes, the
+    step and the ranks; a rank that does not come to a collective within
+    collectives_timeout_s is named, and prints its Python stack. Costs a barrier and a small
+    all-gather per collective (BENCHMARKS.md "Collective checks"), so off by default;
+    `zerotrain verify` turns it on. Set before the process group starts: in the run file or on
+    the command line, not later."""
+    collectives_timeout_s: int = 20
+    """With debug.collectives: the collective timeout (instead of distributed.timeout_s), so that
+    a rank that never arrives is named within this time. Raise it where one rank is legitimately
+    away from the others for longer (a slow first step, a large save or export)."""
+
+    def __post_init__(self):
+        if isinstance(self.collectives_timeout_s, bool) or not isinstance(self.collectives_timeout_s, int) \
+                or self.collectives_timeout_s <= 0:
+            raise ConfigError(f"debug.collectives_timeout_s must be a positive number of seconds "
+                              f"(got {self.collectives_timeout_s!r})")
 
 
 @dataclass

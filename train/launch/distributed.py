@@ -441,6 +441,9 @@ def rendezvous_errors(timeout_s: int):
         raise
 
 
-# user_errors (train/errors.py) tells the other ranks of a user error, and names a peer that died.
-errors.report_peers_with(SimpleNamespace(report_user_error=report_user_error, peer_user_error=peer_user_error,
-                                         explain_peer_failure=explain_peer_failure))
+# user_errors (train/errors.py) tells the other ranks of a user error, and names a peer that died;
+# train/launch/collectives.py puts its report_collective_failure here when imported (debug.collectives).
+PEERS_API = SimpleNamespace(report_user_error=report_user_error, peer_user_error=peer_user_error,
+                            explain_peer_failure=explain_peer_failure,
+                            report_collective_failure=lambda exc: False)
+errors.report_peers_with(PEERS_API)

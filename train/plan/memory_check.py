@@ -233,8 +233,9 @@ def resolve_auto(ds_path: str, cfg, spec, data, batch, seq_len, world: int,
     now (Accelerate and DeepSpeed then adopt it). Collective."""
     if not is_auto(ds_path):
         return ds_path, None
+    from zerotrain.train.launch.collectives import timeout_s
     from zerotrain.train.launch.distributed import init_process_group
-    init_process_group(cfg.distributed.timeout_s)
+    init_process_group(timeout_s(cfg))
     choice = choose(ds_path, cfg, spec, data, batch, seq_len, world, agreed_budget(view))
     if torch.distributed.get_rank() == 0:
         print(f"zerotrain: {choice.line}", flush=True)

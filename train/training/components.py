@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from zerotrain.train import testhooks
+from zerotrain.train import process_group, testhooks
 
 if TYPE_CHECKING:
     from zerotrain.train.checkpoint.cadence import SaveCadence
@@ -78,6 +78,7 @@ class LogLine:
 
     def on_step(self, tick: Tick) -> None:
         if (tick.log_due or tick.diverged) and self.window.steps:
+            process_group.at("log line", tick.step)
             self.last = self.t._log_window(self.window, tick.out, self.bar)
 
 
@@ -88,7 +89,10 @@ class Evaluation:
         self.t = trainer
 
     def on_step(self, tick: Tick) -> None:
-        if self.t.evaluator.due(tick.step, tick.done) or tick.completed:
+        # desync_eval: a test's evaluation on one rank only (train/testhooks.py)
+        if self.t.evaluator.due(tick.step, tick.done) or tick.completed \
+                or testhooks.fire("desync_eval", step=tick.step, rank=self.t.topo.rank):
+            process_group.at("evaluation", tick.step)
             self.t.last_eval = self.t.evaluator.run()
             if self.t.last_eval:
                 self.t.loggers.log(self.t.last_eval, tick.step)
@@ -110,7 +114,8 @@ class Checkpointing:
         ckpt.poll(tick.agreed.writes, tick.step)
         periodic = tick.save_due and not tick.diverged
         final = tick.last and (self.t.cfg.checkpoint.save_at_end or tick.stop_reason is not None)
-        if periodic or final:
+        if periodic or final or testhooks.fire("desync_save", step=tick.step, rank=self.t.topo.rank):
+            process_group.at("save", tick.step)  # desync_save: a test's save on one rank only
             ckpt.save(self.t.state)
         if periodic:
             self.cadence.saved()

@@ -29,6 +29,7 @@ from zerotrain.train.data.sampler import EvalBatchSampler, GlobalBatchSampler
 from zerotrain.train.strategy import Strategy, for_setup
 from zerotrain.train.strategy.ds_config import load_ds_setup
 from zerotrain.train.errors import ConfigError
+from zerotrain.train.launch import collectives
 from zerotrain.train.launch import distributed as dist_
 from zerotrain.train.launch import elastic as elastic_
 from zerotrain.train.launch import host_settings, shm_buffers
@@ -75,6 +76,7 @@ def set_up_runtime(cfg: RunConfig) -> Runtime:
     """The launcher's world, this process's threads and TF32, the run directory, and under
     torchrun's agent whether this start is a restart of the same job."""
     launcher = dist_.normalize_env()
+    collectives.enable(cfg)  # debug.collectives: before any process group exists
     world = int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()
     matmul_precision = hardware.apply_tf32(cfg, cuda)
@@ -109,7 +111,7 @@ def _elastic_join(cfg: RunConfig, run_dir: Path, world: int, launcher: str) -> O
     DeepSpeed adopt it); a restart then resumes and keeps the job's global batch. None otherwise."""
     if launcher != "torchrun" or not elastic_.active():  # (accelerate's multi-node agent: not covered yet)
         return None
-    dist_.init_process_group(cfg.distributed.timeout_s)
+    dist_.init_process_group(collectives.timeout_s(cfg))
     env = os.environ
     node_rank, _, _ = dist_.node_layout(env, int(env["RANK"]), world)
     return elastic_.ElasticRun.join(run_dir, int(env["RANK"]), world, node_rank, dist_.node_addr())
@@ -205,10 +207,11 @@ def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, d
     strategy, choice, view = _ds_setup(cfg, ds_config_cli, rt, data)
     ds = strategy.ds
     _sweep_shm_buffers()  # before DeepSpeed creates this job's own
-    acc = strategy.build_accelerator(rt.batch, cfg.distributed.timeout_s)
+    acc = strategy.build_accelerator(rt.batch, collectives.timeout_s(cfg))
     hardware.keep_cpu_threads(rt.threads)
     topo = dist_.topology(rt.launcher, "nccl" if rt.cuda else "gloo")
     dist_.check_world(acc, topo)
+    collectives.StackOnRequest.start_for(topo.rank)  # debug.collectives: a peer may ask for this rank's stack
     sp = sp_.SPRun.join(rt.sp_size, topo.rank, topo.world_size, data.spec.family) if rt.sp_size > 1 else None
     trackers.preflight(acc, cfg)  # a tracker's package missing, W&B online without credentials: every rank stops
     rank_facts = _rank_facts(acc, topo, strategy)

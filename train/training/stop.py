@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from zerotrain.train import process_group
+from zerotrain.train import process_group, testhooks
 
 
 class StopRequested:
@@ -61,6 +61,7 @@ class StopVote:
 
     def __init__(self, acc):
         self.dist = acc.num_processes > 1 and process_group.exists()
+        self.rank = torch.distributed.get_rank() if self.dist else 0  # (the test hook of another shape)
         self.group = None
         if self.dist and torch.distributed.get_backend() != "gloo":
             self.group = torch.distributed.new_group(backend="gloo")  # collective: every rank builds its StopVote
@@ -70,7 +71,7 @@ class StopVote:
         self.turn = 0
         self.pending = None  # (work, flag tensor) of the previous step
 
-    def __call__(self, flag: bool, ticket: float = 0.0, writes: tuple = NO_WRITES) -> Agreed:
+    def __call__(self, flag: bool, ticket: float = 0.0, writes: tuple = NO_WRITES, step: int = 0) -> Agreed:
         """Cast this step's vote; returns the previous step's, as every rank cast it."""
         if not self.dist:
             return Agreed(flag, ticket, tuple(writes))
@@ -78,6 +79,8 @@ class StopVote:
         self.turn ^= 1
         view[0], view[1] = float(flag), ticket
         view[2:] = writes
+        if testhooks.fire("desync_vote_shape", step=step, rank=self.rank):  # tests: another shape on one rank
+            t = torch.cat([t, torch.zeros(1)])
         work = torch.distributed.all_reduce(t, async_op=True, group=self.group)
         previous, self.pending = self.pending, (work, t)
         return self._read(previous)

@@ -153,6 +153,7 @@ class Trainer:
             while tick is None or not tick.last:
                 for c in components:
                     getattr(c, "before_step", _nothing)(self.state.step)
+                process_group.at("training step", self.state.step + 1)  # for a failed collective's message
                 out = self.train_step() if self.state.step < self.max_steps else None
                 tick = self._agree(out, vote, cadence, signals)
                 for c in components:
@@ -189,7 +190,8 @@ class Trainer:
         checkpointer commits it once every rank's write is durable."""
         step = self.state.step
         writes = self.checkpointer.write_status() if self.checkpointer else NO_WRITES
-        agreed = vote(signals.flag, cadence.ticket(), writes) if out is not None else NOTHING
+        process_group.at("stop vote", step)
+        agreed = vote(signals.flag, cadence.ticket(), writes, step=step) if out is not None else NOTHING
         done = step >= self.max_steps
         if done or agreed.stop:
             agreed = agreed._replace(stop=vote.finish() or agreed.stop)
@@ -278,6 +280,7 @@ class Trainer:
             # _log_window logs the mean over micro-batches and ranks: with a token denominator
             # that mean is the step's normalised loss, sum / global count.
             loss_sum += loss.detach().to(torch.float64)
+        testhooks.fire("desync_extra_allreduce", step=self.state.step + 1, rank=self.topo.rank)  # tests: one rank only
         moved, real = self.position.advance(self.state)
         self.state = replace(moved, step=moved.step + 1)
         self.health.record(self.state.step, grad_norm)
@@ -288,6 +291,7 @@ class Trainer:
         return torch.zeros((), dtype=torch.float64, device=self.acc.device)
 
     def _next_batch(self) -> dict:
+        testhooks.fire("desync_stuck_loader", step=self.state.step + 1, rank=self.topo.rank)  # tests: sleeps forever
         b = self.position.next_batch(self.state)
         if self.cfg.debug.trace_data:
             self._trace(b)
@@ -344,6 +348,7 @@ class Trainer:
                 self.loggers.event(self.elastic.event, self.state.step)
 
     def finish(self, result: dict):
+        process_group.at("end of training", self.state.step)
         elapsed = time.perf_counter() - self._t_start
         sample = self.evaluator.sample_text() if self.stop_reason is None else None
         ckpt = self.checkpointer.latest_path() if self.checkpointer else None

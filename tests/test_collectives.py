@@ -1,0 +1,179 @@
+"""debug.collectives: ranks that part ways are named in seconds, one line per rank, and nothing
+already saved is lost (docs/troubleshooting.md "Collective mismatch").
+
+Each launch is 2 real torchrun processes of the tiny GPT under DDP, saving every 2 steps; a test
+hook (train/testhooks.py ZEROTRAIN_INJECT_DESYNC) makes one rank part ways at step 3: one more
+all-reduce, a stop vote of another shape, an evaluation, a save, or a data loader that never
+returns. Without the check each of these waits for the collective timeout (distributed.timeout_s,
+30 min by default) and dies with a stack trace naming nothing; with it every rank prints one line
+naming the operation, the shapes, the step and the ranks, and the step-2 checkpoint stays
+complete and `latest`."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from helpers import TINY, run_train, train_losses
+
+CHECK = ["--ds-config", "ds_configs/ddp.json", "--train.max_steps", "6", "--train.eval_every", "0",
+         "--checkpoint.every_steps", "2", "--debug.collectives", "true"]
+LAUNCH_TIMEOUT_S = 240   # what a hang would hit; each launch below ends well before it
+
+
+def _launch(tmp_path, desync: str | None):
+    run = tmp_path / "run"
+    env = {"ZEROTRAIN_INJECT_DESYNC": desync} if desync else None
+    proc = run_train("torchrun", 2, [*TINY, *CHECK, "--train.run_dir", str(run)], env=env, check=desync is None,
+                     timeout=LAUNCH_TIMEOUT_S)
+    return run, proc
+
+
+def _lines(stderr: str, rank: int) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith(f"[rank {rank}] zerotrain: error:")]
+
+
+def _assert_step2_checkpoint_intact(run):
+    """`latest` still names step 2's checkpoint, every file of it matches its manifest, and no
+    later checkpoint was completed."""
+    from zerotrain.train.checkpoint import files as io
+    root = run / "checkpoints"
+    assert (root / io.LATEST).read_text().strip() == io.step_dir_name(2)
+    ckpt = root / io.step_dir_name(2)
+    manifest = io.read_manifest(ckpt)
+    assert manifest["step"] == 2
+    assert [io.check_file(ckpt, n, rec) for n, rec in manifest["files"].items()] == [None] * len(manifest["files"])
+    assert sorted(p.name for p in root.iterdir() if io.STEP_DIR.fullmatch(p.name)) == [io.step_dir_name(2)]
+
+
+# (hook, rank 0's line, rank 1's line): what each rank names
+MISMATCHES = {
+    "extra_allreduce:0:3": (r"collective mismatch at step 3 \(training step\): rank 0 runs ALLREDUCE of shape \[3\] "
+                            r"\(float\) where rank 1 runs ALLREDUCE of shape \[(\d+)\]",
+                            r"collective mismatch at step 3 \(stop vote\): rank 1 runs ALLREDUCE of shape \[\d+\] "
+                            r"\(float\) where rank 0 runs ALLREDUCE of shape \[3\]"),
+    "vote_shape:1:3": (r"collective mismatch at step 3 \(stop vote\): rank 0 runs ALLREDUCE of shape \[(\d+)\] "
+                       r"\(float\) where rank 1 runs ALLREDUCE of shape \[\d+\]",
+                       r"collective mismatch at step 3 \(stop vote\): rank 1 runs ALLREDUCE of shape \[\d+\] "
+                       r"\(float\) where rank 0 runs ALLREDUCE of shape \[\d+\]"),
+    "eval:0:3": (r"collective mismatch at step 3 \(evaluation\): rank 0 runs ALLGATHER of shape \[\d+\] \(float\) "
+                 r"where rank 1 runs ALLREDUCE",
+                 r"collective mismatch at step 4 \(training step\): rank 1 runs ALLREDUCE of shape \[\d+\] \(float\) "
+                 r"where rank 0 runs ALLGATHER"),
+    "save:1:3": (r"collective mismatch at step 4 \(training step\): rank 0 runs ALLREDUCE of shape \[\d+\] \(float\) "
+                 r"where rank 1 runs ALLREDUCE of shape \[1\] \(long\)",
+                 r"collective mismatch at step 3 \(save\): rank 1 runs ALLREDUCE of shape \[1\] \(long\) "
+                 r"where rank 0 runs ALLREDUCE"),
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("desync", list(MISMATCHES))
+def test_ranks_at_different_collectives_are_one_line_per_rank_and_the_checkpoint_survives(desync, tmp_path):
+    run, proc = _launch(tmp_path, desync)
+    assert proc.returncode != 0
+    err = proc.stderr
+    for rank, pattern in enumerate(MISMATCHES[desync]):
+        lines = _lines(err, rank)
+        assert len(lines) == 1, (rank, err[-4000:])
+        assert re.search(pattern, lines[0]), (rank, lines[0])
+        assert "ranks 0 and 1 differ" in lines[0] and f"{run}/checkpoints/step_00000002, is intact" in lines[0]
+    assert "Detected mismatch between collectives" not in err  # torch's multi-line message, translated
+    _assert_step2_checkpoint_intact(run)
+
+
+@pytest.mark.multiproc
+def test_a_rank_stuck_in_its_data_loader_is_named_with_its_stack(tmp_path):
+    run, proc = _launch(tmp_path, "stuck_loader:1:3")
+    assert proc.returncode != 0
+    err = proc.stderr
+    [waiting] = _lines(err, 0)
+    assert "rank 1 did not come to the collective at step 3 (training step) within 20 s" in waiting, waiting
+    [stuck] = _lines(err, 1)
+    assert "this rank is stuck outside any collective at step 3 (training step): rank 0 waited 20 s" in stuck
+    stack = err[err.index(stuck):]
+    assert "in _next_batch" in stack and "in train_step" in stack, stack[:3000]  # faulthandler's dump, rank 1
+    _assert_step2_checkpoint_intact(run)
+
+
+@pytest.mark.multiproc
+def test_with_the_check_on_a_run_that_agrees_trains_to_the_end_with_the_same_numbers(tmp_path):
+    """No false alarm, and nothing changed: the same launch without a fault trains its 6 steps
+    with the very losses of a launch without the check (DDP's gradient all-reduces go through the
+    wrapper too)."""
+    run, proc = _launch(tmp_path, None)
+    assert "zerotrain: error" not in proc.stderr
+    plain = tmp_path / "plain"
+    run_train("torchrun", 2, [*TINY, *CHECK, "--debug.collectives", "false", "--train.run_dir", str(plain)],
+              timeout=LAUNCH_TIMEOUT_S)
+    checked = train_losses(run)
+    assert sorted(checked) == [1, 2, 3, 4, 5, 6]
+    assert checked == train_losses(plain)
+
+
+# ---------------------------------------------------------------------------- no launch
+
+# torch 2.14's message from a ProcessGroupWrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL, gloo), as rank 1 raised it
+TORCH_MISMATCH = (
+    "Detected mismatch between collectives on ranks. Rank 1 is running collective: CollectiveFingerPrint("
+    "SequenceNumber=30, OpType=ALLREDUCE, TensorShape=[7], TensorDtypes=Float, TensorDeviceTypes=TensorOptions("
+    "dtype=float (default), device=cpu, layout=Strided (default), requires_grad=false (default), pinned_memory=false "
+    "(default), memory_format=(nullopt))), but Rank 0 is running collective: CollectiveFingerPrint(SequenceNumber=30, "
+    "OpType=BROADCAST, TensorShape=[6], TensorDtypes=Long, TensorDeviceTypes=TensorOptions(dtype=float (default), "
+    "device=cpu, layout=Strided (default), requires_grad=false (default), pinned_memory=false (default), "
+    "memory_format=(nullopt))).Collectives differ in the following aspects: \t Op type: ALLREDUCEvs BROADCAST  "
+    "Tensor Tensor shapes: 7vs 6  Tensor Tensor dtypes: Floatvs Long")
+
+
+def test_torchs_mismatch_message_becomes_one_line(monkeypatch, tmp_path):
+    from zerotrain.train import process_group
+    from zerotrain.train.launch import collectives
+    monkeypatch.setitem(collectives._STATE, "on", True)
+    monkeypatch.setitem(collectives._STATE, "run_dir", tmp_path)
+    monkeypatch.setenv("RANK", "1")
+    process_group.at("save", 12)
+    try:
+        line = collectives.explain(RuntimeError(TORCH_MISMATCH))
+    finally:
+        process_group.at("start-up", None)
+    assert line == ("[rank 1] zerotrain: error: collective mismatch at step 12 (save): rank 1 runs ALLREDUCE of shape "
+                    "[7] (float) where rank 0 runs BROADCAST of shape [6] (long) (collective #30); ranks 0 and 1 "
+                    "differ. Every rank must run the same collectives in the same order: look for work done on some "
+                    "ranks only (a save, an evaluation or a reduction under `if rank == ...`) or a tensor whose shape "
+                    "depends on the rank (docs/troubleshooting.md \"Collective mismatch\"). No checkpoint had been "
+                    "saved yet.")
+    monkeypatch.setitem(collectives._STATE, "on", False)  # the check off: nothing is translated
+    assert collectives.explain(RuntimeError(TORCH_MISMATCH)) is None
+
+
+def test_the_check_is_a_config_key_with_a_positive_timeout():
+    from zerotrain.train.config import load_config
+    from zerotrain.train.errors import ConfigError
+    cfg = load_config(None, [("debug.collectives", "true")])
+    assert cfg.debug.collectives is True and cfg.debug.collectives_timeout_s == 20
+    with pytest.raises(ConfigError, match="debug.collectives_timeout_s"):
+        load_config(None, [("debug.collectives_timeout_s", "0")])
+
+
+def test_a_missing_rank_is_named_by_rank_0_and_by_the_others(monkeypatch, tmp_path):
+    """torch 2.14's messages when a rank does not come (world 2): rank 0 names the rank missing;
+    rank 1, when rank 0 is the one missing, hears only that rank 0 did not answer."""
+    from zerotrain.train import process_group
+    from zerotrain.train.launch import collectives
+    monkeypatch.setitem(collectives._STATE, "on", True)
+    monkeypatch.setitem(collectives._STATE, "timeout_s", 20)
+    monkeypatch.setitem(collectives._STATE, "run_dir", tmp_path)
+    monkeypatch.setattr(collectives, "_ask_for_stacks", lambda ranks, waited: asked.append((ranks, waited)))
+    monkeypatch.setattr(process_group, "size", lambda: 2)
+    asked = []
+    monkeypatch.setenv("RANK", "0")
+    line = collectives.explain(RuntimeError("[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 20000 ms"))
+    assert line.startswith("[rank 0] zerotrain: error: rank 1 did not come to the collective at start-up within 20 s")
+    monkeypatch.setenv("RANK", "1")
+    line = collectives.explain(RuntimeError(
+        "Rank 1 successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0. "
+        "Please check rank 0 logs for faulty rank.\n Original exception: \n[gloo/transport/tcp/unbound_buffer.cc:129] "
+        "Timed out waiting 20000ms for send operation to complete"))
+    assert line.startswith("[rank 1] zerotrain: error: rank 0 did not come to the collective at start-up within 20 s")
+    assert asked == [([1], 20.0), ([0], 20)]

@@ -1,0 +1,267 @@
+"""debug.collectives: ranks that run different collectives are named in seconds, not after a
+30-minute hang (docs/troubleshooting.md "Collective mismatch").
+
+torch's own desync detection does the checking: with TORCH_DISTRIBUTED_DEBUG=DETAIL (set here,
+before the process group exists) every process group, the default one and those DeepSpeed makes
+later, is wrapped in a ProcessGroupWrapper. Before each collective it runs a monitored barrier and
+an all-gather of the collective's fingerprint (operation, shapes, dtypes) on a side gloo group:
+
+- ranks at different collectives (an all-reduce on rank 0 only, a tensor of another shape on one
+  rank, a save or an evaluation on some ranks only): every rank raises at once, naming both
+  fingerprints; `explain` makes that one line per rank, with the step and the phase of the loop
+  (train/process_group.py `at`, set at each step, stop vote, evaluation and save);
+- a rank that does not come at all (stuck in its data loader, an endless loop, one collective
+  fewer): the monitored barrier names it after the collective timeout, which is
+  debug.collectives_timeout_s while the check is on. The waiting rank then asks the missing one,
+  through the rendezvous store, for its Python stack: a thread in every rank (StackOnRequest)
+  prints it (faulthandler, every thread) with one line saying where it stands, and ends it.
+
+Cost: a barrier and a small all-gather per collective (bench/collective_checks.py,
+BENCHMARKS.md), hence a switch that `zerotrain verify` turns on, not a default.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from zerotrain.train import process_group
+from zerotrain.train.launch import distributed as dist_
+
+_STATE: dict = {"on": False, "timeout_s": None, "run_dir": None}
+_MISMATCH = re.compile(r"Detected mismatch between collectives on ranks\. Rank (\d+) is running collective: "
+                       r"(CollectiveFingerPrint\(.*?\)), but Rank (\d+) is running collective: "
+                       r"(CollectiveFingerPrint\(.*?\))\.\s*Collectives differ", re.S)
+_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier in (\d+) ms")
+# a rank other than 0 at the barrier: rank 0 (which collects the others) did not answer
+_NO_ROOT = re.compile(r"received errors while waiting for send/recv from rank (\d+)")
+ASK_EVERY_S = 0.5   # how often a rank looks whether a peer asked for its stack
+
+
+def enable(cfg) -> int:
+    """Turn the check on where cfg.debug.collectives asks (before any process group exists);
+    returns the collective timeout of this run: debug.collectives_timeout_s while the check is
+    on, else distributed.timeout_s."""
+    _STATE["run_dir"] = Path(cfg.train.run_dir)
+    if not cfg.debug.collectives:
+        if _STATE["on"]:  # an earlier run in this process (tests) had it on
+            from torch.distributed import distributed_c10d
+            dist.set_debug_level(dist.DebugLevel.OFF)
+            os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+            distributed_c10d.default_pg_timeout = _STATE["default_timeout"]
+            _STATE.update(on=False, timeout_s=None)
+        return cfg.distributed.timeout_s
+    if dist.is_initialized():  # too late: the group exists without the wrapper
+        raise RuntimeError("debug.collectives must be set before the process group starts")
+    timeout_s = cfg.debug.collectives_timeout_s
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # torch read it at import: set the level too
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    # Groups created later without a timeout (DeepSpeed's copy of the world group) take this one.
+    from torch.distributed import distributed_c10d
+    _STATE.setdefault("default_timeout", distributed_c10d.default_pg_timeout)
+    distributed_c10d.default_pg_timeout = datetime.timedelta(seconds=timeout_s)
+    _ddp_logs_no_construction()
+    _STATE.update(on=True, timeout_s=timeout_s)
+    return timeout_s
+
+
+def _ddp_logs_no_construction() -> None:
+    """torch 2.14: DDP's construction log (c10d::Logger::set_env_variables) casts the default
+    group's gloo backend to ProcessGroupGloo; under the wrapper it is a ProcessGroupWrapper, and
+    the process dies of SIGSEGV while DDP is built (measured: any DDP on gloo with DETAIL). The
+    check skips that log line (torch's own usage log, read by nothing here); DDP is otherwise the
+    same: its gradient all-reduces go through the wrapper and are checked like the rest."""
+    if getattr(dist.Logger, "zerotrain_skips_construction_log", False):
+        return
+
+    class Logger(dist.Logger):
+        zerotrain_skips_construction_log = True
+
+        def set_construction_data_and_log(self, *args, **kwargs):
+            pass
+
+    dist.Logger = Logger
+
+
+def timeout_s(cfg) -> int:
+    """The collective timeout a run's process group is made with."""
+    return cfg.debug.collectives_timeout_s if cfg.debug.collectives else cfg.distributed.timeout_s
+
+
+def on() -> bool:
+    return _STATE["on"]
+
+
+# ---------------------------------------------------------------------------- one line per rank
+
+def _fingerprint(text: str) -> tuple[str, str, str, str]:
+    """(operation, shapes, dtypes, sequence number) of torch's CollectiveFingerPrint(...)."""
+    def field(name, until):
+        m = re.search(rf"{name}=(.*?)(?:, {until}=|\)$)", text, re.S)
+        return m.group(1).strip() if m else "?"
+    return (field("OpType", "TensorShape"), field("TensorShape", "TensorDtypes"),
+            field("TensorDtypes", "TensorDeviceTypes").lower(), field("SequenceNumber", "OpType"))
+
+
+def _checkpoint_line() -> str:
+    run_dir = _STATE["run_dir"]
+    latest = run_dir / "checkpoints" / "latest" if run_dir is not None else None
+    try:
+        name = latest.read_text().strip() if latest is not None else ""
+    except OSError:
+        name = ""
+    if not name:
+        return "No checkpoint had been saved yet."
+    return (f"The last complete checkpoint, {latest.parent / name}, is intact: fix the cause, then "
+            f"--checkpoint.resume auto continues from it.")
+
+
+def _texts(exc: BaseException) -> str:
+    texts, e = [], exc
+    while e is not None and len(texts) < 8:
+        texts.append(str(e))
+        e = e.__cause__ or e.__context__
+    return "\n".join(texts)
+
+
+def explain(exc: BaseException) -> str | None:
+    """This rank's one line for a collective check that failed (None: not one). For a rank that
+    did not come, ask it for its stack first (it prints it and ends)."""
+    if not _STATE["on"]:
+        return None
+    text = _texts(exc)
+    me = os.environ.get("RANK", "?")
+    where = process_group.where()
+    m = _MISMATCH.search(text)
+    if m:
+        a, fa, b, fb = m.group(1), m.group(2), m.group(3), m.group(4)
+        (op_a, shape_a, dt_a, seq), (op_b, shape_b, dt_b, _) = _fingerprint(fa), _fingerprint(fb)
+        return (f"[rank {me}] zerotrain: error: collective mismatch at {where}: rank {a} runs {op_a} of shape "
+                f"{shape_a} ({dt_a}) where rank {b} runs {op_b} of shape {shape_b} ({dt_b}) (collective "
+                f"#{seq}); ranks {min(a, b, key=int)} and {max(a, b, key=int)} differ. Every rank must run the same collectives in the same "
+                f"order: look for work done on some ranks only (a save, an evaluation or a reduction under "
+                f"`if rank == ...`) or a tensor whose shape depends on the rank (docs/troubleshooting.md "
+                f"\"Collective mismatch\"). {_checkpoint_line()}")
+    m, root = _MISSING.search(text), _NO_ROOT.search(text)
+    if root and process_group.size() > 2:  # rank 0 may be the stuck one, or waiting for another: its line says
+        return (f"[rank {me}] zerotrain: error: rank {root.group(1)} did not answer at the collective at {where} "
+                f"within {_STATE['timeout_s']} s (debug.collectives_timeout_s): it is stuck outside any collective, "
+                f"or it names the rank that is in its own line. {_checkpoint_line()}")
+    if m or root:
+        missing = [int(r) for r in re.findall(r"\d+", m.group(1))] if m else [int(root.group(1))]
+        waited = int(m.group(2)) / 1000 if m else _STATE["timeout_s"]
+        _ask_for_stacks(missing, waited)
+        who = "rank" + ("s " if len(missing) > 1 else " ") + ", ".join(map(str, missing))
+        return (f"[rank {me}] zerotrain: error: {who} did not come to the collective at {where} within "
+                f"{waited:.0f} s (debug.collectives_timeout_s): stuck outside any collective (a data loader, an "
+                f"endless loop, work on that rank only) or one collective short; its Python stack is in its own "
+                f"output (\"[rank {missing[0]}] zerotrain: error: this rank is stuck\"). "
+                f"{_checkpoint_line()}")
+    return None
+
+
+def report(exc: BaseException) -> bool:
+    """Print this rank's one line for a collective check that failed (False: `exc` is not one).
+    Ranks at different collectives all raise: each then waits (at most 5 s) until the others
+    printed theirs too, since the launcher stops every rank once one exits."""
+    line = explain(exc)
+    if line is None:
+        return False
+    print(line, file=sys.stderr, flush=True)
+    if _MISMATCH.search(_texts(exc)):
+        _wait_for_the_others_lines()
+    return True
+
+
+def _wait_for_the_others_lines(wait_s: float = 5.0) -> None:
+    store = dist_._store_client()
+    if store is None:
+        return
+    start = dist_._PEERS["roster"][0]["start"]
+
+    def key(rank) -> str:
+        return f"zerotrain/desync/{start}/{rank}"
+
+    try:
+        store.set(key(os.environ.get("RANK", "?")), "1")
+        others = [key(r["rank"]) for r in dist_._PEERS["roster"]]
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not store.check(others):
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store's host is gone: nobody left to wait for
+        pass
+
+
+def _stack_key(rank: int) -> str:
+    return f"zerotrain/stack/{dist_._PEERS['roster'][0]['start']}/{rank}"
+
+
+def _ask_for_stacks(ranks: list[int], waited_s: float, wait_s: float = 5.0) -> None:
+    """Ask each rank in `ranks` for its stack, and wait (at most wait_s) until they printed it:
+    this rank exiting first would have the launcher stop them before they do."""
+    store = dist_._store_client()
+    if store is None:
+        return
+    me = os.environ.get("RANK", "?")
+    try:
+        for r in ranks:
+            store.set(_stack_key(r), f"{me}:{waited_s:.0f}")
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not store.check([_stack_key(r) + "/done" for r in ranks]):
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - the store's host is gone: nothing more to ask
+        pass
+
+
+class StackOnRequest(threading.Thread):
+    """Every rank, while the check is on: a peer that waited in vain for this rank asks, through
+    the rendezvous store, for its stack. This thread then prints one line and the Python stack of
+    every thread (faulthandler), and ends the process (its main thread is stuck)."""
+
+    def __init__(self, rank: int):
+        super().__init__(name="zerotrain-stack-on-request", daemon=True)
+        self.rank = rank
+
+    @classmethod
+    def start_for(cls, rank: int) -> StackOnRequest | None:
+        if not _STATE["on"] or process_group.size() < 2:
+            return None
+        t = cls(rank)
+        t.start()
+        return t
+
+    def run(self):
+        store = dist_._store_client(timeout_s=max(2.0, ASK_EVERY_S * 4))
+        if store is None:
+            return
+        key = _stack_key(self.rank)
+        while True:
+            time.sleep(ASK_EVERY_S)
+            try:
+                if not store.check([key]):
+                    continue
+                asker, waited = store.get(key).decode().split(":")
+            except Exception:  # noqa: BLE001 - the store is gone (the run ended): stop asking
+                return
+            print(f"[rank {self.rank}] zerotrain: error: this rank is stuck outside any collective at "
+                  f"{process_group.where()}: rank {asker} waited {waited} s for it in a collective. Its Python "
+                  f"stack (most recent call first):", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+            try:
+                store.set(key + "/done", "1")
+            except Exception:  # noqa: BLE001
+                pass
+            time.sleep(1.0)  # the asking rank prints its line first: the launcher stops the others once one exits
+            os._exit(1)
+
+
+dist_.PEERS_API.report_collective_failure = report  # user_errors (train/errors.py) asks it first
