@@ -136,3 +136,28 @@ def test_a_snapshot_that_would_not_fit_under_the_cap_saves_synchronously_with_on
     saves = [r for r in metrics(run) if "checkpoint/save_s" in r]
     assert len(saves) == 2 and not any("checkpoint/write_s" in r for r in saves)  # synchronous saves
     assert_resumable_checkpoint(run / "checkpoints", 4)
+
+
+def test_on_a_gpu_the_pinned_snapshot_is_checked_against_the_free_host_ram(fp32_configs, monkeypatch):
+    """On CUDA the snapshot is pinned host RAM, outside the GPU's budget: the plan compares it with
+    the tightest rank's free host RAM (memory_check.local_view's host_free, agreed like the
+    budget) less the margin, and saves synchronously with one banner line where it does not fit."""
+    from zerotrain.train.plan import memory_check
+    from zerotrain.train.plan.estimate import snapshot_bytes
+    from zerotrain.train.plan.memory_plan import make
+    monkeypatch.setattr(memory_check.torch.cuda, "is_available", lambda: True)  # the budget is a GPU's
+    cfg, spec, ds, data, batch = _inputs(fp32_configs["zero2"])
+    snap = snapshot_bytes(memory_check.model_shape(spec, data), 2)
+
+    def plan(host_free: float):
+        view = {"bytes": 80 * GiB, "source": "a test GPU", "cgroup": None, "host": "h", "runtime": 0,
+                "host_free": int(host_free), "host_source": "a test host"}
+        return make(cfg, spec, ds, data, batch, 64, 2, 0, "cuda", True, view=view)
+
+    roomy, tight = plan(2 * snap), plan(1.05 * snap)  # 1.05 x snap less the 10% margin < snap
+    assert roomy.budget.device == "cuda" and not roomy.async_off and roomy.estimate.snapshot == snap
+    assert tight.estimate.snapshot == 0 and tight.async_off.startswith(
+        "checkpoint.async off: its pinned host snapshot (") and "a test host" in tight.async_off
+    assert "less the 10% margin; saves are synchronous" in tight.async_off
+    # The GPU's own peak is the same either way: the snapshot never counted there.
+    assert roomy.checked.device_total == tight.checked.device_total

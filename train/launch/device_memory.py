@@ -119,6 +119,8 @@ class Budget:
     source: str        # e.g. "the memory cgroup limit of /sys/fs/cgroup/memory/x (1 rank in it)"
     device: str        # "cpu" | "cuda"
     runtime: int       # bytes this rank holds before the model exists (owned_bytes() on CPU; 0 on CUDA)
+    host_free: int | None = None  # host RAM this rank can still take (host_free()), the tightest rank's
+    host_source: str = ""         # why, for messages
 
 
 def local_ranks(environ=os.environ) -> int:
@@ -129,6 +131,21 @@ def local_ranks(environ=os.environ) -> int:
         if environ.get(k, "").strip().isdigit():
             return max(1, int(environ[k]))
     return 1
+
+
+def host_free() -> tuple[int, str]:
+    """Host RAM this rank can still take, and why: on a GPU machine a rank's pinned host buffers
+    (checkpoint.async's snapshot) live there, outside the GPU budget. Its share of MemAvailable,
+    or, under a tighter memory cgroup, its share of the limit less what it holds now."""
+    ranks = local_ranks()
+    avail = mem_available()
+    free, why = (avail // ranks, f"MemAvailable / {ranks} local rank(s)") if avail is not None \
+        else (1 << 60, "no /proc/meminfo: not limited")
+    limit = cgroup_limit()
+    if limit is not None and limit.bytes // ranks - owned_bytes() < free:
+        free = max(0, limit.bytes // ranks - owned_bytes())
+        why = f"the memory cgroup limit of {limit.path} / {ranks} local rank(s), less what this rank holds"
+    return free, why
 
 
 def local_budget() -> tuple[int, str, str | None, int]:

@@ -9,8 +9,8 @@ A rank's peak is
 
 With checkpoint.async each rank keeps a host copy of its share of the checkpoint between saves
 (`snapshot_bytes`): on a CPU that is the device's memory, so it counts in the peak; on CUDA it is
-host RAM (pinned), which the memory check does not model (its budget is the GPU's), so there it
-is reported (Estimate.snapshot) but not compared with anything.
+host RAM (pinned), not part of the GPU's peak: reported (Estimate.snapshot) and compared with the
+free host RAM by memory_plan.make instead.
 
 What each backend holds (model states, buffers, its own transients, offloaded bytes) is the
 strategy package's cost model, train/strategy/cost.py; this module adds what the micro-batch and

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from zerotrain.train import paths, process_group
-from zerotrain.train.launch.device_memory import Budget, local_budget
+from zerotrain.train.launch.device_memory import Budget, host_free, local_budget
 from zerotrain.train.errors import ConfigError
 from zerotrain.train.observe.report import human_bytes as hb
 
@@ -59,7 +59,9 @@ def local_view() -> dict:
     both see the same runtime; the memory an option's start-up adds is the planner's."""
     importlib.import_module("torch._dynamo")  # the first optimizer imports it (~150 MiB resident): count it now
     nbytes, source, cgroup, runtime = local_budget()
-    return {"bytes": nbytes, "source": source, "cgroup": cgroup, "host": socket.gethostname(), "runtime": runtime}
+    free, free_why = host_free()
+    return {"bytes": nbytes, "source": source, "cgroup": cgroup, "host": socket.gethostname(), "runtime": runtime,
+            "host_free": free, "host_source": free_why}
 
 
 def agreed_budget(mine: dict | None = None) -> Budget:
@@ -71,7 +73,7 @@ def agreed_budget(mine: dict | None = None) -> Budget:
     dist = torch.distributed
     if process_group.size() == 1:
         return Budget(mine["bytes"], mine["source"] + (" (1 rank in it)" if mine["cgroup"] else ""), device,
-                      mine["runtime"])
+                      mine["runtime"], mine.get("host_free"), mine.get("host_source", ""))
     views: list = [None] * dist.get_world_size()
     dist.all_gather_object(views, mine)
     per_rank = []
@@ -80,7 +82,8 @@ def agreed_budget(mine: dict | None = None) -> Budget:
         why = v["source"] + (f" ({sharing} rank{'s' if sharing > 1 else ''} in it)" if v["cgroup"] else "")
         per_rank.append((v["bytes"] // max(1, sharing), why))
     share, why = min(per_rank)
-    return Budget(share, why, device, max(v["runtime"] for v in views))
+    free, free_why = min((v.get("host_free", 1 << 62), v.get("host_source", "")) for v in views)
+    return Budget(share, why, device, max(v["runtime"] for v in views), free, free_why)
 
 
 def measure(cfg, ds_path: str | None) -> dict | None:

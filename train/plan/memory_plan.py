@@ -22,8 +22,8 @@ checkpoint.async keeps a host snapshot of each rank's share of the checkpoint (e
 `snapshot_bytes`). On a CPU that is device memory: both estimates count it, and when the plan with
 it would not leave distributed.memory_margin of the budget free the run saves synchronously
 instead (`async_off`: one banner line; the Checkpointer reads it), and is checked without it. On
-CUDA the snapshot is pinned host RAM, which the check does not model (its budget is the GPU's):
-the estimates carry it (Estimate.snapshot, config.json) but nothing is compared with it.
+CUDA the snapshot is pinned host RAM, outside the GPU budget: it is compared with the tightest
+rank's free host RAM (Budget.host_free) instead, with the same fallback when it does not fit.
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ def make(cfg, spec, ds, data, batch, seq_len, world: int, rank: int, device_kind
                     f"checkpoint.async off: its host snapshot ({human_bytes(largest.snapshot)} per rank) would "
                     f"take the predicted peak to {memory_check.with_margin(largest, budget, cfg.distributed.memory_margin)}"
                     f" ({budget.source}); saves are synchronous")
+        elif snap and on and budget.host_free is not None:
+            snap, async_off = _pinned_snapshot(snap, budget, cfg.distributed.memory_margin)
         mine = estimate(shape, option, world, pb, rank, device, snapshot=snap)
     except Exception as e:  # noqa: BLE001 - the plan is advisory for models the planner does not know
         if on and isinstance(e, UserError):
@@ -95,6 +97,18 @@ def make(cfg, spec, ds, data, batch, seq_len, world: int, rank: int, device_kind
             if warning and is_main:
                 print(f"zerotrain: {warning}", flush=True)
     return MemoryPlan(budget, checked, mine, banner_text(mine), async_off)
+
+
+def _pinned_snapshot(snap: int, budget, margin: float) -> tuple[int, str]:
+    """A GPU rank's checkpoint.async snapshot is pinned host RAM, outside the GPU budget: it is
+    compared with the tightest rank's free host RAM (agreed, so every rank decides alike), less
+    the margin. (snapshot bytes, "") when it fits, else (0, the banner's line)."""
+    room = int(budget.host_free * (1 - margin))
+    if snap <= room:
+        return snap, ""
+    return 0, (f"checkpoint.async off: its pinned host snapshot ({human_bytes(snap)} per rank) does not fit "
+               f"the free host RAM ({human_bytes(budget.host_free)}, {budget.host_source}) less the "
+               f"{margin:.0%} margin; saves are synchronous")
 
 
 def _note(say: bool, e: Exception) -> None:
