@@ -232,6 +232,44 @@ def test_loss_and_gradients_equal_the_naive_implementation_in_process(kind, tmp_
     assert m["rewards/margins"] == pytest.approx(m["rewards/chosen"] - m["rewards/rejected"])
 
 
+@pytest.mark.parametrize("kind", ["sigmoid", "simpo"])
+def test_packed_pairs_give_the_unpacked_loss_and_gradients_in_process(kind, tmp_path):
+    """data.packing: the micro-batch's 2B sequences packed into fewer rows of seq_len with the
+    document mask give packing off's loss and gradients, and the naive implementation's (gpt-tiny,
+    fp32, a live frozen-copy reference for sigmoid; one response cut at seq_len + 1)."""
+    from zerotrain.models.preference import pack_sequences
+    recs = _records(8, 5)
+    recs[3]["chosen"] = " " + "q" * 120  # cut at seq_len + 1: a full row of its own
+    path = write_jsonl(tmp_path / "d.jsonl", recs)
+    seq_len, beta, gamma = 96, 0.3, 0.7
+    got = {}
+    for packing in (False, True):
+        data = pref(path, seq_len, val_fraction=0.0, packing=packing)
+        torch.manual_seed(0)
+        wl = build_workload(resolve(ModelConfig(name="gpt-tiny", seq_len=seq_len)), data)
+        naive_ref = copy.deepcopy(wl.model)
+        wl.preference = Preference(kind, beta, gamma, reference=frozen_copy(wl.model))
+        batch = torch.utils.data.default_collate([data.train[i] for i in range(len(data.train))])
+        if packing:
+            ids, labels = Preference.rows(batch)
+            rows = pack_sequences(ids, labels, torch.cat([batch["chosen_length"], batch["rejected_length"]]))
+            assert rows["input_ids"].shape[0] <= len(recs), rows["input_ids"].shape  # 16 sequences, <= 8 rows
+            assert int(rows["doc_ids"].max()) >= 2                                  # 2+ sequences in a row
+        loss = wl.loss(wl.model, batch)
+        loss.backward()
+        got[packing] = (float(loss), {n: p.grad.clone() for n, p in wl.model.named_parameters()})
+    policy = copy.deepcopy(naive_ref)
+    ref = naive_loss(kind, beta, gamma, policy, naive_ref, byte_pairs(recs), seq_len)
+    ref.backward()
+    for packing, (loss, grads) in got.items():
+        assert abs(loss - float(ref)) <= 1e-6 * abs(float(ref)), (packing, loss, float(ref))
+        for n, p in policy.named_parameters():
+            assert _rel(grads[n], p.grad) <= 1e-6, (packing, n, _rel(grads[n], p.grad))
+    assert abs(got[True][0] - got[False][0]) <= 1e-6 * abs(got[False][0])
+    for n, g in got[False][1].items():
+        assert _rel(got[True][1][n], g) <= 1e-6, (n, _rel(got[True][1][n], g))
+
+
 def test_lora_reference_is_the_base_with_adapters_off(tmp_path, llama, tokenizer_dir):
     """Under model.lora the reference forward switches every adapter off: after the adapters
     moved, the reference log-probs are still the base model's, and the loss and the adapter
