@@ -384,6 +384,42 @@ def test_step_one_loss_and_gradients_equal_the_naive_implementation_under_every_
 
 
 @pytest.mark.multiproc
+def test_packed_pairs_under_zero2_on_two_processes_equal_the_unpacked_naive_implementation(tmp_path, llama,
+                                                                                          tokenizer_dir):
+    """data.packing through a real 2-process ZeRO-2 launch (the Llama, position_ids restarting per
+    sequence, a live frozen-copy reference): the step-1 loss and gradients equal the naive 1-process
+    unpacked implementation's within 1e-6 relative."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from zerotrain.models.preference import pack_sequences
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    recs = _records(8, 3)
+    path = write_jsonl(tmp_path / "d.jsonl", recs)
+    write_jsonl(tmp_path / "d.val.jsonl", _records(2, 4))
+    # The records really pack: each rank's micro-batch (4 pairs, 8 sequences) takes fewer rows.
+    data = pref(path, 32, str(tokenizer_dir), packing=True)
+    for half in (range(0, 4), range(4, 8)):
+        batch = torch.utils.data.default_collate([data.train[i] for i in half])
+        ids, labels = Preference.rows(batch)
+        rows = pack_sequences(ids, labels, torch.cat([batch["chosen_length"], batch["rejected_length"]]))
+        assert rows["input_ids"].shape[0] < 8, rows["input_ids"].shape
+    init = load_file(str(llama / "model.safetensors"))
+    base = AutoModelForCausalLM.from_pretrained(str(llama), local_files_only=True).float()
+    policy = copy.deepcopy(base).train()
+    ref_loss = naive_loss("sigmoid", 0.5, 0.5, policy, base.eval(), token_pairs(tok, recs), 32)
+    ref_loss.backward()
+    run_dir = tmp_path / "zero2_packed"
+    run_train("torchrun", 2, _step_args(f"hf:{llama}", path, run_dir, fp32(tmp_path, "zero2"), 4, 1, "sigmoid")
+              + ["--data.packing", "true"], env={"HF_HUB_OFFLINE": "1"})
+    step1 = [r for r in metrics(run_dir) if "loss" in r][0]
+    w1 = _exported(run_dir)
+    worst = max(_rel((init[n] - w1[n]) / K, p.grad) for n, p in policy.named_parameters())
+    d_loss = abs(step1["loss"] - float(ref_loss)) / abs(float(ref_loss))
+    print("packed zero2 2x micro4: relative |loss - naive|", d_loss, "max relative |grad - naive|", worst)
+    assert d_loss <= 1e-6 and worst <= 1e-6, (d_loss, worst)
+
+
+@pytest.mark.multiproc
 def test_lora_step_one_under_zero3_equals_ddp(tmp_path, llama, tokenizer_dir):
     """LoRA (reference: the base with adapters off): ZeRO-3 on 2 processes with accumulation
     gives DDP's 1-process step-1 loss and adapter update, which is the naive gradient (B starts
