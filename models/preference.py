@@ -29,10 +29,18 @@ With train.dpo.reference precomputed there is no reference forward: the batch ca
 pair's reference log-probabilities (`zerotrain prepare --reference`, train/data/reference.py),
 as reference_chosen_logps / reference_rejected_logps, (B,) each.
 Log-probabilities are models/losses.py's token_logps: fp32 mathematics, no fp32 (N, V) copy.
+
+Packed pairs (data.packing; the batch carries chosen_length / rejected_length): the micro-batch's
+2B sequences are packed best-fit-decreasing (as train/data/packing.py packs sft records) into R <= 2B rows of T
+tokens, each sequence a document of its row (positions restart at 0, attention stays inside it:
+the document mask, models/gpt.py), and each sequence's log-probability is the sum of its
+segment's token log-probs. The micro-batch is still B pairs, so the loss is packing's off; the
+policy and the reference forward (live) take the same packed rows.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from typing import Optional
 
@@ -63,6 +71,67 @@ def pair_losses(kind: str, beta: float, gamma: float, pc: torch.Tensor, pr: torc
     h = (pc - rc) - (pr - rr)
     loss = -F.logsigmoid(beta * h) if kind == "sigmoid" else (h - 1.0 / (2.0 * beta)) ** 2
     return loss, (beta * (pc - rc)).detach(), (beta * (pr - rr)).detach()
+
+
+def _best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Rows of indices into `lengths` (each <= capacity), summing to <= capacity: longest first,
+    each into the open row with the least room that holds it (ties by index: deterministic).
+    train/data/packing.py packs sft records the same way (models/ imports nothing from train/)."""
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (room left, row), sorted
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = bisect.bisect_left(room, (lengths[i], -1))
+        if k == len(room):
+            rows.append([i])
+            left, r = capacity - lengths[i], len(rows) - 1
+        else:
+            left, r = room.pop(k)
+            rows[r].append(i)
+            left -= lengths[i]
+        bisect.insort(room, (left, r))
+    return rows
+
+
+def pack_sequences(ids: torch.Tensor, labels: torch.Tensor, lengths: torch.Tensor) -> dict:
+    """The (S, T) sequences `ids`/`labels` with `lengths` (S,) input tokens each, packed into rows
+    of T: {"input_ids", "labels", "position_ids", "doc_ids"} (R, T) and "segment" (R, T): the
+    sequence each token belongs to (S for a row's padding tail). The plan is best-fit-decreasing
+    on the host (one read of `lengths`, S numbers); the gathers run where the tensors are."""
+    S, T = labels.shape
+    lens = [int(n) for n in lengths.tolist()]
+    rows = _best_fit_decreasing(lens, T)
+    src = torch.full((len(rows), T), -1, dtype=torch.int64)        # flat index into (S, T), -1: padding
+    pos = torch.zeros(len(rows), T, dtype=torch.int64)
+    doc = torch.zeros(len(rows), T, dtype=torch.int64)
+    seg = torch.full((len(rows), T), S, dtype=torch.int64)
+    for r, members in enumerate(rows):
+        at = 0
+        for d, s in enumerate(members):
+            n = lens[s]
+            src[r, at:at + n] = s * T + torch.arange(n)
+            pos[r, at:at + n] = torch.arange(n)
+            doc[r, at:at + n] = d
+            seg[r, at:at + n] = s
+            at += n
+        pos[r, at:] = torch.arange(T - at)  # the tail: a document of its own, labels ignored
+        doc[r, at:] = len(members)
+    dev = ids.device
+    src, pad = src.to(dev), src.to(dev) < 0
+    flat = src.clamp(min=0)
+    return {"input_ids": torch.where(pad, torch.zeros_like(flat), ids.reshape(-1)[flat]),
+            "labels": torch.where(pad, torch.full_like(flat, IGNORE_INDEX), labels.reshape(-1)[flat]),
+            "position_ids": pos.to(dev), "doc_ids": doc.to(dev), "segment": seg.to(dev)}
+
+
+def segment_logps(logits: torch.Tensor, packed: dict, n_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """sequence_logps of packed rows: (summed log-prob of each sequence's labels, fp32 (S,),
+    number of labels (S,)), summed over its segment of the rows."""
+    labels, seg = packed["labels"], packed["segment"].reshape(-1)
+    per_tok = token_logps(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+    sums = per_tok.new_zeros(n_seq + 1).index_add(0, seg, per_tok)
+    counts = torch.zeros(n_seq + 1, dtype=torch.int64, device=seg.device).index_add(
+        0, seg, (labels.reshape(-1) != IGNORE_INDEX).long())
+    return sums[:n_seq], counts[:n_seq]
 
 
 class Preference:
@@ -103,23 +172,35 @@ class Preference:
                 m._disable_adapters = w
             model.train(training)
 
+    @staticmethod
+    def _logps(workload, model, rows: dict, n_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sequence (log-prob sum, label count) of the rows: padded (one sequence a row) or
+        packed (pack_sequences' rows, with their segments)."""
+        if "segment" in rows:
+            return segment_logps(workload.logits(model, rows), rows, n_seq)
+        return sequence_logps(workload.logits(model, {"input_ids": rows["input_ids"]}), rows["labels"])
+
     @torch.no_grad()
-    def reference_logps(self, workload, model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def reference_logps(self, workload, model, rows: dict, n_seq: int) -> torch.Tensor:
         if self.reference is not None:
-            return sequence_logps(workload.logits(self.reference, {"input_ids": ids}), labels)[0]
+            return self._logps(workload, self.reference, rows, n_seq)[0]
         with self._reference_mode(model):
-            return sequence_logps(workload.logits(model, {"input_ids": ids}), labels)[0]
+            return self._logps(workload, model, rows, n_seq)[0]
 
     def _pairs(self, workload, model, batch: dict):
         ids, labels = self.rows(batch)
         b = batch["chosen_input_ids"].size(0)
+        if "chosen_length" in batch:  # data.packing: the 2B sequences packed into rows of seq_len
+            rows = pack_sequences(ids, labels, torch.cat([batch["chosen_length"], batch["rejected_length"]]))
+        else:
+            rows = {"input_ids": ids, "labels": labels}
         if not self.needs_reference:
             ref = None
         elif self.precomputed:
             ref = torch.cat([batch["reference_chosen_logps"], batch["reference_rejected_logps"]]).float()
         else:
-            ref = self.reference_logps(workload, model, ids, labels)
-        logps, n = sequence_logps(workload.logits(model, {"input_ids": ids}), labels)
+            ref = self.reference_logps(workload, model, rows, 2 * b)
+        logps, n = self._logps(workload, model, rows, 2 * b)
         rc, rr = (ref[:b], ref[b:]) if ref is not None else (None, None)
         loss, rew_c, rew_r = pair_losses(self.kind, self.beta, self.gamma, logps[:b], logps[b:], rc, rr, n[:b], n[b:])
         stats = torch.stack([rew_c, rew_r, rew_c - rew_r, (rew_c > rew_r).float(), logps[:b].detach(),
@@ -162,7 +243,8 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return ref.eval()
 
 
-__all__ = ["LOSSES", "METRICS", "Preference", "dataset_reference_logps", "frozen_copy", "pair_losses", "sequence_logps"]
+__all__ = ["LOSSES", "METRICS", "Preference", "dataset_reference_logps", "frozen_copy", "pack_sequences", "pair_losses", "segment_logps",
+           "sequence_logps"]
 
 
 @torch.no_grad()

@@ -232,6 +232,47 @@ def test_loss_and_gradients_equal_the_naive_implementation_in_process(kind, tmp_
     assert m["rewards/margins"] == pytest.approx(m["rewards/chosen"] - m["rewards/rejected"])
 
 
+@pytest.mark.parametrize("kind", ["sigmoid", "simpo"])
+def test_packed_pairs_give_the_unpacked_loss_and_gradients_in_process(kind, tmp_path):
+    """data.packing: the micro-batch's 2B sequences packed into fewer rows of seq_len with the
+    document mask give packing off's loss and gradients, and the naive implementation's (gpt-tiny,
+    fp32, a live frozen-copy reference for sigmoid; one response cut at seq_len + 1)."""
+    from zerotrain.models.preference import pack_sequences
+    recs = _records(8, 5)
+    recs[3]["chosen"] = " " + "q" * 120  # cut at seq_len + 1: a full row of its own
+    path = write_jsonl(tmp_path / "d.jsonl", recs)
+    seq_len, beta, gamma = 96, 0.3, 0.7
+    got = {}
+    for packing in (False, True):
+        data = pref(path, seq_len, val_fraction=0.0, packing=packing)
+        torch.manual_seed(0)
+        wl = build_workload(resolve(ModelConfig(name="gpt-tiny", seq_len=seq_len)), data)
+        naive_ref = copy.deepcopy(wl.model)
+        wl.preference = Preference(kind, beta, gamma, reference=frozen_copy(wl.model))
+        batch = torch.utils.data.default_collate([data.train[i] for i in range(len(data.train))])
+        if packing:
+            ids, labels = Preference.rows(batch)
+            rows = pack_sequences(ids, labels, torch.cat([batch["chosen_length"], batch["rejected_length"]]))
+            assert rows["input_ids"].shape[0] <= len(recs), rows["input_ids"].shape  # 16 sequences, <= 8 rows
+            assert int(rows["doc_ids"].max()) >= 2                                  # 2+ sequences in a row
+        loss = wl.loss(wl.model, batch)
+        loss.backward()
+        got[packing] = (float(loss), {n: p.grad.clone() for n, p in wl.model.named_parameters()})
+    policy = copy.deepcopy(naive_ref)
+    ref = naive_loss(kind, beta, gamma, policy, naive_ref, byte_pairs(recs), seq_len)
+    ref.backward()
+    print("relative |loss - naive|, max relative |grad - naive| per tensor, packing off / on:",
+          [(abs(loss - float(ref)) / abs(float(ref)), max(_rel(grads[n], p.grad) for n, p in policy.named_parameters()))
+           for loss, grads in got.values()])
+    for packing, (loss, grads) in got.items():
+        assert abs(loss - float(ref)) <= 1e-6 * abs(float(ref)), (packing, loss, float(ref))
+        for n, p in policy.named_parameters():
+            assert _rel(grads[n], p.grad) <= 1e-6, (packing, n, _rel(grads[n], p.grad))
+    assert abs(got[True][0] - got[False][0]) <= 1e-6 * abs(got[False][0])
+    for n, g in got[False][1].items():
+        assert _rel(got[True][1][n], g) <= 1e-6, (n, _rel(got[True][1][n], g))
+
+
 def test_lora_reference_is_the_base_with_adapters_off(tmp_path, llama, tokenizer_dir):
     """Under model.lora the reference forward switches every adapter off: after the adapters
     moved, the reference log-probs are still the base model's, and the loss and the adapter
@@ -343,6 +384,42 @@ def test_step_one_loss_and_gradients_equal_the_naive_implementation_under_every_
     print("relative |loss - naive|, max relative |grad - naive| per tensor:", report)
     for name, (d_loss, d_grad) in report.items():
         assert d_loss <= 1e-6 and d_grad <= 1e-6, (name, report)
+
+
+@pytest.mark.multiproc
+def test_packed_pairs_under_zero2_on_two_processes_equal_the_unpacked_naive_implementation(tmp_path, llama,
+                                                                                          tokenizer_dir):
+    """data.packing through a real 2-process ZeRO-2 launch (the Llama, position_ids restarting per
+    sequence, a live frozen-copy reference): the step-1 loss and gradients equal the naive 1-process
+    unpacked implementation's within 1e-6 relative."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from zerotrain.models.preference import pack_sequences
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    recs = _records(8, 3)
+    path = write_jsonl(tmp_path / "d.jsonl", recs)
+    write_jsonl(tmp_path / "d.val.jsonl", _records(2, 4))
+    # The records really pack: each rank's micro-batch (4 pairs, 8 sequences) takes fewer rows.
+    data = pref(path, 32, str(tokenizer_dir), packing=True)
+    for half in (range(0, 4), range(4, 8)):
+        batch = torch.utils.data.default_collate([data.train[i] for i in half])
+        ids, labels = Preference.rows(batch)
+        rows = pack_sequences(ids, labels, torch.cat([batch["chosen_length"], batch["rejected_length"]]))
+        assert rows["input_ids"].shape[0] < 8, rows["input_ids"].shape
+    init = load_file(str(llama / "model.safetensors"))
+    base = AutoModelForCausalLM.from_pretrained(str(llama), local_files_only=True).float()
+    policy = copy.deepcopy(base).train()
+    ref_loss = naive_loss("sigmoid", 0.5, 0.5, policy, base.eval(), token_pairs(tok, recs), 32)
+    ref_loss.backward()
+    run_dir = tmp_path / "zero2_packed"
+    run_train("torchrun", 2, _step_args(f"hf:{llama}", path, run_dir, fp32(tmp_path, "zero2"), 4, 1, "sigmoid")
+              + ["--data.packing", "true"], env={"HF_HUB_OFFLINE": "1"})
+    step1 = [r for r in metrics(run_dir) if "loss" in r][0]
+    w1 = _exported(run_dir)
+    worst = max(_rel((init[n] - w1[n]) / K, p.grad) for n, p in policy.named_parameters())
+    d_loss = abs(step1["loss"] - float(ref_loss)) / abs(float(ref_loss))
+    print("packed zero2 2x micro4: relative |loss - naive|", d_loss, "max relative |grad - naive|", worst)
+    assert d_loss <= 1e-6 and worst <= 1e-6, (d_loss, worst)
 
 
 @pytest.mark.multiproc

@@ -233,6 +233,11 @@ class PreferenceData(DataSection):
     (vocab 256, NUL ends a response) for zerotrain's GPT presets."""
     chat_template: bool = True
     """Render records with the tokenizer's chat template when it has one (as data.kind sft)."""
+    packing: bool = False
+    """Pack the chosen and rejected sequences of a micro-batch's pairs into rows of seq_len tokens
+    (best-fit-decreasing), each sequence attending only inside itself with positions restarting
+    (the document mask; no FlashAttention needed): fewer, fuller rows than two padded rows per
+    pair. The same pairs per micro-batch, the same loss and gradients (docs/workloads.md)."""
     num_workers: Optional[int] = None
     """DataLoader worker processes per rank. None = 0: the records are in memory."""
 

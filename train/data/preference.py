@@ -24,7 +24,11 @@ preference: it is skipped, counted, and the first one is named in one warning li
 
 Samples. One record = one sample: chosen_input_ids, chosen_labels, rejected_input_ids,
 rejected_labels, each data.seq_len long (right-padded, as sft's samples). The objective
-(models/preference.py) concatenates them along the batch: one forward for both.
+(models/preference.py) concatenates them along the batch: one forward for both. With
+data.packing each sample also carries chosen_length / rejected_length (the sequence's input
+tokens after truncation), and the objective packs the micro-batch's sequences into rows of
+seq_len with the document mask instead (models/preference.py pack_sequences): a sample is still
+one pair, so the sampler, the batches and the loss's mean over pairs are packing's off.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class PreferencePairs(Dataset):
         assert len(chosen) == len(rejected) == len(lines)
         self.chosen, self.rejected, self.lines = chosen, rejected, lines  # lines: each record's JSONL line
         self.source = source                  # the JSONL file the records come from
+        self.packing = False                  # data.packing: samples carry each sequence's length
         self.reference: Optional[tuple[np.ndarray, np.ndarray]] = None  # precomputed (chosen, rejected) logps
 
     def attach_reference(self, chosen: np.ndarray, rejected: np.ndarray) -> None:
@@ -74,6 +79,10 @@ class PreferencePairs(Dataset):
         c, r = self.chosen[i], self.rejected[i]
         out = {"chosen_input_ids": c["input_ids"], "chosen_labels": c["labels"],
                "rejected_input_ids": r["input_ids"], "rejected_labels": r["labels"]}
+        if self.packing:  # the input tokens of each sequence (SFTSequences' cut: at most seq_len)
+            for side, seqs in (("chosen", self.chosen), ("rejected", self.rejected)):
+                n = min(int(seqs.offsets[i + 1] - seqs.offsets[i]), seqs.seq_len + 1) - 1
+                out[f"{side}_length"] = torch.tensor(n, dtype=torch.int64)
         if self.reference is not None:
             out["reference_chosen_logps"] = torch.tensor(self.reference[0][i])
             out["reference_rejected_logps"] = torch.tensor(self.reference[1][i])
@@ -200,6 +209,9 @@ def build_preference(cfg: PreferenceData, seq_len: Optional[int], tokenizer: Opt
         train = _slice(pairs, 0, len(pairs) - n_val)
         val = _slice(pairs, len(pairs) - n_val, len(pairs)) if n_val else None
         split = f"val: last {n_val} records"
+    for split_pairs in (train, val):
+        if split_pairs is not None:
+            split_pairs.packing = cfg.packing
     fmt = "chat template" if enc.render else "plain format"
     labelled = sum(int((s.trained.sum() - s.trained[s.offsets[:-1]].sum())) for s in (train.chosen, train.rejected))
     skipped = f", {same} with chosen == rejected skipped" if same else ""
@@ -207,8 +219,8 @@ def build_preference(cfg: PreferenceData, seq_len: Optional[int], tokenizer: Opt
                       seq_len=seq_len, decode=enc.decode, masked_labels=False,
                       describe=f"preference pairs {path} ({len(train)} records{skipped}, {labelled} response tokens, "
                                f"{'bytes' if enc.name == 'bytes' else 'tokenizer ' + enc.name} {fmt}, chosen and "
-                               f"rejected padded to {seq_len}; {split})",
+                               f"rejected {'packed into rows of' if cfg.packing else 'padded to'} {seq_len}; {split})",
                       extra={"max_token": max(int(train.chosen.ids.max()), int(train.rejected.ids.max())),
                              "token_file": str(path), "tokenizer": enc.name, "preference": True,
                              "tokenizer_sha256": enc.identity(), "chat_template": enc.render is not None,
-                             "skipped_identical": same})
+                             "skipped_identical": same, "packed": "data.packing" if cfg.packing else None})
