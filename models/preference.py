@@ -248,15 +248,18 @@ __all__ = ["LOSSES", "METRICS", "Preference", "dataset_reference_logps", "frozen
 
 
 @torch.no_grad()
-def dataset_reference_logps(workload, pairs, device, rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) reference log-probs, fp32 (N,) each, of every record of `pairs` (a
-    train/data/preference.py PreferencePairs) under workload.model as it is, in eval mode:
-    `zerotrain prepare --reference`. The same rows and code as the live reference, `rows` pairs
-    per forward."""
+def dataset_reference_logps(workload, pairs, device, rows: int = 16, first: int = 0,
+                            stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) reference log-probs, fp32 (N,) each, of records [first, stop) of `pairs`
+    (a train/data/preference.py PreferencePairs; stop None = all) under workload.model as it is, in
+    eval mode: `zerotrain prepare --reference`. The same rows and code as the live reference,
+    `rows` pairs per forward, counted from `first` (a multiple of `rows` gives the forwards of one
+    pass over everything)."""
     model = workload.model.to(device).eval()
+    stop = len(pairs) if stop is None else min(stop, len(pairs))
     out_c, out_r = [], []
-    for start in range(0, len(pairs), rows):
-        batch = torch.utils.data.default_collate([pairs[i] for i in range(start, min(start + rows, len(pairs)))])
+    for start in range(first, stop, rows):
+        batch = torch.utils.data.default_collate([pairs[i] for i in range(start, min(start + rows, stop))])
         ids, labels = Preference.rows(batch)
         logps = sequence_logps(workload.logits(model, {"input_ids": ids.to(device)}), labels.to(device))[0].cpu()
         b = batch["chosen_input_ids"].size(0)

@@ -18,6 +18,7 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -531,6 +532,44 @@ def test_precomputed_reference_gives_the_live_frozen_copy_loss_and_gradients_in_
     assert abs(losses["precomputed"] - losses["live"]) <= 1e-6 * abs(losses["live"]), losses
     for n, g in grads["live"].items():
         assert _rel(grads["precomputed"][n], g) <= 1e-6, (n, _rel(grads["precomputed"][n], g))
+
+
+def test_an_interrupted_prepare_reference_resumes_to_the_file_of_one_pass(tmp_path, monkeypatch):
+    """`prepare --reference` commits its records to <name>.reference.partial.safetensors every
+    REFERENCE_CHUNK records; killed in the third chunk, a new `prepare --reference` starts at the
+    first record not committed and writes a file equal to that of one uninterrupted pass."""
+    from safetensors.numpy import load_file
+
+    import zerotrain.models.preference as preference
+    import zerotrain.train.commands.prepare as prepare
+    path = write_jsonl(tmp_path / "d.jsonl", _records(40, 9))
+    args = ["--model.name", "gpt-tiny", "--data.kind", "preference", "--data.path", str(path), "--data.seq_len", "48",
+            "--data.val_fraction", "0", "--train.objective", "dpo", "--train.dpo.reference", "precomputed"]
+    final, partial = tmp_path / "d.reference.safetensors", tmp_path / "d.reference.partial.safetensors"
+    _prepare_reference(args)
+    whole = load_file(final)
+    final.unlink()
+
+    monkeypatch.setattr(prepare, "REFERENCE_CHUNK", 16)
+    real, firsts = preference.dataset_reference_logps, []
+
+    def killed_in_the_third_chunk(*a, **kw):
+        firsts.append(kw["first"])
+        if len(firsts) == 3:
+            raise KeyboardInterrupt  # as a Ctrl-C or a kill between commits
+        return real(*a, **kw)
+
+    monkeypatch.setattr(preference, "dataset_reference_logps", killed_in_the_third_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        _prepare_reference(args)
+    assert firsts == [0, 16, 32] and not final.exists() and len(load_file(partial)["lines"]) == 32
+
+    firsts.clear()
+    monkeypatch.setattr(preference, "dataset_reference_logps", lambda *a, **kw: firsts.append(kw["first"]) or real(*a, **kw))
+    _prepare_reference(args)
+    assert firsts == [32] and not partial.exists()  # only the records not committed were computed
+    resumed = load_file(final)
+    assert set(resumed) == set(whole) and all(np.array_equal(resumed[k], whole[k]) for k in whole)
 
 
 def test_a_stale_reference_file_is_refused_in_one_line(tmp_path, capsys):

@@ -331,6 +331,31 @@ def prepare_sft(a) -> int:
 
 # ----------------------------------------------------------------------------- --reference
 
+REFERENCE_CHUNK = 4096  # records per commit of the partial file (a multiple of the 16 pairs a forward takes)
+
+
+def _reference_in_chunks(workload, pairs, device, out: Path, want: dict):
+    """Every record's reference log-probs, committed to <out>.partial.safetensors every
+    REFERENCE_CHUNK records: an interrupted `prepare --reference` resumes from the last commit
+    (same model, seed and data: the identity is checked), and its values are those of one pass,
+    since the forwards start at the same multiples of 16 records."""
+    import numpy as np
+
+    from zerotrain.models.preference import dataset_reference_logps
+    from zerotrain.train.data import reference
+    partial = reference.partial_path(out)
+    chosen, rejected = reference.read_partial(partial, want, pairs.lines)
+    if len(chosen):
+        print(f"resuming {out} from {partial}: {len(chosen):,} of {len(pairs):,} records already done", flush=True)
+    while len(chosen) < len(pairs):
+        c, r = dataset_reference_logps(workload, pairs, device, first=len(chosen),
+                                       stop=len(chosen) + REFERENCE_CHUNK)
+        chosen, rejected = np.concatenate([chosen, c.numpy()]), np.concatenate([rejected, r.numpy()])
+        if len(chosen) < len(pairs):
+            reference.write(partial, pairs.lines[:len(chosen)], chosen, rejected, want)
+    return chosen, rejected
+
+
 def prepare_reference(argv: list[str]) -> int:
     """`prepare --reference --config RUN.yaml [overrides]`: the reference log-probs of a DPO run's
     pairs (train/data/reference.py), computed once with the run's model at its starting weights."""
@@ -340,7 +365,6 @@ def prepare_reference(argv: list[str]) -> int:
     from accelerate.utils import set_seed
 
     from zerotrain.models import build_workload, resolve
-    from zerotrain.models.preference import dataset_reference_logps
     from zerotrain.train.args import parse_train_args
     from zerotrain.train.config.loader import load_config
     from zerotrain.train.data import build_data, reference
@@ -384,8 +408,9 @@ def prepare_reference(argv: list[str]) -> int:
             base = resolve(dataclasses.replace(cfg.model, lora=None)) if cfg.model.lora is not None else spec
             set_seed(cfg.train.seed)
             workload = build_workload(base, bundle)
-        chosen, rejected = dataset_reference_logps(workload, pairs, device)
-        reference.write(out, pairs.lines, chosen.numpy(), rejected.numpy(), want)
+        chosen, rejected = _reference_in_chunks(workload, pairs, device, out, want)
+        reference.write(out, pairs.lines, chosen, rejected, want)
+        reference.partial_path(out).unlink(missing_ok=True)
         print(f"wrote {out}: reference log-probs of {len(pairs):,} records of {src} (model {cfg.model.name}"
               f"{', base without adapters' if cfg.model.lora is not None else ''}, seq_len {seq_len}, {device.type}) "
               f"in {time.perf_counter() - t0:.1f}s", flush=True)

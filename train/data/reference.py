@@ -69,6 +69,30 @@ def write(path: Path, lines: np.ndarray, chosen: np.ndarray, rejected: np.ndarra
     tmp.replace(path)
 
 
+def partial_path(out: Path) -> Path:
+    """Where `zerotrain prepare --reference` keeps the records done so far (resumable)."""
+    return out.with_name(out.name.removesuffix(".safetensors") + ".partial.safetensors")
+
+
+def read_partial(path: Path, expected: dict[str, str], lines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (chosen, rejected) log-probs a partial file holds for the first records of `lines`, or two
+    empty arrays when there is none or it was made for other data, tokenizer, model or seed."""
+    empty = np.zeros(0, np.float32)
+    if not path.is_file():
+        return empty, empty
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), "np") as f:
+            if dict(f.metadata() or {}) != expected:
+                return empty, empty
+            done = f.get_tensor("lines")
+            if len(done) > len(lines) or not np.array_equal(done, lines[:len(done)]):
+                return empty, empty
+            return f.get_tensor("chosen_logps"), f.get_tensor("rejected_logps")
+    except Exception:  # noqa: BLE001 - unreadable: start over (the final file is written atomically)
+        return empty, empty
+
+
 def read_meta(path: Path) -> dict[str, str]:
     from safetensors import safe_open
     with safe_open(str(path), "np") as f:
