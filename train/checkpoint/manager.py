@@ -159,6 +159,14 @@ class Checkpointer:
             print(f"zerotrain: {msg}", flush=True)
 
     # ------------------------------------------------------------------ save
+    def _new_tmp_dir(self, tmp: Path) -> None:
+        """Rank 0: the save's .tmp- directory, after removing any a killed save left."""
+        if self.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(ckpt_files.TMP_PREFIX + "*"):  # left by a save that was killed
+                ckpt_files.remove_tree(stale)
+            tmp.mkdir()
+
     def save(self, state) -> Path:
         if self.background:
             return self._save_async(state)
@@ -166,18 +174,11 @@ class Checkpointer:
         name = ckpt_files.step_dir_name(state.step)
         final, tmp = self.root / name, self.root / (ckpt_files.TMP_PREFIX + name)
 
-        def prepare():
-            if self.is_main:
-                self.root.mkdir(parents=True, exist_ok=True)
-                for stale in self.root.glob(ckpt_files.TMP_PREFIX + "*"):  # left by a save that was killed
-                    ckpt_files.remove_tree(stale)
-                tmp.mkdir()
-
         # Each _agree ends in a collective: the directory exists before anyone writes, every
         # rank's files are durable before rank 0 declares the checkpoint complete, and nobody
         # returns before it is.
         try:
-            self._agree(prepare, f"creating {tmp}")
+            self._agree(lambda: self._new_tmp_dir(tmp), f"creating {tmp}")
             self._agree(lambda: ckpt_files.write_json(tmp / f".part-rank{self.rank:05d}.json",
                                                       self._write_rank_files(tmp, state)), f"writing checkpoint {final}")
             nbytes = self._agree(lambda: self._commit(tmp, final, state.step) if self.is_main else 0,
@@ -262,14 +263,7 @@ class Checkpointer:
         name = ckpt_files.step_dir_name(state.step)
         final, tmp = self.root / name, self.root / (ckpt_files.TMP_PREFIX + name)
 
-        def prepare():
-            if self.is_main:
-                self.root.mkdir(parents=True, exist_ok=True)
-                for stale in self.root.glob(ckpt_files.TMP_PREFIX + "*"):  # left by a save that was killed
-                    ckpt_files.remove_tree(stale)
-                tmp.mkdir()
-
-        self._agree(prepare, f"creating {tmp}")
+        self._agree(lambda: self._new_tmp_dir(tmp), f"creating {tmp}")
         files, rng, meta = self._snapshot(state)
         self._saves += 1
         self._pending = BackgroundWrite(
