@@ -279,3 +279,11 @@ def test_none_on_the_command_line_is_a_word_for_a_string_key_and_null_for_an_opt
     assert cfg.checkpoint.resume == "none" and cfg.train.epochs is None and cfg.logging.wandb.entity is None
     with pytest.raises(ConfigError, match="train.max_steps must be an integer, not null"):
         load_config(None, [("train.max_steps", "none")])
+
+
+def test_help_shows_required_keys_as_required_not_a_dataclasses_sentinel(capsys):
+    """data.sources entries need path and weight: --help said `(<dataclasses._MISSING_TYPE object at 0x...>)`."""
+    from zerotrain.train.args import options_help
+    text = options_help()
+    assert "_MISSING_TYPE" not in text
+    assert "--data.sources.path (required)" in text and "--data.sources.weight (required)" in text

@@ -84,7 +84,8 @@ def options_help() -> str:
                 lines.append(f"  --{prefix}{f.name} ({default!r})" + (f"\n      {doc}" if doc else ""))
                 walk(section, f"{prefix}{f.name}.")
                 continue
-            lines.append(f"  --{prefix}{f.name} ({default!r})" + (f"\n      {doc}" if doc else ""))
+            shown = "required" if default is dataclasses.MISSING else repr(default)  # a list entry's own keys
+            lines.append(f"  --{prefix}{f.name} ({shown})" + (f"\n      {doc}" if doc else ""))
 
     walk(RunConfig, "")
     return "\n".join(lines)
