@@ -108,27 +108,35 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         logits, m, logsum, safe, valid, count = ctx.saved_tensors
-        n, v = logits.shape
+        n = logits.shape[0]
         with _no_autocast(logits):
             # grad_out / count per valid row, 0 for ignored rows (and everywhere when count is 0)
             scale = grad_out.float() / count
             row_scale = torch.where(valid, scale.expand(n), torch.zeros((), dtype=torch.float32, device=m.device))
-            grad = torch.empty_like(logits)
-            rows = _rows_per_chunk(v, ctx.chunk_bytes)
-            fp32 = logits.dtype == torch.float32
-            buf = None if fp32 else torch.empty((min(rows, n), v), dtype=torch.float32, device=logits.device)
-            for s in range(0, n, rows):
-                e = min(n, s + rows)
-                b = grad[s:e] if fp32 else buf[:e - s]  # fp32 logits: work in the gradient itself
-                torch.sub(logits[s:e], m[s:e, None], out=b)
-                b.sub_(logsum[s:e, None])   # log_softmax = (x - max) - logsum
-                b.exp_()                    # softmax
-                b.scatter_add_(1, safe[s:e, None], torch.full((e - s, 1), -1.0, dtype=torch.float32,
-                                                                  device=b.device))
-                b.mul_(row_scale[s:e, None])
-                if not fp32:
-                    grad[s:e].copy_(b)      # one rounding to the logits' dtype
+            grad = _scaled_softmax_minus_onehot(logits, m, logsum, safe, row_scale, ctx.chunk_bytes)
         return grad, None, None, None, None
+
+
+def _scaled_softmax_minus_onehot(logits, m, logsum, safe, row_scale, chunk_bytes: int) -> torch.Tensor:
+    """(softmax(logits) - onehot(safe)) * row_scale per row, in the logits' dtype, computed in fp32
+    chunks of at most `chunk_bytes` (m, logsum: each row's max and log-sum-exp from the forward):
+    the backward of both the cross-entropy and the per-row log-probs."""
+    n, v = logits.shape
+    grad = torch.empty_like(logits)
+    rows = _rows_per_chunk(v, chunk_bytes)
+    fp32 = logits.dtype == torch.float32
+    buf = None if fp32 else torch.empty((min(rows, n), v), dtype=torch.float32, device=logits.device)
+    for s in range(0, n, rows):
+        e = min(n, s + rows)
+        b = grad[s:e] if fp32 else buf[:e - s]  # fp32 logits: work in the gradient itself
+        torch.sub(logits[s:e], m[s:e, None], out=b)
+        b.sub_(logsum[s:e, None])   # log_softmax = (x - max) - logsum
+        b.exp_()                    # softmax
+        b.scatter_add_(1, safe[s:e, None], torch.full((e - s, 1), -1.0, dtype=torch.float32, device=b.device))
+        b.mul_(row_scale[s:e, None])
+        if not fp32:
+            grad[s:e].copy_(b)      # one rounding to the logits' dtype
+    return grad
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX,
@@ -166,23 +174,9 @@ class ChunkedTokenLosses(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_rows):
         logits, m, logsum, safe, valid = ctx.saved_tensors
-        n, v = logits.shape
         with _no_autocast(logits):
             row_scale = torch.where(valid, grad_rows.float(), torch.zeros((), dtype=torch.float32, device=m.device))
-            grad = torch.empty_like(logits)
-            rows = _rows_per_chunk(v, ctx.chunk_bytes)
-            fp32 = logits.dtype == torch.float32
-            buf = None if fp32 else torch.empty((min(rows, n), v), dtype=torch.float32, device=logits.device)
-            for s in range(0, n, rows):
-                e = min(n, s + rows)
-                b = grad[s:e] if fp32 else buf[:e - s]
-                torch.sub(logits[s:e], m[s:e, None], out=b)
-                b.sub_(logsum[s:e, None])
-                b.exp_()
-                b.scatter_add_(1, safe[s:e, None], torch.full((e - s, 1), -1.0, dtype=torch.float32, device=b.device))
-                b.mul_(row_scale[s:e, None])
-                if not fp32:
-                    grad[s:e].copy_(b)
+            grad = _scaled_softmax_minus_onehot(logits, m, logsum, safe, row_scale, ctx.chunk_bytes)
         return grad, None, None, None
 
 
