@@ -39,7 +39,7 @@ def resolve(cfg: ModelSection) -> ModelSpec:
     name = cfg.name
     if cfg.family == "hf":
         from zerotrain.models.hf import spec_fields
-        return ModelSpec(cfg, "hf", **spec_fields(name[3:], cfg.trust_remote_code))
+        return ModelSpec(cfg, "hf", **spec_fields(name[3:], cfg.trust_remote_code, cfg.attn_implementation))
     if cfg.family == "gpt" and name in gpt.PRESETS:
         g = gpt_config(cfg, vocab_size=None)
         return ModelSpec(cfg, "gpt", context=g.seq_len, vocab_size=g.vocab_size, hidden_size=g.d_model)

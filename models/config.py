@@ -131,6 +131,10 @@ class GptModel(ModelSection):
             raise ConfigError(f"model.dropout must be in [0, 1) (got {self.dropout})")
 
 
+# model.attn_implementation: transformers' own attention kernels (each keeps packed records apart).
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
 @dataclass
 class HfModel(ModelSection):
     """a local Hugging Face causal LM (models/hf.py)."""
@@ -144,6 +148,12 @@ class HfModel(ModelSection):
     activation_checkpointing: bool = False
     """Recompute each layer's activations in backward (transformers' own, non-reentrant): less
     memory, one more forward per step."""
+    attn_implementation: Optional[str] = None
+    """The attention kernel transformers runs: eager, sdpa, flex_attention, flash_attention_2 or
+    flash_attention_3. None = the model's own (attn_implementation in its config.json), else
+    transformers' default (sdpa where the model has it). The one used is in the banner and in the
+    run's and the export's config.json. Packed rows (data.packing, data.document_mask) need one of
+    these five; sequence parallelism needs sdpa (docs/long_context.md)."""
     router_aux_loss_coef: Optional[float] = None
     """Mixture-of-experts models: weight of the router's load-balancing (aux) loss added to the
     LM loss (models/moe.py). None = the model config's router_aux_loss_coef; 0 = logged only."""
@@ -158,6 +168,10 @@ class HfModel(ModelSection):
         self._check_common()
         if not self.name[3:]:
             raise ConfigError('model.name "hf:" needs a local model directory: hf:<dir>')
+        if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ConfigError(f'model.attn_implementation must be one of {", ".join(ATTN_IMPLEMENTATIONS)} (got '
+                              f'"{self.attn_implementation}"){did_you_mean(self.attn_implementation, ATTN_IMPLEMENTATIONS)}'
+                              f'; or null for the model\'s own')
         if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
             raise ConfigError(f"model.router_aux_loss_coef must be >= 0 (got {self.router_aux_loss_coef})")
 

@@ -84,12 +84,28 @@ def _first(config, keys) -> Optional[int]:
     return None
 
 
-def spec_fields(path: str, trust_remote_code: bool = False) -> dict:
+def spec_fields(path: str, trust_remote_code: bool = False, attn_implementation: Optional[str] = None) -> dict:
     """What models.resolve keeps of a local model directory, from its one read of config.json:
-    context length, vocabulary and width before anything is built, and the parsed config."""
+    context length, vocabulary and width before anything is built, and the parsed config.
+    The attention implementation asked for (model.attn_implementation, else config.json's own) is
+    kept as the dict's "attn_implementation": transformers' to_dict() leaves it out, and
+    from_dict() reads it back under that key (absent: transformers' default)."""
     config = load_config(path, trust_remote_code)
+    hf_config = config.to_dict()
+    impl = attn_implementation or requested_attention(config)
+    if impl:
+        hf_config["attn_implementation"] = impl
     return {"context": _first(config, _CONTEXT_KEYS), "vocab_size": getattr(config, "vocab_size", None),
-            "hidden_size": _first(config, _WIDTH_KEYS), "hf_config": config.to_dict()}
+            "hidden_size": _first(config, _WIDTH_KEYS), "hf_config": hf_config}
+
+
+def requested_attention(config) -> Optional[str]:
+    """The attention implementation a transformers config asks for (config.json's
+    attn_implementation), None when it names none. A str only (a per-sub-config dict: the text model's)."""
+    impl = getattr(config, "_attn_implementation", None)
+    if isinstance(impl, dict):
+        impl = impl.get("") or impl.get("text_config")
+    return impl if isinstance(impl, str) and impl else None
 
 
 def config_of(spec: ModelSpec):
@@ -98,7 +114,10 @@ def config_of(spec: ModelSpec):
     makes it too, and to_dict() -> from_dict() gives back an equal config. A model with its own
     code (model.trust_remote_code): its config class is in that code, so the directory is read again."""
     if spec.config.trust_remote_code:
-        return load_config(spec.name[3:], True)
+        config = load_config(spec.name[3:], True)
+        if spec.hf_config.get("attn_implementation"):
+            config._attn_implementation = spec.hf_config["attn_implementation"]
+        return config
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     return CONFIG_MAPPING[spec.hf_config["model_type"]].from_dict(spec.hf_config)
 
@@ -174,8 +193,9 @@ def build_hf(spec: ModelSpec, data, init_context):
                                                                trust_remote_code=remote,
                                                                use_safetensors=None if "pytorch_model" in files[0]
                                                                else True)
-        except ValueError as e:
-            raise ConfigError(f"model.name {spec.name}: {str(e).splitlines()[0][:300]}") from None
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"model.name {spec.name}: {str(e).splitlines()[0][:300]}"
+                              f"{_attention_fix(spec, e)}") from None
         missing = list(info.get("missing_keys") or [])
         mismatched = list(info.get("mismatched_keys") or [])
         if missing or mismatched:
@@ -184,7 +204,14 @@ def build_hf(spec: ModelSpec, data, init_context):
     else:
         print(f"zerotrain: {d} has no weights ({', '.join(WEIGHT_FILES[:2])}): training {config.model_type} from "
               f"random initialisation", flush=True)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=remote)
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=remote)
+        except (ValueError, ImportError) as e:
+            if not _attention_fix(spec, e):
+                raise
+            raise ConfigError(f"model.name {spec.name}: {str(e).splitlines()[0][:300]}{_attention_fix(spec, e)}") \
+                from None
+    attention = model.config._attn_implementation  # what transformers runs (its default when none was asked)
     if data.extra.get("packed"):  # the flag that packs documents into rows (data.packing, data.document_mask)
         check_packing(model, spec.name, data.extra["packed"])
     if init_context is not contextlib.nullcontext:
@@ -205,9 +232,21 @@ def build_hf(spec: ModelSpec, data, init_context):
         flops -= 6.0 * moe.info.active_params_delta  # FLOPs follow the active parameters (top-k experts)
     return Workload(model=model, task="lm", family="hf",
                     model_config={"family": "hf", "source": str(d.resolve()), "model_type": config.model_type,
-                                  "config": config.to_dict(), "num_params": n_params,
+                                  "config": config.to_dict(), "attn_implementation": attention,
+                                  "num_params": n_params,
                                   **({"trust_remote_code": True} if remote else {})},
                     hidden_size=width, flops_per_item=flops, tied=tied_names(model), moe=moe)
+
+
+def _attention_fix(spec: ModelSpec, error: Exception) -> str:
+    """'; set ...' when transformers refused the attention implementation asked for (a kernel that is
+    not installed or that the model does not have), '' for any other error."""
+    impl = (spec.hf_config or {}).get("attn_implementation")
+    if not impl or "attention" not in str(error).lower():
+        return ""
+    where = "model.attn_implementation" if spec.config.attn_implementation else \
+        f"attn_implementation in {spec.name[3:]}/config.json"
+    return f" ({where} is {impl}); set model.attn_implementation sdpa (or eager)"
 
 
 def _moe(model, config, spec: ModelSpec):
@@ -238,8 +277,8 @@ def check_packing(model, name: str, flag: str = "data.packing"):
     source = inspect.getsource(inspect.getmodule(type(model)))
     if impl not in PACKING_ATTENTION:
         raise ConfigError(f"{flag}: model.name {name} uses attention implementation {impl!r}, which cannot "
-                          f"keep packed records apart; use one of {', '.join(PACKING_ATTENTION)} "
-                          f"(attn_implementation in config.json) or set {flag} false")
+                          f"keep packed records apart; set model.attn_implementation to one of "
+                          f"{', '.join(PACKING_ATTENTION)}, or set {flag} false")
     if "create_causal_mask" not in source:
         raise ConfigError(f"{flag}: {type(model).__name__} ({name}) does not build its attention mask with "
                           f"transformers' masking_utils, so it cannot isolate packed records; set {flag} false")
@@ -327,7 +366,18 @@ def save_hf_config(model_config: dict, out_dir: str | os.PathLike, dtype: Option
     if dtype is not None:
         config.dtype = dtype
     config.save_pretrained(str(out))
+    if model_config.get("attn_implementation"):  # what the run used (transformers' to_dict() drops it)
+        _record_attention(out / "config.json", model_config["attn_implementation"])
     return ["config.json"] + _copy_side_files(src, out)
+
+
+def _record_attention(path: Path, impl: str) -> None:
+    """config.json's attn_implementation (transformers reads it back: from_pretrained builds the
+    export with the attention the run trained with)."""
+    import json
+    d = json.loads(path.read_text())
+    d["attn_implementation"] = impl
+    path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
 def _copy_side_files(src: Path, out: Path, names=SIDE_FILES) -> list[str]:
@@ -345,6 +395,8 @@ def _save_remote_config(model_config: dict, src: Path, out: Path, dtype: Optiona
     import json
     d = dict(model_config["config"])
     d["use_cache"] = True
+    if model_config.get("attn_implementation"):
+        d["attn_implementation"] = model_config["attn_implementation"]
     if dtype is not None:
         d["dtype"] = dtype
     (out / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")

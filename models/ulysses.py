@@ -95,16 +95,54 @@ _HF = {"sp": None}  # the process's SP group for the registered attention functi
 
 def hf_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention-function interface (query (B, H, T/N, Hd) after RoPE, key/value
-    (B, K, T/N, Hd)) around its own sdpa: the all-to-all, causal sdpa over the whole sequence for
-    H/N and K/N heads (module.num_key_value_groups, H/K, is unchanged), the inverse all-to-all.
-    The model's mask was made for the local slice: unused (plain causal rows; packed rows are
-    refused with SP for hf: models)."""
+    (B, K, T/N, Hd)) around its own sdpa: the all-to-all, sdpa over the whole sequence for H/N and
+    K/N heads (module.num_key_value_groups, H/K, is unchanged), the inverse all-to-all.
+    The model's mask was made for the local slice: unused. The whole row's mask is made here as
+    transformers makes it for the layer: causal, and on a sliding-window layer (`layer_window`)
+    banded, kv > q - window (masking_utils.sliding_window_causal_mask_function). Packed rows are
+    refused with SP for hf: models (train/launch/sequence_parallel.py)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     sp = _HF["sp"]
+    window = kwargs.pop("sliding_window", None) or layer_window(getattr(module, "config", None),
+                                                                getattr(module, "layer_idx", None))
     q, k, v = (seq_to_heads(t.transpose(1, 2), sp).transpose(1, 2) for t in (query, key, value))
     kwargs.pop("is_causal", None)
-    out, _ = sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)  # (B, T, H/N, Hd)
-    return heads_to_seq(out, sp), None                                                 # (B, T/N, H, Hd)
+    mask = None if window is None else banded_causal_mask(q.size(2), window, q.device)
+    out, _ = sdpa_attention_forward(module, q, k, v, mask, is_causal=mask is None, **kwargs)  # (B, T, H/N, Hd)
+    return heads_to_seq(out, sp), None                                                       # (B, T/N, H, Hd)
+
+
+# Layer types the SP attention reproduces (config.layer_types): any other is refused up front.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_window(config, layer_idx) -> int | None:
+    """The sliding window of layer `layer_idx` as transformers' models choose its mask: with
+    config.layer_types, config.sliding_window on a "sliding_attention" layer and none on a
+    "full_attention" one (Qwen2/3, Gemma 2/3, Qwen2-MoE); without, config.sliding_window on every
+    layer (Mistral, PhiMoE). None: plain causal attention."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types and layer_idx is not None:
+        return window if types[layer_idx] == "sliding_attention" else None
+    return window
+
+
+_MASKS: dict = {}
+
+
+def banded_causal_mask(T: int, window: int, device) -> torch.Tensor:
+    """(1, 1, T, T) bool, True where query q may attend key kv: kv <= q and kv > q - window."""
+    key = (T, window, str(device))
+    if key not in _MASKS:
+        if len(_MASKS) > 8:
+            _MASKS.clear()
+        q = torch.arange(T, device=device)[:, None]
+        kv = torch.arange(T, device=device)[None, :]
+        _MASKS[key] = ((kv <= q) & (kv > q - window))[None, None]
+    return _MASKS[key]
 
 
 def _attach_hf(model, sp: SeqParallel | None) -> int:
@@ -114,11 +152,16 @@ def _attach_hf(model, sp: SeqParallel | None) -> int:
         cfg._attn_implementation = getattr(model, "_zerotrain_core_attention", cfg._attn_implementation)
         return 1
     if cfg._attn_implementation != HF_NAME:
+        from zerotrain.models.errors import ConfigError
         if cfg._attn_implementation not in (None, "sdpa"):
-            from zerotrain.models.errors import ConfigError
             raise ConfigError(f'distributed.sequence_parallel: the model uses attn_implementation '
-                              f'"{cfg._attn_implementation}", which the Ulysses all-to-all cannot wrap; use "sdpa" '
-                              f"(attn_implementation in its config.json)")
+                              f'"{cfg._attn_implementation}", which the Ulysses all-to-all cannot wrap; set '
+                              f"model.attn_implementation sdpa")
+        windowed = [i for i in range(getattr(cfg, "num_hidden_layers", 0) or 0) if layer_window(cfg, i)]
+        if windowed and "sliding_window" not in _modeling_source(model):
+            raise ConfigError(f"distributed.sequence_parallel: config.json sets sliding_window but "
+                              f"{type(model).__name__}'s code never reads it, so the window the SP attention "
+                              f"would apply is not the model's; set distributed.sequence_parallel 1")
         model._zerotrain_core_attention = cfg._attn_implementation
     AttentionInterface.register(HF_NAME, hf_attention)
     _HF["sp"] = sp
@@ -126,4 +169,13 @@ def _attach_hf(model, sp: SeqParallel | None) -> int:
     return 1
 
 
-__all__ = ["HF_NAME", "SeqParallel", "attach", "heads_to_seq", "hf_attention", "seq_to_heads"]
+def _modeling_source(model) -> str:
+    import inspect
+    try:
+        return inspect.getsource(inspect.getmodule(type(model)))
+    except (OSError, TypeError):
+        return ""
+
+
+__all__ = ["HF_NAME", "LAYER_TYPES", "SeqParallel", "attach", "banded_causal_mask", "heads_to_seq", "hf_attention",
+           "layer_window", "seq_to_heads"]

@@ -72,7 +72,7 @@ def test_hf_attention_sp_cannot_wrap_is_refused(tmp_path):
     from zerotrain.train.launch import sequence_parallel as sp_
     cfg = load_config(None, [("model.name", "hf:/x"), ("distributed.sequence_parallel", "2")])
     spec = ModelSpec(config=cfg.model, family="hf", hf_config={"num_attention_heads": 4, "num_key_value_heads": 2,
-                                                               "_attn_implementation": "flash_attention_2"})
+                                                               "attn_implementation": "flash_attention_2"})
 
     class Zero3:  # a ZeRO strategy accepts sequence parallelism (train/strategy/zero.py)
         path = "zero3.json"

@@ -84,11 +84,18 @@ def _heads(cfg: RunConfig, spec) -> tuple[int, int]:
         g = gpt_config(cfg.model, vocab_size=None)
         return g.n_head, g.n_kv_head
     hf = spec.hf_config or {}
-    impl = hf.get("_attn_implementation") or hf.get("attn_implementation") or "sdpa"
+    impl = hf.get("attn_implementation") or "sdpa"  # model.attn_implementation, else config.json's (models/hf.py)
     if impl not in ATTENTION:
         raise ConfigError(f'distributed.sequence_parallel: {spec.name} uses attn_implementation "{impl}", '
-                          f"which the Ulysses all-to-all cannot wrap; use one of {', '.join(ATTENTION)} "
-                          f"(attn_implementation in its config.json)")
+                          f"which the Ulysses all-to-all cannot wrap; set model.attn_implementation "
+                          f"{' or '.join(ATTENTION)}")
+    from zerotrain.models.ulysses import LAYER_TYPES
+    other = sorted({t for t in hf.get("layer_types") or [] if t not in LAYER_TYPES})
+    if other or hf.get("attention_chunk_size"):
+        what = f"layer types {', '.join(other)}" if other else "chunked attention (attention_chunk_size)"
+        raise ConfigError(f"distributed.sequence_parallel: {spec.name} has {what}, which the SP attention does not "
+                          f"reproduce (it covers full and sliding-window causal layers); set "
+                          f"distributed.sequence_parallel 1")
     heads = hf.get("num_attention_heads")
     return heads, hf.get("num_key_value_heads") or heads
 

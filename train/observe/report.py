@@ -40,7 +40,7 @@ def banner(t) -> str:
         f"  strategy     {strategy.describe()}   [{strategy.path}]",
         *([f"  precision    {strategy.precision} ({strategy.ds.precision_why})"] if strategy.ds.precision_why else []),
         f"  model        {t.cfg.model.name}: {human(total)} params ({human(trainable)} trainable)" + _lora_text(t)
-        + _own_code_text(t),
+        + _attention_text(t) + _own_code_text(t),
         f"  data         {data.describe}: "
         + ("an endless stream" if data.stream is not None else f"{len(data.train)} train samples")
         + (f", {len(data.val)} val" if data.val is not None else ""),
@@ -73,6 +73,12 @@ def _threads_text(t) -> str:
     """On a CPU: torch's threads per rank (train/training/hardware.py cpu_threads)."""
     threads = t.resolved_config.get("resolved", {}).get("hardware", {}).get("cpu_threads")
     return f", {threads} torch thread(s) per rank" if t.topo.device == "cpu" and threads else ""
+
+
+def _attention_text(t) -> str:
+    """An hf: model's attention implementation (model.attn_implementation or its config.json's)."""
+    impl = t.workload.model_config.get("attn_implementation") if t.workload.family == "hf" else None
+    return f", attention {impl}" if impl else ""
 
 
 def _own_code_text(t) -> str:
