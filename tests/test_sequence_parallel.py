@@ -339,3 +339,70 @@ def test_hf_llama_sp_export_loads_in_transformers_as_the_one_rank_export(work, h
     shapes = [{k: f.get_slice(k).get_shape() for k in f.keys()}
               for f in (safe_open(str(e / "model.safetensors"), framework="pt") for e in (sp_exp, base_exp))]
     assert shapes[0] == shapes[1], shapes
+
+
+# ---------------------------------------------------------------------------- sliding windows (hf:)
+
+W_SEQ, WINDOW = 256, 40  # a window far shorter than the row and than each rank's 128-token slice
+MIXED = ["sliding_attention", "full_attention", "sliding_attention"]  # per layer, as config.layer_types
+
+
+def _qwen_window(layer_types, window=WINDOW):
+    """The tiny Qwen2 of hf_window with these layer types (window None: no sliding window at all)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=W_SEQ,
+                      use_sliding_window=window is not None, sliding_window=window, layer_types=layer_types,
+                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, initializer_range=0.2)
+    return Qwen2ForCausalLM(cfg)
+
+
+@pytest.fixture(scope="module")
+def hf_window(work):
+    """A tiny random Qwen2 (sdpa) whose layers 0 and 2 attend over a 40-token sliding window and
+    layer 1 over the whole causal row, and random byte tokens for it: 256-token rows."""
+    import numpy as np
+    d = work["dir"] / "qwen_window"
+    _qwen_window(MIXED).save_pretrained(str(d))
+    tokens = np.random.default_rng(1).integers(0, 256, size=12 * (W_SEQ + 1))
+    tok = write_token_file(work["dir"] / "window_tokens" / "train.bin", tokens)
+    return d, tok
+
+
+@pytest.fixture(scope="module")
+def window_runs(work, hf_window):
+    """3 steps of 2 rows on 1 rank and with SP=2 (ZeRO-3, fp32)."""
+    d, tok = hf_window
+    tiny = _without(TINY, "--data.max_bytes", "--data.seq_len")
+    common = [*tiny, "--model.name", f"hf:{d}", "--data.kind", "tokens", "--data.path", str(tok),
+              "--data.seq_len", str(W_SEQ), "--train.micro_batch_size", "2", "--train.max_steps", "3",
+              "--train.eval_every", "0"]
+    return (_launch(work, "window_base", 1, common=common),
+            _launch(work, "window_sp", 2, *SP2, common=common))
+
+
+@pytest.mark.multiproc
+def test_hf_sliding_window_with_mixed_layer_types_under_sp2_matches_one_rank(hf_window, window_runs):
+    """The SP attention sees the whole row, so it must make the layer's own mask over it: banded
+    on the sliding layers, plain causal on the full one. The SP=2 losses are the 1-rank ones; and
+    on this model the window (and which layers have it) moves a row's loss by far more than that
+    tolerance, so an SP path that dropped the window, or put it on every layer, could not pass."""
+    import numpy as np
+    import torch
+    base, sp = _steps(window_runs[0]), _steps(window_runs[1])
+    assert sorted(sp) == sorted(base) == [1, 2, 3]
+    assert _max_diff(base, sp, [1, 2, 3]) < TOL, (base, sp)
+    assert base[3] < base[1], base  # it trains
+    row = torch.from_numpy(np.fromfile(hf_window[1], dtype=np.uint16)[: W_SEQ + 1].astype(np.int64))
+    losses = {}
+    for name, model in (("mixed", _qwen_window(MIXED)), ("every layer", _qwen_window(["sliding_attention"] * 3)),
+                        ("none", _qwen_window(["full_attention"] * 3, window=None))):
+        with torch.no_grad():
+            logits = model.eval()(input_ids=row[None, :-1]).logits[0]
+        losses[name] = torch.nn.functional.cross_entropy(logits, row[1:]).item()
+    assert abs(losses["mixed"] - losses["none"]) > 100 * TOL, losses
+    assert abs(losses["mixed"] - losses["every layer"]) > 100 * TOL, losses
+    cfg = json.loads((window_runs[1] / "config.json").read_text())
+    assert cfg["model"]["resolved"]["attn_implementation"] == "sdpa"
