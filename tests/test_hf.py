@@ -113,6 +113,48 @@ def test_save_hf_config_makes_a_loadable_directory(tmp_path, corpus):
         save_hf_config({"family": "gpt"}, tmp_path / "x")
 
 
+def with_attention(d, impl):
+    """The model directory `d` with "attn_implementation": impl in its config.json."""
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "attn_implementation": impl}))
+    return d
+
+
+def test_attn_implementation_of_config_json_is_honoured_overridden_and_recorded(tmp_path, corpus):
+    """config.json's attn_implementation is what transformers runs (its to_dict() drops it: the
+    build must not); model.attn_implementation overrides it; the run records the one used and the
+    export's config.json carries it, so from_pretrained(export) runs it too. A kernel that is not
+    there, or a name transformers does not have, is a one-line error naming the key."""
+    from transformers import AutoModelForCausalLM
+    from zerotrain.models.hf import save_hf_config
+    d = save_tiny("llama", tmp_path / "llama", corpus["vocab"])
+    built = {}
+    for impl in ("eager", "flex_attention"):
+        with_attention(d, impl)
+        for override in (None, "sdpa"):
+            cfg = ModelConfig(name=f"hf:{d}", **({"attn_implementation": override} if override else {}))
+            wl = build_workload(resolve(cfg), lm_bundle(corpus["vocab"]))
+            built[impl, override] = (wl.model.config._attn_implementation, wl.model_config["attn_implementation"])
+    assert built == {("eager", None): ("eager", "eager"), ("eager", "sdpa"): ("sdpa", "sdpa"),
+                     ("flex_attention", None): ("flex_attention", "flex_attention"),
+                     ("flex_attention", "sdpa"): ("sdpa", "sdpa")}, built
+    wl = build_workload(resolve(ModelConfig(name=f"hf:{d}", attn_implementation="eager")), lm_bundle(corpus["vocab"]))
+    save_hf_config(wl.model_config, tmp_path / "export")
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["attn_implementation"] == "eager"
+    wl.model.save_pretrained(str(tmp_path / "weights"))  # the weights, as train/checkpoint/ exports them
+    (tmp_path / "export" / "model.safetensors").write_bytes((tmp_path / "weights" / "model.safetensors").read_bytes())
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), local_files_only=True)
+    assert back.config._attn_implementation == "eager"
+    with pytest.raises(ConfigError, match=r'^model.attn_implementation must be one of eager, sdpa, .*\(got "sdpa2"\) '
+                                          r'\(did you mean "sdpa"\?\)'):
+        ModelConfig(name=f"hf:{d}", attn_implementation="sdpa2")
+    with pytest.raises(ConfigError, match=r"\(model.attn_implementation is flash_attention_2\); set "
+                                          r"model.attn_implementation sdpa \(or eager\)$") as e:
+        build_workload(resolve(ModelConfig(name=f"hf:{d}", attn_implementation="flash_attention_2")),
+                       lm_bundle(corpus["vocab"]))
+    assert "\n" not in str(e.value)
+
+
 # ----------------------------------------------------------------------------- fine-tuning on 2 processes
 
 @pytest.mark.multiproc

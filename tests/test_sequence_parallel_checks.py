@@ -83,6 +83,36 @@ def test_hf_attention_sp_cannot_wrap_is_refused(tmp_path):
         sp_.refuse_unsupported(cfg, spec, 64, Zero3())
 
 
+@pytest.mark.parametrize("hf, message", [
+    ({"layer_types": ["full_attention", "chunked_attention"]}, "has layer types chunked_attention, which the SP"),
+    ({"attention_chunk_size": 64}, "has chunked attention (attention_chunk_size), which the SP"),
+    ({"attn_implementation": "eager"}, 'uses attn_implementation "eager", which the Ulysses all-to-all cannot '
+                                       "wrap; set model.attn_implementation sdpa"),
+], ids=["layer-types", "chunked", "eager"])
+def test_hf_attention_the_sp_attention_does_not_reproduce_is_refused(hf, message):
+    """Full and sliding-window causal layers are made exactly over the whole row (the launches:
+    tests/test_sequence_parallel.py); any other kind of layer is refused in one line."""
+    from zerotrain.models.spec import ModelSpec
+    from zerotrain.train.config import load_config
+    from zerotrain.train.errors import ConfigError
+    from zerotrain.train.launch import sequence_parallel as sp_
+    cfg = load_config(None, [("model.name", "hf:/x"), ("distributed.sequence_parallel", "2")])
+    spec = ModelSpec(config=cfg.model, family="hf", hf_config={"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                               **hf})
+
+    class Zero3:
+        path = "zero3.json"
+
+        def check_sequence_parallel(self, flag):
+            pass
+    with pytest.raises(ConfigError) as e:
+        sp_.refuse_unsupported(cfg, spec, 64, Zero3())
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    ok = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16}
+    sp_.refuse_unsupported(cfg, ModelSpec(config=cfg.model, family="hf", hf_config={
+        "num_attention_heads": 4, "num_key_value_heads": 2, **ok}), 64, Zero3())
+
+
 @pytest.mark.parametrize("pairs, flag", [
     ([("data.kind", "sft"), ("data.packing", "true")], "data.packing"),
     ([("data.kind", "tokens"), ("data.document_mask", "true")], "data.document_mask"),
