@@ -235,7 +235,8 @@ def test_an_attention_that_cannot_isolate_documents_is_refused(tmp_path):
     check_packing(llama, "hf:llama")  # sdpa: fine
     llama.config._attn_implementation_internal = "paged|sdpa"
     with pytest.raises(ConfigError, match=r"uses attention implementation 'paged\|sdpa', which cannot keep packed "
-                                          r"records apart; use one of eager, sdpa"):
+                                          r"records apart; set model.attn_implementation to one of eager, sdpa, "
+                                          r".*, or set data.packing false$"):
         check_packing(llama, "hf:llama")
 
 
@@ -307,3 +308,44 @@ def test_a_prepared_sft_set_packs_without_retokenising_and_trains(tmp_path, monk
     rows = [r for r in metrics(run) if "loss" in r]
     assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
     assert all(r["data/pad_fraction"] < 0.5 for r in rows)      # packed: unpacked rows here are mostly padding
+
+
+@pytest.mark.multiproc
+def test_hf_packed_runs_with_eager_and_sdpa_give_the_unpacked_step_losses(tmp_path, corpus):
+    """A tiny Llama whose config.json asks for eager attention, trained on packed rows as it asks
+    (eager) and with model.attn_implementation sdpa, and unpacked: the 8 records of the launch
+    test above, all of them every step. Each packed run keeps the records apart with the attention
+    it runs (recorded in the banner and the run's config.json), so its step losses are the
+    unpacked run's (fp32, 1e-5). Every step is one epoch: all rows, all records."""
+    from helpers import fp32, metrics, run_train
+    d = save_tiny("llama", tmp_path / "llama", corpus["vocab"], tokenizer_dir=corpus["tok_dir"])
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "attn_implementation": "eager"}))
+    lengths = [24, 20, 18, 16, 16, 14, 12, 8]   # best-fit-decreasing: (24, 8) (20, 12) (18, 14) (16, 16)
+    src = tmp_path / "sft.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"q{i}:", "response": chr(97 + i) * (n - 3)}) + "\n"
+                           for i, n in enumerate(lengths)))
+    path = src
+    rows = len(build_data(DataConfig(kind="sft", path=str(src), seq_len=32, val_fraction=0.0, packing=True,
+                                     tokenizer=str(d)), 32, 0).train)
+    assert rows < len(lengths)  # records share rows
+    base = ["--model.name", f"hf:{d}", "--data.kind", "sft", "--data.path", str(path), "--data.seq_len", "32",
+            "--data.val_fraction", "0", "--train.max_steps", "4", "--train.eval_every", "0", "--optim.lr", "3e-3",
+            "--optim.schedule", "constant", "--optim.warmup_steps", "0", "--logging.progress", "false",
+            "--train.sample_tokens", "0", "--logging.every_steps", "1", "--checkpoint.save_at_end", "false",
+            "--checkpoint.export", "false", "--ds-config", fp32(tmp_path, "ddp")]
+    packed = ["--data.packing", "true", "--train.micro_batch_size", "1", "--train.grad_accum_steps", str(rows)]
+    runs = {"eager": [*packed], "sdpa": [*packed, "--model.attn_implementation", "sdpa"],
+            "unpacked": ["--train.micro_batch_size", "2", "--train.grad_accum_steps", "4"]}
+    losses = {}
+    for name, extra in runs.items():
+        run_dir = tmp_path / name
+        proc = run_train("python", 1, [*base, *extra, "--train.run_dir", str(run_dir)], env={"HF_HUB_OFFLINE": "1"})
+        losses[name] = [r["loss"] for r in metrics(run_dir) if "loss" in r]
+        used = "sdpa" if name == "sdpa" else "eager"
+        assert f"attention {used}" in proc.stdout, proc.stdout
+        record = json.loads((run_dir / "config.json").read_text())["model"]
+        assert record["resolved"]["attn_implementation"] == used, record
+    assert len(losses["unpacked"]) == 4 and losses["unpacked"][-1] < losses["unpacked"][0], losses
+    for name in ("eager", "sdpa"):
+        assert max(abs(a - b) for a, b in zip(losses[name], losses["unpacked"])) < 1e-5, losses
