@@ -344,7 +344,13 @@ def _checkpoint_keys(d: Path, files: list[str]) -> set[str]:
 def meta_hf(spec: ModelSpec) -> tuple:
     """The causal LM build_hf would make, parameters on the meta device (for sizing)."""
     config = config_of(spec)
-    return _reference_build(config, spec.config.trust_remote_code), {"family": "hf", "model_type": config.model_type}
+    try:
+        model = _reference_build(config, spec.config.trust_remote_code)
+    except (ValueError, ImportError) as e:  # an attention kernel that is not there: the build's one line
+        if not _attention_fix(spec, e):
+            raise
+        raise ConfigError(f"model.name {spec.name}: {str(e).splitlines()[0][:300]}{_attention_fix(spec, e)}") from None
+    return model, {"family": "hf", "model_type": config.model_type}
 
 
 def save_hf_config(model_config: dict, out_dir: str | os.PathLike, dtype: Optional[str] = None) -> list[str]:
