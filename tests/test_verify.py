@@ -68,3 +68,27 @@ def test_verify_names_the_first_divergence_of_a_planted_bug(tmp_path, bug, base,
     assert float(rows[0][-1]) <= 1e-5  # step 1's loss: the same data and weights went in
     if bug == "loss_accum_twice":  # the norm is the only witness: the weights and losses stay the same
         assert all(float(r[-1]) <= 1e-5 for r in rows if r[1] != "grad_norm"), rows
+
+
+def test_matrix_rows_vary_accumulation_and_sp_and_keep_the_run_files_own_settings():
+    """The combination list in process: every shipped strategy on 1 and 2 processes, an accumulation
+    row per strategy, SP rows for a GPT, the run file's LoRA named in every row."""
+    from zerotrain.train.commands.verify import MATRIX, combinations
+    from zerotrain.train.config import load_config
+    rows = combinations(load_config(DEFAULT, []), 2)
+    names = [c.name for c in rows]
+    assert names == [n for s in MATRIX for n in (f"{s}_w1", f"{s}_w2", f"{s}_w2_accum2")] + ["zero2_w2_sp2", "zero3_w2_sp2"]
+    lora = combinations(load_config(str(REPO / "examples" / "lora.yaml"), []), 2)
+    assert lora and all(c.note == " (lora)" for c in lora) and not any(c.sp for c in lora)  # an hf model: no SP rows
+
+
+def test_matrix_accumulation_and_sp_rows_agree_with_the_reference(tmp_path):
+    """Two real rows (--only): ZeRO-2 with the micro-batch split into twice the accumulation, and
+    ZeRO-3 with sequence parallelism 2, each against the 1-process reference."""
+    for only in ("zero2_w2_accum2", "zero3_w2_sp2"):
+        cmd = [sys.executable, "-m", "zerotrain.train.cli", "verify", DEFAULT, "--matrix", "--only", only,
+               "--steps", "2", "--keep", str(tmp_path / only)]
+        proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env({}), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        row = [line for line in proc.stdout.splitlines() if line.strip().startswith(only + ":")]
+        assert len(row) == 1 and "OK: loss, grad_norm and param_checksum agree" in row[0], proc.stdout

@@ -15,7 +15,10 @@ and the checksum of the parameters the step left (Strategy.param_checksum), prin
 and the first step and quantity beyond the tolerance, and exits 0 (agree) or 1 (diverge).
 
 --matrix checks every shipped strategy (ds_configs/: DDP, ZeRO-1/2/3, offload) in fp32 on 1 and
-2 processes against one reference, a row per combination. docs/troubleshooting.md says what a
+N processes, and on N processes with the accumulation doubled at the same global batch, against
+one reference, a row per combination (combinations() lists them). What the run file itself uses
+(LoRA, packing, sequence parallelism) stays on in every row and is named in it; a GPT run file
+also gets ZeRO-2 and ZeRO-3 rows with sequence parallelism 2 (--only filters the rows). docs/troubleshooting.md says what a
 divergence in each quantity points to.
 """
 
@@ -49,12 +52,17 @@ first step and quantity that differ beyond the tolerance, and exits 0 (agree) or
   --nproc N       processes of the run checked (default 2)
   --steps K       optimizer steps (default 3)
   --matrix        instead: every shipped strategy (DDP, ZeRO-1/2/3, offload) in fp32 on 1 and
-                  N processes, one row each
+                  N processes and on N with the accumulation doubled (same global batch), plus
+                  sequence parallelism 2 (ZeRO-2, ZeRO-3) for a GPT model; the run file's own LoRA,
+                  packing and SP stay on in every row. One row each (2 to 3 launches a strategy:
+                  minutes per row on a small CPU machine)
+  --only S        with --matrix: only the rows whose name contains S (e.g. zero3, accum, sp2)
   --keep DIR      keep the runs (metrics.jsonl, logs) in DIR instead of a temporary directory
   --section.key V a run-file override applied to both runs (e.g. --train.grad_accum_steps 2)
   --debug         tracebacks instead of one-line errors
 
-Tolerances (relative): fp32 1e-5; bf16 and fp16 runs are compared with the bands in
+Tolerances (relative): fp32 1e-5 (grad_norm: at least 2^-24 x sqrt(parameters), the size of an
+fp32 norm's own rounding on CPU); bf16 and fp16 runs are compared with the bands in
 docs/troubleshooting.md. Checkpoints, exports, evaluation and samples are off in both runs;
 train.max_steps is K (so the LR schedule is that of a K-step run, the same in both).
 """
@@ -75,6 +83,7 @@ class Options:
     steps: int
     matrix: bool
     keep: str | None
+    only: str | None
     debug: bool
     overrides: list
 
@@ -88,6 +97,7 @@ class Result:
     log: Path
     steps: dict
     precision: str = "fp32"
+    n_params: int = 0  # from the run's memory plan (fp32 reference: parameter bytes / 4)
 
 
 def parse(argv: list[str]) -> Options:
@@ -98,14 +108,17 @@ def parse(argv: list[str]) -> Options:
     p.add_argument("--steps", action=Value, convert=int, default=3)
     p.add_argument("--keep", action=Value)
     p.add_argument("--matrix", action="store_true")
+    p.add_argument("--only", action=Value)
     p.add_argument("--debug", action="store_true")
     known, rest = p.parse_known_args(argv)
     if not known.run_file or known.run_file.startswith("-"):
         raise ConfigError("zerotrain verify needs a run file, e.g. zerotrain verify examples/default.yaml")
     if known.nproc < 1 or known.steps < 1:
         raise ConfigError(f"--nproc and --steps must be >= 1 (got {known.nproc}, {known.steps})")
+    if known.only and not known.matrix:
+        raise ConfigError("--only filters the rows of --matrix; add --matrix or drop --only")
     return Options(known.run_file, known.ds_config, known.nproc, known.steps, known.matrix, known.keep,
-                   known.debug, parse_overrides(rest))
+                   known.only, known.debug, parse_overrides(rest))
 
 
 def main(argv: list[str]) -> int:
@@ -138,23 +151,24 @@ class _Plan:
               f"checked: {label}")
         rows, first = compare(ref, got, self.opts.steps)
         print(table(rows, label))
-        print(verdict(first, got, label))
+        print(verdict(first, got, label, ref))
         return 0 if first is None else 1
 
     def matrix(self) -> int:
+        rows = [c for c in combinations(self.cfg, self.opts.nproc) if not self.opts.only or self.opts.only in c.name]
+        if not rows:
+            raise ConfigError(f"--only {self.opts.only}: no row of the matrix has that in its name; the rows: "
+                              + ", ".join(c.name for c in combinations(self.cfg, self.opts.nproc)))
         ref = self.reference()
-        worlds = sorted({1, self.opts.nproc})
         print(f"zerotrain verify --matrix: {self.opts.run_file}, {self.opts.steps} steps, fp32, "
-              f"against 1 process DDP (fp32)")
+              f"against 1 process DDP (fp32); {len(rows)} rows", flush=True)
         failed = 0
-        for name in MATRIX:
-            ds = self.fp32_json(name)
-            for world in worlds:
-                got = self.launch(f"{name}_w{world}", ds, world)
-                _, first = compare(ref, got, self.opts.steps)
-                failed += first is not None
-                label = f"{got.name} x{world}"
-                print(f"  {label:<60} {verdict(first, got, label)}", flush=True)
+        for c in rows:
+            got = self.launch(c.name, self.fp32_json(c.strategy), c.world, accum_factor=c.accum_factor, sp=c.sp)
+            _, first = compare(ref, got, self.opts.steps)
+            failed += first is not None
+            label = f"{c.name}: {got.name} x{c.world}{c.note}"
+            print(f"  {label:<60} {verdict(first, got, label, ref)}", flush=True)
         return 1 if failed else 0
 
     # ------------------------------------------------------------------ launches
@@ -174,10 +188,10 @@ class _Plan:
         out.write_text(json.dumps(data, indent=1))
         return str(out)
 
-    def launch(self, name: str, ds_config: str | None, world: int) -> Result:
+    def launch(self, name: str, ds_config: str | None, world: int, accum_factor: int = 1, sp: int | None = None) -> Result:
         run_dir = self.work / name
         args = ["--config", self.opts.run_file, *(["--ds-config", ds_config] if ds_config else []),
-                *[f"--{k}={v}" for k, v in self.opts.overrides], *self.fixed(run_dir, world)]
+                *[f"--{k}={v}" for k, v in self.opts.overrides], *self.fixed(run_dir, world, accum_factor, sp)]
         if world == 1:
             cmd = [sys.executable, str(MAIN), *args]
         else:
@@ -192,11 +206,14 @@ class _Plan:
             print(f"verify: {name} exited {rc}; the end of {log}:\n  " + "\n  ".join(tail), flush=True)
         return read_result(name, run_dir, rc == 0, log)
 
-    def fixed(self, run_dir: Path, world: int) -> list[str]:
+    def fixed(self, run_dir: Path, world: int, accum_factor: int = 1, sp: int | None = None) -> list[str]:
         """What both runs set: K steps, a log line and a checksum every step, nothing saved or
         evaluated, full fp32 matmuls, and the same global batch (the world's share of it). Both
         start fresh (checkpoint.resume none, whatever the run file says). The run checked has
-        debug.collectives on: ranks that part ways are named in seconds, not after a hang."""
+        debug.collectives on: ranks that part ways are named in seconds, not after a hang.
+        accum_factor (the matrix's accumulation rows): the micro-batch divided by it and the
+        accumulation multiplied, the same global batch (and so, BatchNorm aside, the same step).
+        sp: the sequence-parallel degree of this run (None: the run file's)."""
         out = {"train.max_steps": self.opts.steps, "train.eval_every": 0, "train.eval_batches": 1,
                "train.sample_tokens": 0, "logging.every_steps": 1, "logging.progress": "false",
                "logging.trackers": "jsonl", "checkpoint.every_steps": 0, "checkpoint.every_minutes": 0,
@@ -204,16 +221,65 @@ class _Plan:
                "debug.param_checksum": "true", "hardware.tf32": "false", "train.run_dir": str(run_dir)}
         if self.cfg.train.epochs:
             out["train.epochs"] = "null"
-        if world == 1:
-            out["distributed.sequence_parallel"] = 1
-        else:
+        run_sp = 1 if world == 1 else (self.sp if sp is None else sp)
+        if world == 1 or run_sp != self.sp:
+            out["distributed.sequence_parallel"] = run_sp
+        if world > 1:
             out["debug.collectives"] = "true"
+        if accum_factor > 1:
+            micro = self.cfg.train.micro_batch_size
+            if micro % accum_factor:
+                raise UserError(f"the matrix's accumulation rows split train.micro_batch_size {micro} into "
+                                f"{accum_factor}; use an even micro-batch (or --only to skip the accum rows)")
+            out["train.micro_batch_size"] = micro // accum_factor
         if self.cfg.train.global_batch_size is None:  # else each run derives its accumulation from it
             accum = self.cfg.train.grad_accum_steps or 1
             dp_checked = max(1, self.opts.nproc // self.sp)  # the data-parallel ranks of the run checked
-            dp = world if world == 1 else max(1, world // self.sp)
-            out["train.grad_accum_steps"] = accum * dp_checked // dp
+            dp = max(1, world // run_sp)
+            out["train.grad_accum_steps"] = accum * dp_checked // dp * accum_factor
         return [f"--{k}={v}" for k, v in out.items()]
+
+
+@dataclass
+class Combination:
+    """One row of --matrix: a shipped strategy (ds_configs/NAME.json, in fp32) on `world`
+    processes, the micro-batch split `accum_factor` ways into more accumulation steps (the same
+    global batch), sequence parallelism `sp` (None: the run file's)."""
+    strategy: str
+    world: int
+    accum_factor: int = 1
+    sp: int | None = None
+    note: str = ""
+
+    @property
+    def name(self) -> str:
+        return (f"{self.strategy}_w{self.world}" + (f"_accum{self.accum_factor}" if self.accum_factor > 1 else "")
+                + (f"_sp{self.sp}" if self.sp else ""))
+
+
+def combinations(cfg, nproc: int) -> list[Combination]:
+    """The matrix's rows: every shipped strategy on 1 and nproc processes and, on nproc, with the
+    accumulation doubled at the same global batch (an even micro-batch); for a GPT model on an
+    even nproc, ZeRO-2 and ZeRO-3 with sequence parallelism 2 as well (SP needs a ZeRO JSON; the
+    ZeRO-3 row covers gathered parameters). The
+    run file's own LoRA, packing and sequence parallelism are in every row (named in its note)."""
+    uses = [what for what, on in (("lora", getattr(cfg.model, "lora", None) is not None),
+                                  ("packing", getattr(cfg.data, "packing", False)),
+                                  (f"sp{cfg.distributed.sequence_parallel}", cfg.distributed.sequence_parallel > 1))
+            if on]
+    note = f" ({', '.join(uses)})" if uses else ""
+    worlds = sorted({1, nproc})
+    accum = nproc > 1 and cfg.train.micro_batch_size % 2 == 0
+    out = []
+    for name in MATRIX:
+        sp_run = cfg.distributed.sequence_parallel > 1
+        out += [Combination(name, w, note=note) for w in worlds if not (sp_run and name == "ddp" and w > 1)]
+        if accum and not (sp_run and name == "ddp"):  # sequence parallelism needs a ZeRO JSON
+            out.append(Combination(name, nproc, 2, note=note))
+    from zerotrain.models.config import GptModel
+    if isinstance(cfg.model, GptModel) and nproc % 2 == 0 and cfg.distributed.sequence_parallel == 1:
+        out += [Combination(name, nproc, sp=2, note=note) for name in ("zero2", "zero3")]
+    return out
 
 
 def _free_port() -> int:
@@ -237,10 +303,25 @@ def read_result(name: str, run_dir: Path, ok: bool, log: Path) -> Result:
     rank0 = run_dir / "ranks" / "rank0.json"
     if rank0.exists():
         label = json.loads(rank0.read_text()).get("strategy", name)
-    cfg = run_dir / "config.json"
+    cfg, n_params = run_dir / "config.json", 0
     if cfg.exists():
-        precision = json.loads(cfg.read_text()).get("resolved", {}).get("precision", "fp32")
-    return Result(label, run_dir, ok, log, steps, precision)
+        resolved = json.loads(cfg.read_text()).get("resolved", {})
+        precision = resolved.get("precision", "fp32")
+        param_bytes = ((resolved.get("memory_plan") or {}).get("device_bytes") or {}).get("params") or 0
+        n_params = param_bytes // (4 if precision == "fp32" else 2)
+    return Result(label, run_dir, ok, log, steps, precision, n_params)
+
+
+def tolerance(q: str, got: Result, ref: Result) -> float:
+    """The relative band of quantity q for `got`'s precision. fp32 grad_norm: at least 2^-24 x
+    sqrt(parameters), the size of an fp32 norm's own rounding on CPU (measured on the 186M
+    frontier model's gradient: torch's fp32 norm of its 5.6M-element tensor is 1.7e-4 below the
+    fp64 value, of each half 6e-5, so a norm over ZeRO partitions and one over whole tensors part
+    by 2e-5 to 4e-5 with the same gradient; docs/troubleshooting.md#zerotrain-verify)."""
+    tol = TOLERANCE.get(got.precision, TOLERANCE["fp32"])
+    if q == "grad_norm" and got.precision == "fp32":
+        tol = max(tol, 2.0 ** -24 * math.sqrt(ref.n_params))
+    return tol
 
 
 def rel_diff(a, b, scale=None) -> float:
@@ -257,7 +338,6 @@ def compare(ref: Result, got: Result, steps: int):
     """The table's rows (step, quantity, reference, checked, rel. diff, within) and the first
     row beyond the tolerance of `got`'s precision (None: they agree). A step either run lacks
     (it failed) is a divergence at that step."""
-    tol = TOLERANCE.get(got.precision, TOLERANCE["fp32"])
     rows, first = [], None
     for step in range(1, steps + 1):
         for q in QUANTITIES:
@@ -266,6 +346,7 @@ def compare(ref: Result, got: Result, steps: int):
             # The checksum relative to its size for random signs (Strategy.param_checksum): the
             # typical relative change of one parameter, whatever the sum's cancellation.
             d = rel_diff(a, b, theirs.get("checksum_scale") if q == "param_checksum" else None)
+            tol = tolerance(q, got, ref)
             row = (step, q, a, b, d, d <= tol)
             rows.append(row)
             if first is None and not row[5]:
@@ -284,10 +365,12 @@ def table(rows, label: str) -> str:
     return "\n".join(lines)
 
 
-def verdict(first, got: Result, label: str) -> str:
+def verdict(first, got: Result, label: str, ref: Result | None = None) -> str:
     if first is None:
         tol = TOLERANCE.get(got.precision, TOLERANCE["fp32"])
-        return f"OK: loss, grad_norm and param_checksum agree at every step within {tol:g} relative ({got.precision})"
+        g = tolerance("grad_norm", got, ref) if ref is not None else tol
+        extra = f", grad_norm within {g:.1e} (an fp32 norm's rounding)" if g > tol else ""
+        return f"OK: loss, grad_norm and param_checksum agree at every step within {tol:g} relative ({got.precision}){extra}"
     step, q, a, b, d, _, tol = first
     why = "" if got.ok else f" ({label} failed: see {got.log})"
     return (f"FAIL: first divergence at step {step}, {q}: reference {_num(a)} vs {_num(b)}, relative difference "

@@ -44,5 +44,5 @@ def build_data(cfg: DataSection, seq_len: Optional[int], seed: int, tokenizer: O
         return build_stream(cfg, seq_len, seed, tokenizer)
     if cfg.kind == "imagefolder":
         from zerotrain.train.data.imagefolder import build_imagefolder
-        return build_imagefolder(cfg)
+        return build_imagefolder(cfg, seed)
     raise AssertionError(cfg.kind)  # the loader knows no other kinds (DATA_KINDS)

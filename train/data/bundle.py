@@ -25,6 +25,9 @@ class DataBundle:
     # tokens: the trainer divides each optimizer step's summed loss by its global token count.
     masked_labels: bool = False
     extra: dict = field(default_factory=dict)
+    # The training split's __getitem__ takes epoch * len(train) + index (GlobalBatchSampler's
+    # tag_epoch): per-sample random augmentation seeded by (seed, epoch, index), not by the rank.
+    epoch_tagged: bool = False
     # data.sources: the MixturePlan (train/data/mixture.py) behind `train`; the trainer counts
     # each step's samples per source with it, build.py makes its MixtureSampler.
     mixture: Optional[object] = None

@@ -5,6 +5,11 @@ Standard ImageNet recipe: train = RandomResizedCrop(S) + horizontal flip, val = 
 weights expect). Classes are the sorted sub-directory names of train/; val/ may hold a
 subset of them. The file lists are sorted, so every rank indexes the same samples.
 
+The training augmentation draws from a generator seeded by (train.seed, epoch, sample index),
+not from the process's global RNG: a sample gets the same crop and flip whichever rank, world
+size, accumulation split or resume loads it (the sampler tags each index with its epoch:
+DataBundle.epoch_tagged), so `zerotrain verify` compares one run with the same images.
+
 Unreadable images (data.on_bad_sample):
   fail: the run stops with the file's path.
   skip: a training image is replaced by the next readable one (the batch keeps its size;
@@ -83,15 +88,29 @@ _BAD_IMAGE_ERRORS = (OSError, ValueError, SyntaxError)  # PIL: truncated/unknown
 
 
 class ImageFolderSet(Dataset):
-    def __init__(self, samples: list[tuple[str, int]], transform, on_bad_sample: str, draft: int | None = None):
+    """`seed` set (the training split): indices are epoch * len + i (epoch-tagged) and each
+    sample's random transform is seeded by (seed, epoch, i). None: plain indices, the
+    transform is deterministic (validation)."""
+
+    def __init__(self, samples: list[tuple[str, int]], transform, on_bad_sample: str, draft: int | None = None,
+                 seed: int | None = None):
         self.samples, self.transform, self.on_bad = samples, transform, on_bad_sample
-        self.draft = draft
+        self.draft, self.seed = draft, seed
         self._reported: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, i: int) -> dict:
+    def __getitem__(self, index: int) -> dict:
+        n = len(self.samples)
+        if self.seed is None:
+            return self._load(int(index))
+        epoch, i = divmod(int(index), n)
+        with torch.random.fork_rng(devices=[]):  # the caller's global RNG is left as it was
+            torch.manual_seed(_sample_seed(self.seed, epoch, i))
+            return self._load(i)
+
+    def _load(self, i: int) -> dict:
         n = len(self.samples)
         for attempt in range(n):
             path, label = self.samples[(i + attempt) % n]
@@ -109,6 +128,14 @@ class ImageFolderSet(Dataset):
                 continue
             return {"pixel_values": self.transform(img), "labels": torch.tensor(label, dtype=torch.long)}
         raise DataError("no image of the dataset could be read (see the warnings above)")
+
+
+def _sample_seed(seed: int, epoch: int, i: int) -> int:
+    """A 63-bit seed per (seed, epoch, sample): splitmix64 of the three, so neighbours differ."""
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + i * 0x94D049BB133111EB) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) >> 1
 
 
 def readable_header(path: str) -> bool:
@@ -131,7 +158,7 @@ def transforms(image_size: int):
     return train, val, resize
 
 
-def build_imagefolder(cfg: ImageFolderData):
+def build_imagefolder(cfg: ImageFolderData, seed: int = 0):
     if cfg.path is None:
         raise DataError("data.kind = imagefolder needs data.path (the root holding train/ and val/); "
                         "`zerotrain make-shapes data/shapes` writes a small generated set")
@@ -141,7 +168,7 @@ def build_imagefolder(cfg: ImageFolderData):
     classes = find_classes(root / "train")
     train_tf, val_tf, resize = transforms(cfg.image_size)
     train_samples = scan_split(root / "train", classes, "train")
-    train = ImageFolderSet(train_samples, train_tf, cfg.on_bad_sample)
+    train = ImageFolderSet(train_samples, train_tf, cfg.on_bad_sample, seed=seed)
     val = None
     val_note = "no val/ split"
     if (root / "val").is_dir():
@@ -156,4 +183,5 @@ def build_imagefolder(cfg: ImageFolderData):
     return DataBundle(train=train, val=val, task="classify",
                       describe=f"ImageFolder {root}: {len(classes)} classes, {len(train_samples)} train / "
                                f"{val_note} images at {cfg.image_size}px",
-                      num_classes=len(classes), class_names=classes, extra={"image_size": cfg.image_size})
+                      num_classes=len(classes), class_names=classes, extra={"image_size": cfg.image_size},
+                      epoch_tagged=True)

@@ -22,8 +22,9 @@ from zerotrain.train.errors import DataError
 
 class GlobalBatchSampler:
     def __init__(self, num_samples: int, micro: int, world: int, accum: int, seed: int, shuffle: bool = True,
-                 what: str = "training set"):
+                 what: str = "training set", tag_epoch: bool = False):
         self.num_samples = num_samples
+        self.tag_epoch = tag_epoch  # yield epoch * num_samples + index (DataBundle.epoch_tagged)
         self.batch_size = micro * world          # read by Accelerate's BatchSamplerShard
         self.drop_last = True
         self.global_batch = micro * world * accum
@@ -64,8 +65,10 @@ class GlobalBatchSampler:
 
     def __iter__(self):
         take = self.slicer(self.epoch)
+        base = self.epoch * self.num_samples if self.tag_epoch else 0
         for start in range(self.offset, self.steps_per_epoch * self.global_batch, self.batch_size):
-            yield take(start, start + self.batch_size)
+            batch = take(start, start + self.batch_size)
+            yield [base + i for i in batch] if base else batch
 
     def __len__(self) -> int:
         return (self.steps_per_epoch * self.global_batch - self.offset) // self.batch_size

@@ -183,7 +183,7 @@ def _sampler(cfg: RunConfig, bundle: DataBundle, b: Batch):
     if bundle.stream is not None:  # data.kind stream: one endless epoch, windows shuffled in groups (no train.epochs)
         from zerotrain.train.data.stream import StreamSampler
         return StreamSampler(cfg.data.shuffle_windows, b.micro, b.world, b.accum, cfg.train.seed)
-    return GlobalBatchSampler(len(bundle.train), b.micro, b.world, b.accum, cfg.train.seed)
+    return GlobalBatchSampler(len(bundle.train), b.micro, b.world, b.accum, cfg.train.seed, tag_epoch=bundle.epoch_tagged)
 
 
 # ---------------------------------------------------------------------------- strategy
