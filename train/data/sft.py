@@ -357,7 +357,7 @@ def build_sft(cfg: SftData, seq_len: Optional[int], tokenizer: Optional[str], se
         n_val = int(len(records) * cfg.val_fraction)
         train, val = subset(records, 0, len(records) - n_val), (subset(records, len(records) - n_val, len(records))
                                                                  if n_val else None)
-        split = f"val: last {n_val} records"
+        split = f"val: last {n_val} records" if n_val else "no validation"
     fmt = "chat template" if enc.render else "plain format"
     n_records, layout = len(train), f"padded to {seq_len}"
     if cfg.packing:

@@ -43,7 +43,7 @@ def banner(t) -> str:
         + _own_code_text(t),
         f"  data         {data.describe}: "
         + ("an endless stream" if data.stream is not None else f"{len(data.train)} train samples")
-        + (f", {len(data.val)} val" if data.val is not None else ""),
+        + _validation_text(t),
         f"  batch        micro {b.micro} x accum {b.accum} x world {b.world} = global {b.global_size} samples"
         + (f" = {b.global_size * data.items_per_sample} tokens/step" if data.items_per_sample > 1 else ""),
         f"  schedule     {t.max_steps} steps "
@@ -67,6 +67,16 @@ def banner(t) -> str:
     for line in t.tracker_lines:  # rank 0: where W&B / TensorBoard / MLflow data goes, or why W&B is off
         lines.append(f"  {line}")
     return "\n".join(lines)
+
+
+def _validation_text(t) -> str:
+    """The data line's tail: the validation samples, or that the run has none to evaluate."""
+    data = t.data
+    if t.cfg.train.eval_batches == 0:
+        return ", no validation (train.eval_batches 0)"
+    if data.val is None or len(data.val) == 0:
+        return "" if "no validation" in data.describe else ", no validation"
+    return f", {len(data.val)} val"
 
 
 def _threads_text(t) -> str:

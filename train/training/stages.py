@@ -326,8 +326,8 @@ def make_loaders(cfg: RunConfig, rt: Runtime, data: RunData) -> Loaders:
     batches = sp_.ReplicatedBatches(data.sampler, rt.sp_size, b.micro) if rt.sp_size > 1 else data.sampler
     train = DataLoader(bundle.train, batch_sampler=batches, generator=torch.Generator().manual_seed(cfg.train.seed),
                        **hardware.loader_options(workers, b.accum, rt.cuda, train=True))
-    val = None
-    if bundle.val is not None and len(bundle.val) > 0:
+    val = None  # train.eval_batches 0: evaluation off, no loader (Evaluator.run then returns {})
+    if bundle.val is not None and len(bundle.val) > 0 and cfg.train.eval_batches != 0:
         subset = bundle.val
         if cfg.train.eval_batches is not None:
             # A real subset (not just fewer batches) so that Accelerate's end-of-set padding
