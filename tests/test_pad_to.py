@@ -96,7 +96,8 @@ def _crc_to_record(ds, lengths) -> dict[int, int]:
 def test_longest_padding_trains_the_same_records_to_the_same_losses(tmp_path):
     """Two ranks, ZeRO-2 fp32, micro 4 x accum 2: data.pad_to longest against seq_len gives the
     same records per step on each rank, the same step losses and validation loss (to fp32
-    rounding: only the shapes of the matmuls differ), and batches shorter than seq_len."""
+    rounding: only the shapes of the matmuls differ), and batches shorter than seq_len. A resume
+    from the longest run's step-3 checkpoint continues with its exact losses."""
     path = write_jsonl(tmp_path / "d.jsonl", heavy_tailed(240, 1))
     base = ["--model.name", "gpt-tiny", "--model.seq_len", str(SEQ), "--data.kind", "sft", "--data.path", str(path),
             "--data.seq_len", str(SEQ), "--data.val_fraction", "0.1", "--ds-config", fp32(tmp_path, "zero2"),
@@ -104,13 +105,15 @@ def test_longest_padding_trains_the_same_records_to_the_same_losses(tmp_path):
             "--train.eval_every", "3", "--train.eval_batches", "null", "--train.sample_tokens", "0",
             "--optim.lr", "3e-3", "--optim.warmup_steps", "1", "--logging.progress", "false",
             "--logging.every_steps", "1", "--checkpoint.export", "false", "--checkpoint.save_at_end", "false",
-            "--debug.trace_data", "true"]
+            "--debug.trace_data", "true", "--checkpoint.every_steps", "3"]
     runs = {}
     for pad_to in ("seq_len", "longest"):
         run_dir = tmp_path / pad_to
         proc = run_train("torchrun", 2, [*base, "--data.pad_to", pad_to, "--train.run_dir", str(run_dir)])
         runs[pad_to] = (run_dir, proc.stdout)
     assert "padded to each batch's longest record" in runs["longest"][1]
+    assert {k: json.loads((d / "config.json").read_text())["resolved"]["pad_to"] for k, (d, _) in runs.items()} == \
+        {"seq_len": "seq_len", "longest": "longest"}
     rows = {k: metrics(d) for k, (d, _) in runs.items()}
     loss = {k: [r["loss"] for r in v if "loss" in r] for k, v in rows.items()}
     val = {k: [r["val/loss"] for r in v if "val/loss" in r] for k, v in rows.items()}
@@ -118,6 +121,10 @@ def test_longest_padding_trains_the_same_records_to_the_same_losses(tmp_path):
     print("max |loss longest - loss seq_len|:", max(abs(a - b) for a, b in zip(loss["longest"], loss["seq_len"])))
     assert loss["longest"] == pytest.approx(loss["seq_len"], rel=1e-5, abs=1e-6), loss
     assert val["longest"] == pytest.approx(val["seq_len"], rel=1e-5, abs=1e-6), val
+    resumed = tmp_path / "resumed"
+    run_train("torchrun", 2, [*base, "--train.run_dir", str(resumed),
+                              "--resume", str(runs["longest"][0] / "checkpoints" / "step_00000003")])
+    assert [r["loss"] for r in metrics(resumed) if "loss" in r] == loss["longest"][3:]
     # The same records per step on each rank, read back from the traced rows.
     train = sft(path, "longest").train
     ids = {"seq_len": _crc_to_record(train, [SEQ]), "longest": _crc_to_record(train, range(64, SEQ + 1, 64))}
