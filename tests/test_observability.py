@@ -92,6 +92,8 @@ def test_console_banner_progress_and_summary(observed):
     assert "global 8 samples = 512 tokens/step" in banner
     assert "115.01k params" in banner
     assert "per rank (estimated)" in banner and "\n  memory       estimated peak " in banner
+    memory = next(line for line in banner.splitlines() if line.startswith("  memory "))
+    assert "counts the memory a rank owns, not the " in memory and " of shared library code that top's RES adds" in memory
     assert f"\n  run dir      {run_dir}\n  full config: {run_dir / 'config.json'}\n" in banner
     assert json.loads((run_dir / "config.json").read_text())["resolved"]["world_size"] == 2
     assert "\n  W&B offline run in " in banner and len(banner.splitlines()) <= 14, banner
@@ -103,6 +105,11 @@ def test_console_banner_progress_and_summary(observed):
     summary = out[out.index("zerotrain done"):]
     assert "6 steps in" in summary and "3.07k tokens" in summary  # 6 x 512
     assert f"final train loss {last['loss']:.4f}" in summary
+    # the measured peak (the worst rank's, over the run) beside the estimate
+    peak = max(r["peak_mem_bytes"] for r in metrics(run_dir) if "peak_mem_bytes" in r)
+    memory = next(line for line in summary.splitlines() if line.startswith("  memory "))
+    assert f"peak RSS {report.human_bytes(peak)} per rank (the worst rank, shared library code included: " in memory
+    assert "; estimated " in memory and memory.endswith(" without the library code"), memory
     wandb_line = next(line for line in summary.splitlines() if line.strip().startswith("wandb"))
     assert str(run_dir / "wandb" / "offline-run-") in wandb_line and "wandb sync" in wandb_line
 
@@ -148,9 +155,15 @@ def test_memory_line_puts_the_planned_peak_against_the_budget():
     from types import SimpleNamespace as NS
     budget = NS(bytes=8 * 2**30, source="the memory cgroup limit of /sys/fs/cgroup/job")
     from zerotrain.train.plan.memory_plan import MemoryPlan
-    t = MemoryPlan(budget, None, NS(device_total=3 * 2**30), "")
+    t = MemoryPlan(budget, None, NS(device_total=3 * 2**30, device_kind="cuda"), "")
     assert report._memory_text(t) == ("estimated peak 3.00 GiB of 8.00 GiB per rank (38%): "
-                                      "the memory cgroup limit of /sys/fs/cgroup/job")
+                                      "the memory cgroup limit of /sys/fs/cgroup/job; counts tensors, not the CUDA "
+                                      "context or the allocator's cache")
+    # On a CPU the estimate is owned memory: the library code in top's RES is named beside it.
+    t = MemoryPlan(budget, None, NS(device_total=584 * 2**20, device_kind="cpu"), "")
+    assert report._memory_text(t, 480 * 2**20) == (
+        "estimated peak 584.00 MiB of 8.00 GiB per rank (7%): the memory cgroup limit of /sys/fs/cgroup/job; "
+        "counts the memory a rank owns, not the 480.00 MiB of shared library code that top's RES adds")
     assert report._memory_text(MemoryPlan(budget, None, None, "")) == \
         "budget 8.00 GiB per rank: the memory cgroup limit of /sys/fs/cgroup/job"
     assert report._memory_text(MemoryPlan(None, None, None, "")) == "budget not checked (distributed.memory_check false)"

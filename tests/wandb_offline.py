@@ -1,7 +1,8 @@
 """Read a W&B offline run file (``run-<id>.wandb``) back without network or the wandb CLI.
 
 W&B 0.31 ships no offline reader (``wandb sync --view`` and ``wandb.sdk.internal.datastore``
-are gone; see ../shared/notes/wandb.md). The file is a LevelDB-style log:
+are gone; docs/observability.md "Reading an offline W&B run
+without network"). The file is a LevelDB-style log:
 
     header   ":W&B" | uint16 LE 0xBEE1 | uint8 version 0            (7 bytes)
     blocks   32 KiB each, counted from the start of the file (header included)

@@ -86,6 +86,9 @@ class DataSection:
             raise ConfigError(f"data.num_workers must be >= 0 (got {self.num_workers})")
 
 
+PAD_TO = ("longest", "seq_len")
+
+
 def _check_document_mask(cfg):
     if cfg.eos_id is not None and not cfg.document_mask:
         raise ConfigError("data.eos_id is read only with data.document_mask true; set that or remove data.eos_id")
@@ -203,11 +206,22 @@ class SftData(DataSection):
     windows of 1024 records of a seeded order; train/data/packing.py) instead of one padded record
     per row. Attention stays inside each record and positions restart at 0 per record, so every
     record's loss and gradient are those of the unpacked run; a step's batch is then in rows."""
+    pad_to: str = "longest"
+    """Without packing, how far each micro-batch's records are right-padded: "longest" = to the
+    batch's longest record rounded up to a multiple of 64 (at most seq_len), so short records
+    do not compute seq_len positions; "seq_len" = every sample to data.seq_len. The same records
+    per step and the same loss either way (trailing pads are never attended to by a real token).
+    Padded to seq_len regardless, as the banner notes, where a run needs one length: sequence
+    parallelism (each row is split into equal slices), hardware.compile (one graph, no
+    recompilation per length), a sparse-MoE model (its router's aux loss counts pad positions
+    too) and a py: model that computes its own loss (its loss over the pads is its own)."""
     num_workers: Optional[int] = None
     """DataLoader worker processes per rank. None = 0: the records are in memory or one mapped file."""
 
     def __post_init__(self):
         self._check()
+        if self.pad_to not in PAD_TO:
+            raise ConfigError(f'data.pad_to must be one of {", ".join(PAD_TO)} (got "{self.pad_to}")')
 
 
 @dataclass

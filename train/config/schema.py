@@ -95,9 +95,13 @@ class TrainConfig:
     epochs: Optional[int] = None
     """Train for this many passes over the training set instead of max_steps."""
     eval_every: int = 100
-    """Evaluate every N optimizer steps (0 = only at the end)."""
+    """Evaluate every N optimizer steps (0 = only at the end of a run that completes). To switch
+    evaluation off, set train.eval_batches 0."""
     eval_batches: Optional[int] = 20
-    """Validation micro-batches per process per evaluation (None = the whole validation set)."""
+    """Validation micro-batches per process per evaluation (None = the whole validation set;
+    0 = no evaluation at all: no val/* metrics, not even at the end, and the banner says "no
+    validation"). Records held out by data.val_fraction stay out of training either way: set
+    data.val_fraction 0 to train on them."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 = no clipping). The logged norm is pre-clip."""
     run_dir: str = "runs/default"
@@ -121,10 +125,12 @@ class TrainConfig:
         for k in ("micro_batch_size", "max_steps"):
             if getattr(self, k) <= 0:
                 raise ConfigError(f"train.{k} must be a positive integer (got {getattr(self, k)})")
-        for k in ("grad_accum_steps", "global_batch_size", "epochs", "eval_batches"):
+        for k in ("grad_accum_steps", "global_batch_size", "epochs"):
             v = getattr(self, k)
             if v is not None and v <= 0:
                 raise ConfigError(f"train.{k} must be a positive integer or null (got {v})")
+        if self.eval_batches is not None and self.eval_batches < 0:
+            raise ConfigError(f"train.eval_batches must be >= 0 (0 = no evaluation) or null (got {self.eval_batches})")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every must be >= 0 (got {self.eval_every})")
         if self.grad_clip < 0:

@@ -208,7 +208,7 @@ def build_preference(cfg: PreferenceData, seq_len: Optional[int], tokenizer: Opt
         n_val = int(len(pairs) * cfg.val_fraction)
         train = _slice(pairs, 0, len(pairs) - n_val)
         val = _slice(pairs, len(pairs) - n_val, len(pairs)) if n_val else None
-        split = f"val: last {n_val} records"
+        split = f"val: last {n_val} records" if n_val else "no validation"
     for split_pairs in (train, val):
         if split_pairs is not None:
             split_pairs.packing = cfg.packing

@@ -17,7 +17,9 @@ UTF-8 bytes (vocab 256) with NUL (0) as EOS.
 
 Samples. One record = one sample of data.seq_len tokens: its first seq_len + 1 tokens give
 input = ids[:-1] and labels = ids[1:], a label set to IGNORE_INDEX (-100) where its token is
-not trained. Shorter records are right-padded (pad id as input, -100 as label). Right padding
+not trained. Shorter records are right-padded (pad id as input, -100 as label): by default
+(data.pad_to longest) only as far as the micro-batch's longest record, rounded up to a multiple
+of 64 (LongestPadding, the loader's view), else to seq_len. Right padding
 needs no attention mask for causal models: a token attends only to the positions before it,
 never to the pads after it, and positions stay 0..T-1 as in an unpadded sequence. With
 data.packing a sample is instead a row of several records (train/data/packing.py). The order is the GlobalBatchSampler's (train/data/sampler.py): per record,
@@ -220,6 +222,10 @@ class SFTSequences(Dataset):
         return int((lengths - 1).sum())
 
     def __getitem__(self, i: int) -> dict:
+        return pad_sample(self.record(i), self.seq_len, self.pad)
+
+    def record(self, i: int) -> dict:
+        """Record i's input_ids and labels, unpadded: n - 1 positions (n <= seq_len + 1 tokens)."""
         if not 0 <= i < len(self):
             raise IndexError(i)
         s, e = int(self.offsets[i]), int(self.offsets[i + 1])
@@ -227,12 +233,56 @@ class SFTSequences(Dataset):
         ids = torch.from_numpy(self.ids[s:e].astype(np.int64))     # (n,), n <= seq_len + 1
         # a copy: prepared flags are a read-only memmap, which torch.from_numpy warns about
         keep = torch.from_numpy(self.trained[s + 1:e].astype(np.bool_))  # (n-1,): is label j a trained token
-        n, T = e - s, self.seq_len
-        input_ids = torch.full((T,), self.pad, dtype=torch.int64)
-        labels = torch.full((T,), IGNORE_INDEX, dtype=torch.int64)
-        input_ids[:n - 1] = ids[:-1]
-        labels[:n - 1] = torch.where(keep, ids[1:], torch.full_like(ids[1:], IGNORE_INDEX))
-        return {"input_ids": input_ids, "labels": labels}
+        return {"input_ids": ids[:-1], "labels": torch.where(keep, ids[1:], torch.full_like(ids[1:], IGNORE_INDEX))}
+
+
+def pad_sample(rec: dict, T: int, pad: int) -> dict:
+    """A record's input_ids / labels right-padded to T positions (pad id, IGNORE_INDEX)."""
+    n = rec["input_ids"].numel()
+    input_ids = torch.full((T,), pad, dtype=torch.int64)
+    labels = torch.full((T,), IGNORE_INDEX, dtype=torch.int64)
+    input_ids[:n], labels[:n] = rec["input_ids"], rec["labels"]
+    return {"input_ids": input_ids, "labels": labels}
+
+
+PAD_MULTIPLE = 64  # data.pad_to longest rounds a batch's length up to this (fewer distinct shapes)
+
+
+class LongestPadding(Dataset):
+    """data.pad_to longest: the loader's view of SFTSequences. Its samples are the records
+    unpadded; `collate` right-pads a micro-batch to its longest record rounded up to a multiple
+    of PAD_MULTIPLE, at most seq_len. Same indices, same records, same order as the fixed
+    layout: only the trailing pad columns that every row of the batch has are left out, and no
+    real token attends to a later position, so the loss is the fixed layout's."""
+
+    def __init__(self, seqs: SFTSequences):
+        self.seqs = seqs
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.seqs.record(i)
+
+    def collate(self, samples: list[dict]) -> dict:
+        longest = max(s["input_ids"].numel() for s in samples)
+        T = min(self.seqs.seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+        rows = [pad_sample(s, T, self.seqs.pad) for s in samples]
+        return {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
+
+
+def fixed_length_reason(sp_size: int, compile_: bool, moe: bool, model_loss: bool) -> str | None:
+    """Why a run pads every sample to data.seq_len although data.pad_to is longest (None: it
+    need not): see SftData.pad_to."""
+    if sp_size > 1:
+        return "sequence parallelism splits every row into equal slices"
+    if compile_:
+        return "hardware.compile: one graph for one length"
+    if moe:
+        return "the MoE router's aux loss counts pad positions"
+    if model_loss:
+        return "the py: model computes its own loss"
+    return None
 
 
 def encoded_records(lines: Iterable[bytes], name, enc: Encoder) -> Iterator[tuple[int, list[int], list[bool]]]:
@@ -357,9 +407,11 @@ def build_sft(cfg: SftData, seq_len: Optional[int], tokenizer: Optional[str], se
         n_val = int(len(records) * cfg.val_fraction)
         train, val = subset(records, 0, len(records) - n_val), (subset(records, len(records) - n_val, len(records))
                                                                  if n_val else None)
-        split = f"val: last {n_val} records"
+        split = f"val: last {n_val} records" if n_val else "no validation"
     fmt = "chat template" if enc.render else "plain format"
-    n_records, layout = len(train), f"padded to {seq_len}"
+    n_records, layout = len(train), (f"padded to {seq_len}" if cfg.pad_to == "seq_len" else
+                                     f"padded to each batch's longest record (a multiple of {PAD_MULTIPLE}, "
+                                     f"at most {seq_len})")
     if cfg.packing:
         from zerotrain.train.data.packing import PackedSFT
         train, val = PackedSFT(train, seed), PackedSFT(val, seed) if val is not None else None
@@ -375,4 +427,5 @@ def build_sft(cfg: SftData, seq_len: Optional[int], tokenizer: Optional[str], se
                       describe=f"{what} {path} ({n_records} records{counted}, "
                                f"{'bytes' if enc.name == 'bytes' else 'tokenizer ' + enc.name} {fmt}, {layout}; "
                                f"{split})",
-                      extra={"max_token": top, "token_file": str(path), "tokenizer": enc.name, "packed": "data.packing" if cfg.packing else None})
+                      extra={"max_token": top, "token_file": str(path), "tokenizer": enc.name, "packed": "data.packing" if cfg.packing else None,
+                             "pad_to": None if cfg.packing else cfg.pad_to, "layout": layout})

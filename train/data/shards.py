@@ -207,7 +207,7 @@ def split(corpus: Corpus, val_fraction: float, seq_len: int):
     total = int(corpus.sizes[:corpus.num_train].sum())
     n_val = int(total * val_fraction)
     if val_fraction <= 0 or n_val <= seq_len + 1:  # as a single token file: too small a tail is no split
-        return train, None, f"val: last {val_fraction:.0%}"
+        return train, None, "no validation"
     cut, val = total - n_val, []
     offset = 0
     kept = []

@@ -135,7 +135,9 @@ def build_tokens(cfg: TokensData, seq_len: Optional[int]):
         n_val = int(train.num_tokens * cfg.val_fraction)
         if n_val > seq_len + 1:  # memmap slices stay views: nothing is read here
             train_tokens, val_tokens = train.tokens[:-n_val], train.tokens[-n_val:]
-        split = f"val: last {cfg.val_fraction:.0%}"
+        split = f"val: last {cfg.val_fraction:.0%}" if val_tokens is not None else "no validation"
+    else:
+        split = "no validation"  # no sibling .val.bin and data.val_fraction 0
     sequences = TokenSequences(train_tokens, seq_len)
     if len(sequences) == 0:
         raise DataError(f"{train.path}: {len(train_tokens)} training tokens make no sequence of data.seq_len "

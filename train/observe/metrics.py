@@ -174,6 +174,19 @@ def lifetime_peaks() -> tuple[int, int]:
     return _lifetime[0], _lifetime[1]
 
 
+def file_backed_bytes() -> int:
+    """This process's resident file-backed pages (RssFile: the libraries' code and read-only
+    data, shared with every process that maps them); 0 where /proc has no breakdown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _vm_hwm() -> int:
     try:
         with open("/proc/self/status") as f:

@@ -43,7 +43,7 @@ def banner(t) -> str:
         + _attention_text(t) + _own_code_text(t),
         f"  data         {data.describe}: "
         + ("an endless stream" if data.stream is not None else f"{len(data.train)} train samples")
-        + (f", {len(data.val)} val" if data.val is not None else ""),
+        + _validation_text(t),
         f"  batch        micro {b.micro} x accum {b.accum} x world {b.world} = global {b.global_size} samples"
         + (f" = {b.global_size * data.items_per_sample} tokens/step" if data.items_per_sample > 1 else ""),
         f"  schedule     {t.max_steps} steps "
@@ -54,7 +54,7 @@ def banner(t) -> str:
     if t.memory_plan is not None:  # the run's memory plan (train/plan/memory_plan.py MemoryPlan)
         if t.memory_plan.text:
             lines.append(f"  model states {t.memory_plan.text} per rank (estimated)")
-        lines.append(f"  memory       {_memory_text(t.memory_plan)}")
+        lines.append(f"  memory       {_memory_text(t.memory_plan, _library_bytes(t))}")
         if t.memory_plan.async_off:  # checkpoint.async's snapshot would not fit (train/plan/memory_plan.py)
             lines.append(f"  checkpoint   {t.memory_plan.async_off}")
     host = t.resolved_config.get("resolved", {}).get("host_settings") or {}
@@ -67,6 +67,16 @@ def banner(t) -> str:
     for line in t.tracker_lines:  # rank 0: where W&B / TensorBoard / MLflow data goes, or why W&B is off
         lines.append(f"  {line}")
     return "\n".join(lines)
+
+
+def _validation_text(t) -> str:
+    """The data line's tail: the validation samples, or that the run has none to evaluate."""
+    data = t.data
+    if t.cfg.train.eval_batches == 0:
+        return ", no validation (train.eval_batches 0)"
+    if data.val is None or len(data.val) == 0:
+        return "" if "no validation" in data.describe else ", no validation"
+    return f", {len(data.val)} val"
 
 
 def _threads_text(t) -> str:
@@ -98,16 +108,48 @@ def _lora_text(t) -> str:
     return f", LoRA r={lora['r']} alpha={lora['alpha']:g} on {','.join(lora['target_modules'])}, base frozen"
 
 
-def _memory_text(memory_plan) -> str:
+def _library_bytes(t) -> int | None:
+    """On a CPU: rank 0's resident library code now (RssFile), which the estimate leaves out."""
+    if t.topo.device != "cpu":
+        return None
+    from zerotrain.train.observe.metrics import file_backed_bytes
+    return file_backed_bytes() or None
+
+
+def _memory_text(memory_plan, library: int | None = None) -> str:
     """The planner's peak per rank (`memory_plan`: a MemoryPlan) against the memory check's budget
-    (train/plan/memory_check.py)."""
+    (train/plan/memory_check.py), and what that peak counts: on a GPU the tensors the rank
+    allocates; on a CPU the memory the rank owns (the runtime's heap, model states, activations,
+    buffers), not the shared library code (`library`: its resident bytes, RssFile) that `top`'s
+    RES adds. The measured peak follows in each log row (peak_mem_bytes) and the summary."""
     budget = memory_plan.budget
     if budget is None:
         return "budget not checked (distributed.memory_check false)"
-    peak = memory_plan.estimate.device_total if memory_plan.estimate is not None else None
-    used = (f"estimated peak {human_bytes(peak)} of " if peak is not None else "budget ") + human_bytes(budget.bytes)
-    share = f" ({100 * peak / budget.bytes:.0f}%)" if peak is not None and budget.bytes > 0 else ""
-    return f"{used} per rank{share}: {budget.source}"
+    e = memory_plan.estimate
+    peak = e.device_total if e is not None else None
+    if peak is None:
+        return f"budget {human_bytes(budget.bytes)} per rank: {budget.source}"
+    share = f" ({100 * peak / budget.bytes:.0f}%)" if budget.bytes > 0 else ""
+    if getattr(e, "device_kind", "cuda") == "cpu":
+        counts = (f"the memory a rank owns, not the {human_bytes(library) + ' of ' if library else ''}shared "
+                  f"library code that top's RES adds")
+    else:
+        counts = "tensors, not the CUDA context or the allocator's cache"
+    return (f"estimated peak {human_bytes(peak)} of {human_bytes(budget.bytes)} per rank{share}: "
+            f"{budget.source}; counts {counts}")
+
+
+def _measured_text(t, peak: int) -> str:
+    """The summary's memory line: the measured peak (the worst rank's) beside the estimate."""
+    e = t.memory_plan.estimate if t.memory_plan is not None else None
+    est = f"; estimated {human_bytes(e.device_total)}" if e is not None else ""
+    if t.topo.device == "cpu":
+        from zerotrain.train.observe.metrics import file_backed_bytes
+        lib = file_backed_bytes()
+        return (f"peak RSS {human_bytes(peak)} per rank (the worst rank, shared library code included"
+                + (f": {human_bytes(lib)} on rank 0" if lib else "") + f"){est}"
+                + (" without the library code" if e is not None else ""))
+    return f"peak {human_bytes(peak)} of GPU tensors per rank (the worst rank){est}"
 
 
 def duration(seconds: float) -> str:
@@ -144,6 +186,9 @@ def summary(t, result: dict, elapsed: float, sample: str | None, exported: str |
     val = {k: v for k, v in result.items() if k.startswith("val/") and k != "val/samples"}
     if val:
         lines.append("  validation   " + ", ".join(f"{k[4:]} {v:.4f}" for k, v in val.items()))
+    peak = getattr(t, "peak_mem", 0)
+    if peak:
+        lines.append("  memory       " + _measured_text(t, peak))
     if ckpt:
         lines.append(f"  checkpoint   {ckpt}")
     el = getattr(t, "elastic", None)

@@ -72,6 +72,8 @@ def _resolved(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed, mod
     if dist.choice is not None:
         out["auto_ds_config"] = dist.choice.record()
     out["host_settings"] = dist.host.record()
+    if loaders.pad_to is not None:  # instruction data: what the batches are padded to (SftData.pad_to)
+        out["pad_to"] = loaders.pad_to
     stream = data.bundle.stream
     out["hardware"] = {"float32_matmul_precision": rt.matmul_precision, "cpu_threads": rt.threads,
                        "channels_last": model.channels_last, "compile": cfg.hardware.compile,

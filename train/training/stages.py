@@ -318,24 +318,40 @@ class Loaders:
     train: DataLoader
     val: Optional[DataLoader]   # None: no validation split
     workers: int                # loader worker processes per rank
+    pad_to: Optional[str] = None  # instruction data: "longest" or "seq_len", what the batches use
 
 
-def make_loaders(cfg: RunConfig, rt: Runtime, data: RunData) -> Loaders:
+def make_loaders(cfg: RunConfig, rt: Runtime, data: RunData, model: Optional[Model] = None) -> Loaders:
+    """`model`: the built model, which decides whether instruction data may be padded per batch
+    (data.pad_to longest; SftData.pad_to says when it may not)."""
     b, bundle = rt.batch, data.bundle
     workers = hardware.data_workers(cfg.data, rt.local_world)
     batches = sp_.ReplicatedBatches(data.sampler, rt.sp_size, b.micro) if rt.sp_size > 1 else data.sampler
-    train = DataLoader(bundle.train, batch_sampler=batches, generator=torch.Generator().manual_seed(cfg.train.seed),
-                       **hardware.loader_options(workers, b.accum, rt.cuda, train=True))
-    val = None
-    if bundle.val is not None and len(bundle.val) > 0:
-        subset = bundle.val
+    train_set, val_set, collate, pad_to = bundle.train, bundle.val, None, bundle.extra.get("pad_to")
+    if pad_to == "longest":
+        from zerotrain.train.data import sft
+        w = model.workload if model is not None else None
+        fixed = sft.fixed_length_reason(rt.sp_size, cfg.hardware.compile, w is not None and w.moe is not None,
+                                        w is not None and bool(w.model_loss))
+        if fixed is None:
+            train_set = sft.LongestPadding(bundle.train)
+            val_set = sft.LongestPadding(bundle.val) if bundle.val is not None else None
+            collate = train_set.collate
+        else:  # the banner's data line says so
+            pad_to = "seq_len"
+            bundle.describe = bundle.describe.replace(bundle.extra["layout"], f"padded to {bundle.seq_len} ({fixed})")
+    train = DataLoader(train_set, batch_sampler=batches, generator=torch.Generator().manual_seed(cfg.train.seed),
+                       collate_fn=collate, **hardware.loader_options(workers, b.accum, rt.cuda, train=True))
+    val = None  # train.eval_batches 0: evaluation off, no loader (Evaluator.run then returns {})
+    if val_set is not None and len(val_set) > 0 and cfg.train.eval_batches != 0:
+        subset = val_set
         if cfg.train.eval_batches is not None:
             # A real subset (not just fewer batches) so that Accelerate's end-of-set padding
             # arithmetic in gather_for_metrics sees the true number of samples.
             subset = Subset(subset, range(min(len(subset), cfg.train.eval_batches * b.micro * rt.world)))
-        val = DataLoader(subset, batch_sampler=EvalBatchSampler(len(subset), b.micro, rt.world),
+        val = DataLoader(subset, batch_sampler=EvalBatchSampler(len(subset), b.micro, rt.world), collate_fn=collate,
                          **hardware.loader_options(workers, 1, rt.cuda, train=False))
-    return Loaders(train=train, val=val, workers=workers)
+    return Loaders(train=train, val=val, workers=workers, pad_to=pad_to)
 
 
 # ---------------------------------------------------------------------------- prepare

@@ -110,6 +110,7 @@ class Trainer:
     wandb: Optional[WandbTracker] = field(init=False, default=None)     # rank 0's W&B tracker, once start() ran
     tracker_lines: list = field(init=False, default_factory=list)      # rank 0's banner lines: where W&B, TensorBoard, MLflow log
     start_counts: tuple = field(init=False, default=(0, 0, 0))         # (step, samples, tokens) at start()
+    peak_mem: int = field(init=False, default=0)  # the largest peak_mem_bytes logged (the worst rank's), for the summary
     _t_start: float = field(init=False, default=0.0)
     _finished: bool = field(init=False, default=False)  # finish() completed: close() reports success to W&B
 
@@ -225,6 +226,7 @@ class Trainer:
              "samples_seen": self.state.samples_seen, "tokens_seen": self.state.tokens_seen,
              **{f"data/tokens/{name}": n for name, n in self.state.source_tokens.items()},
              "peak_mem_bytes": red["peak_mem_bytes"]}
+        self.peak_mem = max(self.peak_mem, red["peak_mem_bytes"])
         m.update(self.health.log_fields(self.state.skipped_steps))  # grad_norm, loss_scale, skipped_steps
         self.state.skipped_steps = m["skipped_steps"]  # the engine's own count, where it keeps one
         if self.workload.moe is not None:  # loss/lm, loss/aux, tokens per expert (models/moe.py)

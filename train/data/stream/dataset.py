@@ -262,7 +262,7 @@ def build_stream(cfg, seq_len: Optional[int], seed: int, tokenizer: Optional[str
                         describe=f"streamed {len(corpus.files)} file(s) under {corpus.root} ({names}; field "
                                  f"{field!r}, {corpus.per_pass} chunks per pass), tokenized by "
                                  f"{'bytes' if tok.name == 'bytes' else tokenizer} in {workers} worker(s) per rank, "
-                                 f"windows of {seq_len} shuffled in groups of {group}; val: "
-                                 f"{len(val) if val else 0} windows of held-out documents",
+                                 f"windows of {seq_len} shuffled in groups of {group}; "
+                                 + (f"val: {len(val)} windows of held-out documents" if val else "no validation"),
                         extra={"tokenizer": tok.name, "stream_workers": workers})
     return bundle if eos is None else document_mask.apply(bundle, eos)
