@@ -34,6 +34,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from zerotrain.train import process_group
+from zerotrain.train.errors import say
 from zerotrain.train.launch import distributed as dist_
 
 _STATE: dict = {"on": False, "timeout_s": None, "run_dir": None}
@@ -177,7 +178,7 @@ def report(exc: BaseException) -> bool:
     line = explain(exc)
     if line is None:
         return False
-    print(line, file=sys.stderr, flush=True)
+    say(line)
     if not _MISSING.search(_texts(exc)):  # a rank that never came prints its stack instead (_ask_for_stacks)
         _wait_for_the_others_lines()
     return True
@@ -256,9 +257,9 @@ class StackOnRequest(threading.Thread):
                 asker, waited = store.get(key).decode().split(":")
             except Exception:  # noqa: BLE001 - the store is gone (the run ended): stop asking
                 return
-            print(f"[rank {self.rank}] zerotrain: error: this rank is stuck outside any collective at "
-                  f"{process_group.where()}: rank {asker} waited {waited} s for it in a collective. Its Python "
-                  f"stack (most recent call first):", file=sys.stderr, flush=True)
+            say(f"[rank {self.rank}] zerotrain: error: this rank is stuck outside any collective at "
+                f"{process_group.where()}: rank {asker} waited {waited} s for it in a collective. Its Python "
+                f"stack (most recent call first):")
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             sys.stderr.flush()
             try:
