@@ -100,6 +100,27 @@ def test_a_rank_stuck_in_its_data_loader_is_named_with_its_stack(tmp_path):
 
 
 @pytest.mark.multiproc
+def test_ranks_far_apart_at_start_up_train_and_a_rank_stuck_later_is_named_in_the_short_timeout(tmp_path):
+    """Start-up keeps distributed.timeout_s: rank 1 comes to its first step 25 s after rank 0
+    (a slow import or data prepare), 2.5 times debug.collectives_timeout_s, and both train; from
+    the end of the first step on the short timeout applies: rank 1 stuck in its loader at step 3
+    is named after 10 s, not distributed.timeout_s (30 min)."""
+    run = tmp_path / "run"
+    proc = run_train("torchrun", 2, [*TINY, *CHECK, "--debug.collectives_timeout_s", "10", "--train.run_dir", str(run)],
+                     env={"ZEROTRAIN_INJECT_SLOW_START": "1:25", "ZEROTRAIN_INJECT_DESYNC": "stuck_loader:1:3"},
+                     check=False, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert sorted(train_losses(run)) == [1, 2], err[-4000:]
+    [waiting] = _lines(err, 0)
+    assert "rank 1 did not come to the collective at step 3 (training step) within 10 s (debug.collectives_timeout_s)" \
+        in waiting, waiting
+    [stuck] = _lines(err, 1)
+    assert "this rank is stuck outside any collective at step 3 (training step): rank 0 waited 10 s" in stuck
+    _assert_step2_checkpoint_intact(run)
+
+
+@pytest.mark.multiproc
 def test_with_the_check_on_a_run_that_agrees_trains_to_the_end_with_the_same_numbers(tmp_path):
     """No false alarm, and nothing changed: the same launch without a fault trains its 6 steps
     with the very losses of a launch without the check (DDP's gradient all-reduces go through the
@@ -201,13 +222,15 @@ def test_a_missing_rank_is_named_by_rank_0_and_by_the_others(monkeypatch, tmp_pa
     from zerotrain.train.launch import collectives
     monkeypatch.setitem(collectives._STATE, "on", True)
     monkeypatch.setitem(collectives._STATE, "timeout_s", 20)
+    monkeypatch.setitem(collectives._STATE, "timeout_key", "debug.collectives_timeout_s")
     monkeypatch.setitem(collectives._STATE, "run_dir", tmp_path)
     monkeypatch.setattr(collectives, "_ask_for_stacks", lambda ranks, waited: asked.append((ranks, waited)))
     monkeypatch.setattr(process_group, "size", lambda: 2)
     asked = []
     monkeypatch.setenv("RANK", "0")
     line = collectives.explain(RuntimeError("[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 20000 ms"))
-    assert line.startswith("[rank 0] zerotrain: error: rank 1 did not come to the collective at start-up within 20 s")
+    assert line.startswith("[rank 0] zerotrain: error: rank 1 did not come to the collective at start-up within 20 s "
+                           "(debug.collectives_timeout_s)")
     monkeypatch.setenv("RANK", "1")
     line = collectives.explain(RuntimeError(
         "Rank 1 successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0. "
