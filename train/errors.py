@@ -30,7 +30,7 @@ def user_errors(debug: bool = False):
             raise
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank not in (None, "0") and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-        print(f"{prefix}zerotrain: error: {e}", file=sys.stderr, flush=True)
+        say(f"{prefix}zerotrain: error: {e}")
         if _distributed() is not None:
             _distributed().report_user_error(str(e))
         sys.exit(e.exit_code)
@@ -45,8 +45,21 @@ def user_errors(debug: bool = False):
             raise
         if _distributed().peer_user_error() is not None:
             sys.exit(2)
-        print(f"[rank {os.environ.get('RANK', '?')}] zerotrain: error: {lost}", file=sys.stderr, flush=True)
+        say(f"[rank {os.environ.get('RANK', '?')}] zerotrain: error: {lost}")
         sys.exit(1)
+
+
+def say(line: str) -> None:
+    """Print one line to stderr in one write. The ranks of a launch share the launcher's stderr,
+    and print() writes a line and its newline in two writes (unbuffered, as under
+    PYTHONUNBUFFERED): another rank's line then lands between them, glued to the end of this
+    one instead of starting its own (measured: 1 launch in 3 of tests/test_collectives.py's
+    extra all-reduce, which read as a rank exiting without its line). One write of a line
+    shorter than the pipe's atomic size (4096 bytes on Linux) is never split."""
+    stream = sys.stderr
+    stream.flush()  # whatever this process wrote before goes first, on its own
+    stream.write(line + "\n")
+    stream.flush()
 
 
 def collective_failure(exc: BaseException) -> bool:

@@ -46,6 +46,9 @@ ZEROTRAIN_INJECT_DESYNC=<kind>:<rank>:<step>   ranks that part ways (debug.colle
   save                 "desync_save": saves after the step (the others do not);
   stuck_loader         "desync_stuck_loader": sleeps forever fetching the step's first micro-batch
                        (a data loader deadlock).
+ZEROTRAIN_INJECT_SLOW_START=<rank>:<seconds>  "slow_start": that rank sleeps so long before its
+                             first step (ranks far apart at start-up: debug.collectives' long
+                             timeout until the first step is done).
 ZEROTRAIN_MOE_LEAF=0         "no_moe_leaf": ZeRO-3 leaves sparse-MoE blocks to DeepSpeed's
                              per-module gathering (models/moe.py), to show what the leaf avoids.
 """
@@ -102,6 +105,10 @@ def load(env=None) -> None:
             raise ValueError(f"ZEROTRAIN_INJECT_DESYNC={desync}: <kind>:<rank>:<step>, kind one of {', '.join(DESYNCS)}")
         act = {"extra_allreduce": _extra_allreduce, "stuck_loader": _sleep_forever}.get(kind, lambda: True)
         _armed["desync_" + kind] = lambda step, rank: (rank, step) == (int(who), int(at)) and act()
+    slow_start = env.get("ZEROTRAIN_INJECT_SLOW_START", "")
+    if slow_start:
+        late, seconds = (int(x) for x in slow_start.split(":"))
+        _armed["slow_start"] = lambda rank: rank == late and time.sleep(seconds)
     if env.get("ZEROTRAIN_MOE_LEAF", "1") == "0":
         _armed["no_moe_leaf"] = lambda: True
 

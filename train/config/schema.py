@@ -192,14 +192,18 @@ class DebugConfig:
     (an all-reduce on some ranks only, a tensor of another shape, a save or an evaluation on one
     rank) stops every rank within seconds with one line naming the operation, the shapes, the
     step and the ranks; a rank that does not come to a collective within
-    collectives_timeout_s is named, and prints its Python stack. Costs a barrier and a small
+    collectives_timeout_s (after the first step; distributed.timeout_s before) is named, and
+    prints its Python stack. Costs a barrier and a small
     all-gather per collective (BENCHMARKS.md "Collective checks"), so off by default;
     `zerotrain verify` turns it on. Set before the process group starts: in the run file or on
     the command line, not later."""
     collectives_timeout_s: int = 20
-    """With debug.collectives: the collective timeout (instead of distributed.timeout_s), so that
-    a rank that never arrives is named within this time. Raise it where one rank is legitimately
-    away from the others for longer (a slow first step, a large save or export)."""
+    """With debug.collectives: the collective timeout (instead of distributed.timeout_s) from the
+    end of the run's first step on, so that a rank that never arrives is named within this time.
+    Start-up and the first step keep distributed.timeout_s: ranks far apart there (slow imports,
+    a data prepare on rank 0 only, a first step that compiles) are not stopped. Raise it where one
+    rank is legitimately away from the others for longer later on (a large save or export, a slow
+    evaluation)."""
 
     def __post_init__(self):
         if isinstance(self.collectives_timeout_s, bool) or not isinstance(self.collectives_timeout_s, int) \

@@ -12,7 +12,8 @@ an all-gather of the collective's fingerprint (operation, shapes, dtypes) on a s
   (train/process_group.py `at`, set at each step, stop vote, evaluation and save);
 - a rank that does not come at all (stuck in its data loader, an endless loop, one collective
   fewer): the monitored barrier names it after the collective timeout, which is
-  debug.collectives_timeout_s while the check is on. The waiting rank then asks the missing one,
+  debug.collectives_timeout_s from the end of the run's first step on (distributed.timeout_s
+  before: ranks may be far apart at start-up; `shorten`). The waiting rank then asks the missing one,
   through the rendezvous store, for its Python stack: a thread in every rank (StackOnRequest)
   prints it (faulthandler, every thread) with one line saying where it stands, and ends it.
 
@@ -34,9 +35,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from zerotrain.train import process_group
+from zerotrain.train.errors import say
 from zerotrain.train.launch import distributed as dist_
 
-_STATE: dict = {"on": False, "timeout_s": None, "run_dir": None}
+_STATE: dict = {"on": False, "timeout_s": None, "timeout_key": None, "run_dir": None, "helpers": [],
+                "short_s": None, "start_s": None}
 _MISMATCH = re.compile(r"Detected mismatch between collectives on ranks\. Rank (\d+) is running collective: "
                        r"(CollectiveFingerPrint\(.*?\)), but Rank (\d+) is running collective: "
                        r"(CollectiveFingerPrint\(.*?\))\.\s*Collectives differ", re.S)
@@ -48,29 +51,91 @@ ASK_EVERY_S = 0.5   # how often a rank looks whether a peer asked for its stack
 
 def enable(cfg) -> int:
     """Turn the check on where cfg.debug.collectives asks (before any process group exists);
-    returns the collective timeout of this run: debug.collectives_timeout_s while the check is
-    on, else distributed.timeout_s."""
+    returns the timeout the run's process group is made with: distributed.timeout_s. The check's
+    own, shorter one (debug.collectives_timeout_s) applies from the end of the first step on
+    (`shorten`, called by the loop's FirstStepDone): until then the ranks may be far apart
+    legitimately (imports, a data prepare on rank 0 only, a slow first step)."""
+    from torch.distributed import distributed_c10d
     _STATE["run_dir"] = Path(cfg.train.run_dir)
     if not cfg.debug.collectives:
         if _STATE["on"]:  # an earlier run in this process (tests) had it on
-            from torch.distributed import distributed_c10d
             dist.set_debug_level(dist.DebugLevel.OFF)
             os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
             distributed_c10d.default_pg_timeout = _STATE["default_timeout"]
-            _STATE.update(on=False, timeout_s=None)
+            _STATE.update(on=False, timeout_s=None, timeout_key=None, short_s=None, helpers=[])
         return cfg.distributed.timeout_s
     if dist.is_initialized():  # too late: the group exists without the wrapper
         raise RuntimeError("debug.collectives must be set before the process group starts")
-    timeout_s = cfg.debug.collectives_timeout_s
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # torch read it at import: set the level too
     dist.set_debug_level(dist.DebugLevel.DETAIL)
-    # Groups created later without a timeout (DeepSpeed's copy of the world group) take this one.
-    from torch.distributed import distributed_c10d
     _STATE.setdefault("default_timeout", distributed_c10d.default_pg_timeout)
-    distributed_c10d.default_pg_timeout = datetime.timedelta(seconds=timeout_s)
     _ddp_logs_no_construction()
-    _STATE.update(on=True, timeout_s=timeout_s)
-    return timeout_s
+    _STATE.update(on=True, short_s=cfg.debug.collectives_timeout_s, helpers=[])
+    if _keep_the_checks_groups():
+        _STATE.update(timeout_s=cfg.distributed.timeout_s, timeout_key="distributed.timeout_s",
+                      start_s=cfg.distributed.timeout_s)
+        return cfg.distributed.timeout_s
+    # torch's wrapper is not the one this was written against: the short timeout from the start
+    # (ranks more than debug.collectives_timeout_s apart at start-up then stop there).
+    distributed_c10d.default_pg_timeout = datetime.timedelta(seconds=cfg.debug.collectives_timeout_s)
+    _STATE.update(timeout_s=cfg.debug.collectives_timeout_s, timeout_key="debug.collectives_timeout_s",
+                  start_s=cfg.debug.collectives_timeout_s)
+    return cfg.debug.collectives_timeout_s
+
+
+def _keep_the_checks_groups() -> bool:
+    """Keep each ProcessGroupWrapper's side gloo group (the one its monitored barrier and
+    fingerprint all-gather run on, with the timeout the group was made with), so that `shorten`
+    can set its timeout: dist.set_timeout(group) does not reach it (measured, torch 2.14: a rank
+    12 s late still passed a 3 s timeout set that way; set on the side group, the other rank named
+    it after 3.0 s). torch builds the wrapper in distributed_c10d._create_process_group_wrapper;
+    this is that function, the same three lines, keeping the side group. False (nothing changed)
+    where torch's function is not the one these lines copy."""
+    import inspect
+
+    from torch.distributed import distributed_c10d as c10d
+    made = c10d._create_process_group_wrapper
+    if getattr(made, "zerotrain_keeps_side_group", False):
+        return True
+    expected = ["wrapped_pg", "store_prefix", "store", "rank", "world_size", "timeout"]
+    if list(inspect.signature(made).parameters) != expected or not all(
+            hasattr(c10d, n) for n in ("PrefixStore", "ProcessGroupGloo", "_ProcessGroupWrapper",
+                                       "PG_WRAPPER_STORE_PREFIX")):
+        return False
+
+    def create_process_group_wrapper(wrapped_pg, store_prefix, store, rank, world_size,
+                                     timeout=c10d.default_pg_timeout):
+        store = c10d.PrefixStore(f"{c10d.PG_WRAPPER_STORE_PREFIX}:{store_prefix}", store)
+        helper_pg = c10d.ProcessGroupGloo(store, rank, world_size, timeout=timeout)
+        _STATE["helpers"].append(helper_pg)  # one per group, alive as long as the group (the run)
+        if _STATE["timeout_key"] == "debug.collectives_timeout_s":  # a group made after the first step
+            helper_pg.set_timeout(datetime.timedelta(seconds=_STATE["short_s"]))
+        return c10d._ProcessGroupWrapper(wrapped_pg, helper_pg)
+
+    create_process_group_wrapper.zerotrain_keeps_side_group = True
+    c10d._create_process_group_wrapper = create_process_group_wrapper
+    return True
+
+
+def shorten() -> None:
+    """From now on a rank that does not come to a collective is named after
+    debug.collectives_timeout_s (each rank sets its own side groups; no collective)."""
+    if not _STATE["on"] or _STATE["timeout_key"] == "debug.collectives_timeout_s":
+        return
+    from torch.distributed import distributed_c10d
+    short = datetime.timedelta(seconds=_STATE["short_s"])
+    for helper in _STATE["helpers"]:
+        helper.set_timeout(short)
+    distributed_c10d.default_pg_timeout = short  # groups made later (their side group: above)
+    _STATE.update(timeout_s=_STATE["short_s"], timeout_key="debug.collectives_timeout_s")
+
+
+class FirstStepDone:
+    """A component of the loop (train/training/components.py), while the check is on: once the
+    run's first step is done (its collectives, its stop vote), the short timeout applies."""
+
+    def on_step(self, tick) -> None:
+        shorten()
 
 
 def _ddp_logs_no_construction() -> None:
@@ -92,8 +157,8 @@ def _ddp_logs_no_construction() -> None:
 
 
 def timeout_s(cfg) -> int:
-    """The collective timeout a run's process group is made with."""
-    return cfg.debug.collectives_timeout_s if cfg.debug.collectives else cfg.distributed.timeout_s
+    """The collective timeout a run's process group is made with (`enable` says which)."""
+    return _STATE["start_s"] if cfg.debug.collectives and _STATE["on"] else cfg.distributed.timeout_s
 
 
 def on() -> bool:
@@ -153,7 +218,7 @@ def explain(exc: BaseException) -> str | None:
     m, root = _MISSING.search(text), _NO_ROOT.search(text)
     if root and process_group.size() > 2:  # rank 0 may be the stuck one, or waiting for another: its line says
         return (f"[rank {me}] zerotrain: error: rank {root.group(1)} did not answer at the collective at {where} "
-                f"within {_STATE['timeout_s']} s (debug.collectives_timeout_s): it is stuck outside any collective, "
+                f"within {_STATE['timeout_s']} s ({_STATE['timeout_key']}): it is stuck outside any collective, "
                 f"or it names the rank that is in its own line. {_checkpoint_line()}")
     if m or root:
         missing = [int(r) for r in re.findall(r"\d+", m.group(1))] if m else [int(root.group(1))]
@@ -161,7 +226,7 @@ def explain(exc: BaseException) -> str | None:
         _ask_for_stacks(missing, waited)
         who = "rank" + ("s " if len(missing) > 1 else " ") + ", ".join(map(str, missing))
         return (f"[rank {me}] zerotrain: error: {who} did not come to the collective at {where} within "
-                f"{waited:.0f} s (debug.collectives_timeout_s): stuck outside any collective (a data loader, an "
+                f"{waited:.0f} s ({_STATE['timeout_key']}): stuck outside any collective (a data loader, an "
                 f"endless loop, work on that rank only) or one collective short; its Python stack is in its own "
                 f"output (\"[rank {missing[0]}] zerotrain: error: this rank is stuck\"). "
                 f"{_checkpoint_line()}")
@@ -177,7 +242,7 @@ def report(exc: BaseException) -> bool:
     line = explain(exc)
     if line is None:
         return False
-    print(line, file=sys.stderr, flush=True)
+    say(line)
     if not _MISSING.search(_texts(exc)):  # a rank that never came prints its stack instead (_ask_for_stacks)
         _wait_for_the_others_lines()
     return True
@@ -256,9 +321,9 @@ class StackOnRequest(threading.Thread):
                 asker, waited = store.get(key).decode().split(":")
             except Exception:  # noqa: BLE001 - the store is gone (the run ended): stop asking
                 return
-            print(f"[rank {self.rank}] zerotrain: error: this rank is stuck outside any collective at "
-                  f"{process_group.where()}: rank {asker} waited {waited} s for it in a collective. Its Python "
-                  f"stack (most recent call first):", file=sys.stderr, flush=True)
+            say(f"[rank {self.rank}] zerotrain: error: this rank is stuck outside any collective at "
+                f"{process_group.where()}: rank {asker} waited {waited} s for it in a collective. Its Python "
+                f"stack (most recent call first):")
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             sys.stderr.flush()
             try:

@@ -325,10 +325,9 @@ def _abort_peer_lost(nodes: list[int] | None, silent_s: float):
                 f"{os.environ.get('MASTER_PORT')} for {silent_s:.0f} s")
     else:
         what = f"lost contact with {' and '.join(describe_node(n, roster) for n in nodes)}: silent for {silent_s:.0f} s"
-    print(f"[rank {me.get('rank', '?')}] zerotrain: error: {what} (distributed.timeout_s={_PEERS['timeout_s']}). "
-          f"That node is down or frozen, or the network between the nodes failed; collectives would wait forever, "
-          f"so this node stops. {_what_next()}",
-          file=sys.stderr, flush=True)
+    errors.say(f"[rank {me.get('rank', '?')}] zerotrain: error: {what} (distributed.timeout_s={_PEERS['timeout_s']}). "
+               f"That node is down or frozen, or the network between the nodes failed; collectives would wait "
+               f"forever, so this node stops. {_what_next()}")
     os._exit(1)  # the main thread is blocked inside a collective: no clean way out
 
 

@@ -36,6 +36,7 @@ from zerotrain.train import process_group, testhooks
 from zerotrain.train.checkpoint.cadence import SaveCadence
 from zerotrain.train.checkpoint.state import TrainState
 from zerotrain.train.data.position import DataPosition
+from zerotrain.train.launch import collectives
 from zerotrain.train.observe import report, trackers
 from zerotrain.train.observe.memory import MemoryReport
 from zerotrain.train.observe.metrics import reduce_window
@@ -148,6 +149,7 @@ class Trainer:
         vote = StopVote(self.acc)
         cadence = SaveCadence(self.cfg.checkpoint.every_steps, self.cfg.checkpoint.every_minutes,
                               self.acc.is_main_process)
+        testhooks.fire("slow_start", rank=self.topo.rank)  # tests: one rank comes late to its first step
         with StopRequested() as signals, self._progress_bar() as bar:
             components, log = self._components(cadence, bar, signals)
             tick = None
@@ -180,6 +182,8 @@ class Trainer:
         if self.checkpointer is not None:
             steps.append(components_.Checkpointing(self, cadence))
         steps.append(components_.StepDone(self, bar, signals))
+        if collectives.on():  # debug.collectives: its short timeout once the first step is done
+            steps.insert(0, collectives.FirstStepDone())
         return steps, log
 
     def _agree(self, out, vote: StopVote, cadence: SaveCadence, signals: StopRequested) -> components_.Tick:
