@@ -76,9 +76,16 @@ def test_imagefolder_classes_transforms_and_labels(colours):
     assert [int(data.train[i]["labels"]) for i in (0, 32, 64, 96)] == [0, 1, 2, 3]
     # Normalised with the ImageNet statistics: roughly centred, not [0, 1].
     assert data.val[0]["pixel_values"].min() < 0
-    # Validation transforms are deterministic; training ones are random crops/flips.
+    # Validation transforms are deterministic; training ones are random crops/flips, drawn per
+    # (seed, epoch, sample): the same epoch-tagged index gives the same image on any rank or
+    # resume, another epoch of the same sample another crop, and the caller's RNG is untouched.
     assert torch.equal(data.val[5]["pixel_values"], data.val[5]["pixel_values"])
-    assert not all(torch.equal(data.train[5]["pixel_values"], data.train[5]["pixel_values"]) for _ in range(4))
+    rng = torch.get_rng_state()
+    assert torch.equal(data.train[5]["pixel_values"], data.train[5]["pixel_values"])
+    assert torch.equal(torch.get_rng_state(), rng)
+    n = len(data.train)
+    assert not all(torch.equal(data.train[5]["pixel_values"], data.train[e * n + 5]["pixel_values"]) for e in (1, 2, 3))
+    assert torch.equal(data.train[n + 5]["labels"], data.train[5]["labels"])
 
 
 def test_imagefolder_layout_errors(tmp_path, colours):
