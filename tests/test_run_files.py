@@ -96,7 +96,7 @@ def test_every_run_file_in_the_docs_loads(tmp_path, where, text):
      "freeze_backbone, channels_last, activation_checkpointing, init_from); model family gpt has it"),
     ("model:\n  name: hf:/models/llama\n  num_clases: 3\n",
      "model.num_clases is not a key of model family hf (its keys: name, trust_remote_code, activation_checkpointing, "
-     "router_aux_loss_coef, init_from, lora)"),
+     "attn_implementation, router_aux_loss_coef, init_from, lora)"),
     ("train:\n  tf32: false\n", "train.tf32 moved to hardware.tf32 in zerotrain 0.2; rename it in "),
     ("train:\n  progress: false\n", "train.progress moved to logging.progress in zerotrain 0.2; rename it in "),
     ("train:\n  trace_data: true\n", "train.trace_data moved to debug.trace_data in zerotrain 0.2; rename it in "),
