@@ -68,8 +68,9 @@ def parse(argv):
                    help="the plain loop's arms per pair, comma-separated: 'default' (torch's own thread count) "
                         "and/or a number N (OMP_NUM_THREADS=N); the best plain loop is the pair's fastest arm")
     p.add_argument("--issue41", action="store_true",
-                   help="issue 41's measurement: d_model 256, n_layer 4, seq 256, micro 8, 2 processes, fp32, "
-                        "ddp,zero1,zero2,zero3 (unless --configs), 3 pairs, 45 steps: 40 timed after 5 warm-up")
+                   help="issue 41's measurement: d_model 256, n_layer 4, seq 256, micro 8, 2 processes, fp32, the "
+                        "deepspeed launcher, 45 steps: 40 timed after 5 warm-up in 5-step windows (these override "
+                        "their flags); ddp,zero1,zero2,zero3 unless --configs; --repeats pairs (default 3)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME|ENV=V ...|FLAGS",
                    help="also run the trainer with these environment variables and flags (repeatable)")
     p.add_argument("--launcher", default="deepspeed", choices=("deepspeed", "torchrun"))
