@@ -4,13 +4,21 @@ user would write around models/gpt.py, sharing nothing else with zerotrain.
 - the model: models/gpt.py (its only import from this repository);
 - the data: the same bytes file the trainer reads (`--data`), cut into seq_len+1 windows,
   shuffled with a seeded permutation and split over the ranks;
-- torch AdamW (decay on matrices only, as any GPT recipe), F.cross_entropy, a fixed LR;
+- torch AdamW, F.cross_entropy, a fixed LR. `--groups 2` (the default): decay on matrices only,
+  no decay on the rest, as any GPT recipe and as the trainer's AdamW (train/optim/optimizer.py,
+  decay / no-decay groups), so that trainer/plain measures the trainer's loop and not a different
+  optimizer layout (under ZeRO-1/2 DeepSpeed flattens and partitions each group on its own);
+  `--groups 1`: one group, weight decay 0.1 on everything (issue 41's plain loop), to measure
+  what the layout itself costs;
+- torch's threads: whatever the environment gives (OMP_NUM_THREADS, which torch honours, or
+  torch's default of every core per process); bench/stages.py runs it both ways and records the
+  count each rank saw (`torch_threads`);
 - DeepSpeed: deepspeed.initialize with the config dict written out below from the same numbers
   (no zerotrain config reader); DDP: a plain torch DistributedDataParallel loop;
 - nothing set in the environment by this file (no huge pages, no allocator settings, no device
   override): bench/stages.py launches it in a clean environment.
 
-    deepspeed --num_gpus 2 bench/plain_loop.py --stage 2 --data corpus.bin --steps 25 --window 5 \\
+    deepspeed --num_gpus 2 bench/plain_loop.py --stage 2 --data corpus.bin --steps 45 --window 5 \\
         --d-model 256 --n-layer 4 --seq-len 256 --micro-batch 8 --out /tmp/plain.json
 
 Writes (rank 0) {"window_tokens_per_s": [...], "window_s": [...], ...} to --out.
@@ -48,6 +56,8 @@ def parse(argv):
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--groups", type=int, default=2, choices=(1, 2),
+                   help="AdamW parameter groups: 2 = decay / no decay (as the trainer), 1 = one group")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--window", type=int, required=True, help="steps per timed window")
     p.add_argument("--out", required=True)
@@ -95,9 +105,12 @@ def batches(path: str, seq: int, micro: int, rank: int, world: int, seed: int):
 
 
 def optimizer(model, a):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    if a.groups == 1:
+        groups = [{"params": list(model.parameters()), "weight_decay": 0.1}]
+    else:
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
     if a.offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         return DeepSpeedCPUAdam(groups, lr=a.lr, adamw_mode=True)
@@ -168,7 +181,9 @@ def main(argv=None) -> int:
     if rank == 0:
         out = {"window_s": window_s, "window_bounds": bounds, "window_steps": a.window,
                "tokens_per_step": tokens_per_step,
-               "window_tokens_per_s": [a.window * tokens_per_step / w for w in window_s], "world_size": world}
+               "window_tokens_per_s": [a.window * tokens_per_step / w for w in window_s], "world_size": world,
+               "torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+               "param_groups": a.groups}
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

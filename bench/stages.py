@@ -3,8 +3,14 @@ N processes (the deepspeed launcher), alternately with zerotrain (train/main.py,
 and with bench/plain_loop.py (the independent baseline: the same model file and data bytes,
 nothing else of zerotrain, a clean environment) — and report per stage:
 
-* tokens/s: the median over timed windows after the warm-up steps (trainer and plain loop),
-  and trainer/plain per alternated pair: the median of the pairs' ratios and their spread;
+* tokens/s: the median over timed windows after the warm-up steps (trainer and plain loop;
+  both wall clock: the plain loop's own clock every --window steps, the trainer's between its
+  metrics.jsonl log rows, written every --window steps, so log work counts as it would for a user);
+* the plain loop in two arms per pair (--plain-threads): torch's default threads (every core
+  per process: 2 ranks on 2 cores oversubscribe them) and OMP_NUM_THREADS=1 (1 thread per
+  rank); the "best plain loop" of a pair is its faster arm;
+* trainer/best plain loop per alternated pair (plain arms, then the trainer, per repeat): the
+  median of the pairs' ratios and their spread; also against each arm alone;
 * optionally the trainer with settings changed (--variant), each alternated with the baseline too;
 * peak memory per rank (CUDA max allocated on GPU, max RSS on CPU; bench/rank_peak.py);
 * model-state bytes per rank measured in the running engine (train/observe/memory.py, mem/*) and the
@@ -15,10 +21,13 @@ Writes <out>/stages-<timestamp>.json and .md (and prints the table).
     python bench/stages.py                      # every ds_configs/*.json, 2 processes
     python bench/stages.py --configs zero2,zero3 --d-model 512 --n-layer 8
     python bench/stages.py --quick              # a smoke run (tests/test_bench.py)
+    python bench/stages.py --issue41            # issue 41's measurement: ddp,zero1,zero2,zero3, 3 pairs
     python bench/stages.py --configs zero2 --variant 'compact||--hardware.host_malloc compact' \
         --variant 'thp|THP_MEM_ALLOC_ENABLE=1|'  # the trainer with a setting changed: NAME|ENV=V ...|FLAGS
 
-The JSON keeps the baseline under the key "minimal" (bench/gpu_checks.py reads it).
+The JSON keeps the best plain loop of each pair under the key "minimal" (bench/gpu_checks.py
+reads it: "minimal", "minimal_tokens_per_s", "throughput_ratio"), each arm under "plain_<arm>"
+("plain_default", "plain_1thread").
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ def parse(argv):
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--steps", type=int, default=25, help="optimizer steps per run")
+    p.add_argument("--steps", type=int, default=45, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=5, help="steps excluded from the timing")
     p.add_argument("--window", type=int, default=5, help="steps per timed window")
     p.add_argument("--nproc", type=int, default=2)
@@ -55,6 +64,13 @@ def parse(argv):
     p.add_argument("--precision", default="auto", choices=("auto", "json", "fp32", "bf16"),
                    help="auto: fp32 on CPU (bf16 matmuls are ~80x slower there), the JSON's own on GPU")
     p.add_argument("--repeats", type=int, default=3, help="trainer/plain pairs per config (alternated)")
+    p.add_argument("--plain-threads", default="default,1", metavar="ARMS",
+                   help="the plain loop's arms per pair, comma-separated: 'default' (torch's own thread count) "
+                        "and/or a number N (OMP_NUM_THREADS=N); the best plain loop is the pair's fastest arm")
+    p.add_argument("--issue41", action="store_true",
+                   help="issue 41's measurement: d_model 256, n_layer 4, seq 256, micro 8, 2 processes, fp32, the "
+                        "deepspeed launcher, 45 steps: 40 timed after 5 warm-up in 5-step windows (these override "
+                        "their flags); ddp,zero1,zero2,zero3 unless --configs; --repeats pairs (default 3)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME|ENV=V ...|FLAGS",
                    help="also run the trainer with these environment variables and flags (repeatable)")
     p.add_argument("--launcher", default="deepspeed", choices=("deepspeed", "torchrun"))
@@ -63,6 +79,14 @@ def parse(argv):
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     p.add_argument("--quick", action="store_true", help="tiny model, few steps, zero2 only (smoke test)")
     a = p.parse_args(argv)
+    if a.issue41 and a.quick:
+        p.error("--issue41 and --quick are two different presets: pick one")
+    if a.issue41:
+        a.model, a.d_model, a.n_layer, a.seq_len, a.micro_batch, a.grad_accum = "gpt-small-cpu", 256, 4, 256, 8, 1
+        a.nproc, a.precision, a.launcher = 2, "fp32", "deepspeed"
+        a.steps, a.warmup, a.window = 45, 5, 5
+        if a.configs == ",".join(ORDER):
+            a.configs = "ddp,zero1,zero2,zero3"
     if a.quick:
         a.model, a.d_model, a.n_layer, a.seq_len, a.micro_batch = "gpt-tiny", 64, 2, 32, 4
         a.steps, a.warmup, a.window, a.max_bytes = 6, 2, 2, 200_000
@@ -71,7 +95,29 @@ def parse(argv):
             a.configs = "zero2"
     if a.steps < a.warmup + a.window or a.warmup < 2:
         p.error("need --warmup >= 2 (the memory probe runs on step 2) and --steps >= --warmup + --window")
+    if a.warmup % a.window:
+        p.error(f"--warmup {a.warmup} must be a multiple of --window {a.window} (the trainer's log rows "
+                "bound its timed windows: the first timed one starts at the warm-up's last step)")
+    try:
+        a.arms = plain_arms(a.plain_threads)
+    except ValueError as e:
+        p.error(f"--plain-threads {a.plain_threads!r}: {e}")
     return a
+
+
+def plain_arms(text: str) -> list[tuple[str, dict]]:
+    """'default,1' -> [("default", {}), ("1thread", {"OMP_NUM_THREADS": "1"})]."""
+    arms = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        if item == "default":
+            arms.append(("default", {}))
+        elif item.isdigit() and int(item) > 0:
+            arms.append((f"{int(item)}thread", {"OMP_NUM_THREADS": str(int(item))}))
+        else:
+            raise ValueError(f"{item!r} is neither 'default' nor a thread count (e.g. default,1)")
+    if not arms or len({n for n, _ in arms}) != len(arms):
+        raise ValueError("want one or more distinct arms, e.g. default,1")
+    return arms
 
 
 def machine() -> dict:
@@ -114,9 +160,10 @@ def trainer_args(a) -> list[str]:
             "--optim.warmup_steps", "2"]
 
 
-# Settings that change how the process allocates or where it runs: none reaches the baseline,
-# and the trainer gets them only through --variant (what its defaults do is the point).
-HOST_VARS = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX",
+# Settings that change how the process allocates or where it runs: none reaches the baseline
+# but a plain-loop arm's own (--plain-threads), and the trainer gets them only through
+# --variant (what its defaults do is the point).
+HOST_VARS = ("OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX",
              "LD_PRELOAD", "ZEROTRAIN_DEVICE", "WANDB_MODE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
              "MASTER_PORT")
 
@@ -230,21 +277,31 @@ def run_config(a, name: str, tmp: Path, cuda: bool) -> dict:
     data = corpus(a, tmp)
     variants = [("defaults", {}, [])] + [parse_variant(v) for v in a.variant]
     res = {"config": name, "ds_config": f"ds_configs/{name}.json", "trainer": [], "minimal": [],
+           "plain_arms": [arm for arm, _ in a.arms], **{f"plain_{arm}": [] for arm, _ in a.arms},
            "variants": {v[0]: [] for v in variants[1:]}}
     first = a.warmup // a.window   # windows that end after the warm-up
     for rep in range(a.repeats):
         run = tmp / f"{name}-{rep}"
         run.mkdir(parents=True, exist_ok=True)
         load0 = os.getloadavg()[0]
-        out = run / "plain.json"
-        launch(a, str(REPO / "bench" / "plain_loop.py"), plain_args(a, ds, data, out), run / "peak-plain",
-               run / "plain.log")
-        m = json.loads(out.read_text())
-        b = m["window_bounds"]
-        cpu_windows = [(b[i], b[i + 1], m["window_steps"] * m["tokens_per_step"]) for i in range(first, len(b) - 1)]
-        res["minimal"].append({"window_tokens_per_s": m["window_tokens_per_s"][first:],
-                               "window_tokens_per_cpu_s": tokens_per_cpu_s(run / "peak-plain", cpu_windows),
-                               "peak_bytes_per_rank": peaks(run / "peak-plain")})
+        arms = []
+        for arm, env in a.arms:
+            out, peak_dir = run / f"plain-{arm}.json", run / f"peak-plain-{arm}"
+            launch(a, str(REPO / "bench" / "plain_loop.py"), plain_args(a, ds, data, out), peak_dir,
+                   run / f"plain-{arm}.log", env)
+            m = json.loads(out.read_text())
+            b = m["window_bounds"]
+            cpu_windows = [(b[i], b[i + 1], m["window_steps"] * m["tokens_per_step"])
+                           for i in range(first, len(b) - 1)]
+            timed = m["window_s"][first:]
+            r = {"arm": arm, "torch_threads": m.get("torch_threads"), "omp_num_threads": m.get("omp_num_threads"),
+                 "window_tokens_per_s": m["window_tokens_per_s"][first:],
+                 "span_tokens_per_s": len(timed) * m["window_steps"] * m["tokens_per_step"] / sum(timed),
+                 "window_tokens_per_cpu_s": tokens_per_cpu_s(peak_dir, cpu_windows),
+                 "peak_bytes_per_rank": peaks(peak_dir)}
+            res[f"plain_{arm}"].append(r)
+            arms.append(r)
+        res["minimal"].append(max(arms, key=lambda r: statistics.median(r["window_tokens_per_s"])))
         for vname, env, flags in variants:
             tdir = run / f"trainer-{vname}"
             launch(a, str(REPO / "train" / "main.py"), ["--ds-config", str(ds), *trainer_args(a), "--data.path",
@@ -259,13 +316,20 @@ def run_config(a, name: str, tmp: Path, cuda: bool) -> dict:
 def trainer_result(run_dir: Path, peak_dir: Path, a) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in rows if "tokens_per_s" in r and "final/loss" not in r]
-    windows = [r["tokens_per_s"] for r in train if r["step"] > a.warmup]
-    # CPU windows run between consecutive log rows (their wall-clock "time"), logging included.
-    cpu_windows = [(p["time"], r["time"], r["tokens_seen"] - p["tokens_seen"]) for p, r in zip(train, train[1:])
-                   if r["step"] > a.warmup]
+    # Timed windows run between consecutive log rows (their wall-clock "time"), logging included,
+    # as the plain loop's clock runs over its whole steps: the rows of steps warmup, warmup+window, ...
+    spans = [(p["time"], r["time"], r["tokens_seen"] - p["tokens_seen"]) for p, r in zip(train, train[1:])
+             if p["step"] >= a.warmup]
+    windows = [tokens / (end - start) for start, end, tokens in spans]
+    timed_s = sum(end - start for start, end, _ in spans)
     mem = next((r for r in rows if "mem/model_states_bytes_per_rank" in r), {})
     losses = [r["loss"] for r in rows if "loss" in r]
-    out = {"window_tokens_per_s": windows, "window_tokens_per_cpu_s": tokens_per_cpu_s(peak_dir, cpu_windows),
+    out = {"window_tokens_per_s": windows,
+           "span_tokens_per_s": sum(t for _, _, t in spans) / timed_s if timed_s > 0 else None,
+           "timed_steps": (train[-1]["step"] - a.warmup) if spans else 0,
+           # the trainer's own tokens_per_s: step time only, without the log rows' work
+           "reported_window_tokens_per_s": [r["tokens_per_s"] for r in train if r["step"] > a.warmup],
+           "window_tokens_per_cpu_s": tokens_per_cpu_s(peak_dir, spans),
            "peak_bytes_per_rank": peaks(peak_dir),
            "measured_model_states_per_rank": mem.get("mem/model_states_bytes_per_rank"),
            "planned_model_states_per_rank": mem.get("plan/model_states_bytes_per_rank"),
@@ -288,11 +352,15 @@ def summarize(res: dict) -> dict:
     t = [w for r in res["trainer"] for w in r["window_tokens_per_s"]]
     m = [w for r in res["minimal"] for w in r["window_tokens_per_s"]]
     res["trainer_tokens_per_s"] = statistics.median(t) if t else None
-    res["minimal_tokens_per_s"] = statistics.median(m) if m else None
+    res["minimal_tokens_per_s"] = statistics.median(m) if m else None  # the best plain loop of each pair
+    for arm in res.get("plain_arms", []):
+        w = [x for r in res[f"plain_{arm}"] for x in r["window_tokens_per_s"]]
+        res[f"plain_{arm}_tokens_per_s"] = statistics.median(w) if w else None
+        res[f"pair_ratios_{arm}"] = pair_ratios(res["trainer"], res[f"plain_{arm}"])
     if t and m:
         res["throughput_ratio"] = res["trainer_tokens_per_s"] / res["minimal_tokens_per_s"]
         res["trainer_overhead"] = 1 - res["throughput_ratio"]
-    # Per alternated pair (the baseline run of the same repeat): median ratio and spread.
+    # Per alternated pair (the best plain run of the same repeat): median ratio and spread.
     res["pair_ratios"] = pair_ratios(res["trainer"], res["minimal"])
     if res["pair_ratios"]:
         res["pair_ratio_median"] = statistics.median(res["pair_ratios"])
@@ -321,34 +389,45 @@ def _ratios(rs: list[float]) -> str:
     return f"{statistics.median(rs):.3f} ({min(rs):.3f}-{max(rs):.3f}, n={len(rs)})"
 
 
+def _arm_title(arm: str) -> str:
+    return "torch default threads" if arm == "default" else arm.replace("thread", " thread/rank")
+
+
 def _mib(n) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"
 
 
 def markdown(results: list[dict], meta: dict) -> str:
+    arms = meta.get("plain_arms", [])
     lines = [f"Command: `{meta['command']}`  ", f"Machine: {meta['machine'].get('cpu')} "
              f"({meta['machine'].get('cpu_cores')} cores), {meta['machine'].get('gpus', 'no GPU')}, torch "
              f"{meta['machine'].get('torch')}, deepspeed {meta['machine'].get('deepspeed')}  ",
              f"Model: {meta['model']}, {meta['nproc']} processes, precision {meta['precision']}; "
-             f"tokens/s = median of {meta['window']}-step windows after {meta['warmup']} warm-up steps; "
-             f"trainer/plain = median (min-max) over alternated pairs; launcher {meta.get('launcher')}", "",
-             "| config | trainer tok/s | plain tok/s | trainer/plain (pairs) | same, per CPU-second (rank 0) | "
-             "peak MiB per rank | planner peak MiB (rank 0) | model states MiB per rank (measured) | "
-             "planner MiB per rank | planner error | load avg |",
-             "|---|---:|---:|---|---:|---|---:|---|---|---|---|"]
+             f"tokens/s = median of {meta['window']}-step wall-clock windows over steps {meta['warmup'] + 1}-"
+             f"{meta['steps']} (after {meta['warmup']} warm-up steps); plain loop arms: "
+             f"{', '.join(_arm_title(x) for x in arms)}, the best plain loop = the faster arm of each pair; "
+             f"trainer/best plain = median (min-max) over alternated pairs; launcher {meta.get('launcher')}", "",
+             "| config | trainer tok/s | " + "".join(f"plain {_arm_title(x)} tok/s | " for x in arms) +
+             "best plain tok/s | trainer / best plain loop (pairs) | "
+             + "".join(f"trainer / plain {_arm_title(x)} | " for x in arms) +
+             "same, per CPU-second (rank 0) | peak MiB per rank | planner peak MiB (rank 0) | "
+             "model states MiB per rank (measured) | planner MiB per rank | planner error | load avg |",
+             "|---|---:|" + "---:|" * len(arms) + "---:|---|" + "---|" * len(arms) + "---:|---|---:|---|---|---|---|"]
     for r in results:
         t = r["trainer"][-1]
         ratio = _ratios(r.get("pair_ratios", []))
+        arm_tps = "".join(f"{r.get(f'plain_{x}_tokens_per_s') or 0:,.0f} | " for x in arms)
+        arm_ratios = "".join(f"{_ratios(r.get(f'pair_ratios_{x}', []))} | " for x in arms)
         cpu_ratio = f"{r['cpu_throughput_ratio']:.3f}" if r.get("cpu_throughput_ratio") else "-"
         err = ", ".join(f"{e:+.1%}" for e in r.get("planner_error_per_rank", [])) or "-"
         loads = ", ".join(f"{x:.1f}" for pair in r.get("load_avg_1min", []) for x in pair)
-        lines.append(f"| {r['config']} | {r['trainer_tokens_per_s'] or 0:,.0f} | {r['minimal_tokens_per_s'] or 0:,.0f} "
-                     f"| {ratio} | {cpu_ratio} | {' / '.join(map(_mib, r['peak_bytes_per_rank']))} "
+        lines.append(f"| {r['config']} | {r['trainer_tokens_per_s'] or 0:,.0f} | {arm_tps}"
+                     f"{r['minimal_tokens_per_s'] or 0:,.0f} | {ratio} | {arm_ratios}{cpu_ratio} | {' / '.join(map(_mib, r['peak_bytes_per_rank']))} "
                      f"| {_mib(t.get('planned_peak_bytes'))} "
                      f"| {' / '.join(map(_mib, t['measured_model_states_per_rank'] or []))} "
                      f"| {' / '.join(map(_mib, t['planned_model_states_per_rank'] or []))} | {err} | {loads} |")
     if any(r.get("variant_ratios") for r in results):
-        lines += ["", "| config | trainer run | tok/s | trainer/plain (pairs) |", "|---|---|---:|---|"]
+        lines += ["", "| config | trainer run | tok/s | trainer / best plain loop (pairs) |", "|---|---|---:|---|"]
         for r in results:
             lines.append(f"| {r['config']} | defaults | {r['trainer_tokens_per_s'] or 0:,.0f} "
                          f"| {_ratios(r.get('pair_ratios', []))} |")
@@ -376,6 +455,7 @@ def main(argv=None) -> int:
             "machine": machine(), "model": f"{a.model} d_model={a.d_model} n_layer={a.n_layer} seq={a.seq_len} "
             f"micro={a.micro_batch} accum={a.grad_accum}", "nproc": a.nproc, "steps": a.steps, "launcher": a.launcher, "repeats": a.repeats, "variants": a.variant,
             "load_before": os.getloadavg()[0], "warmup": a.warmup, "window": a.window,
+            "plain_arms": [arm for arm, _ in a.arms], "timed_steps": a.steps - a.warmup,
             "precision": a.precision if a.precision != "auto" else ("json" if cuda else "fp32"),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     results = []
@@ -383,8 +463,10 @@ def main(argv=None) -> int:
         print(f"[stages] {name} ...", flush=True)
         results.append(run_config(a, name, tmp, cuda))
         r = results[-1]
-        print(f"[stages] {name}: trainer {r['trainer_tokens_per_s'] or 0:,.0f} tok/s, plain "
-              f"{r['minimal_tokens_per_s'] or 0:,.0f} tok/s, pairs {_ratios(r['pair_ratios'])}", flush=True)
+        print(f"[stages] {name}: trainer {r['trainer_tokens_per_s'] or 0:,.0f} tok/s, "
+              + "".join(f"plain {x} {r[f'plain_{x}_tokens_per_s'] or 0:,.0f} tok/s, " for x in r["plain_arms"])
+              + f"best plain {r['minimal_tokens_per_s'] or 0:,.0f} tok/s, trainer/best plain pairs "
+              f"{_ratios(r['pair_ratios'])}", flush=True)
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     (out_dir / f"stages-{stamp}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     md = markdown(results, meta)

@@ -6,6 +6,7 @@ together."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -24,15 +25,29 @@ def test_quick_benchmark_reports_throughput_memory_and_planner_error(tmp_path):
     (r,) = result["results"]
     assert r["config"] == "zero2"
     trainer, minimal = r["trainer"][0], r["minimal"][0]
-    # --quick: 6 steps, 2 warm-up, windows of 2 -> 2 timed windows each
+    # --quick: 6 steps, 2 warm-up, windows of 2 -> 2 timed windows each, both wall clock
     assert len(trainer["window_tokens_per_s"]) == len(minimal["window_tokens_per_s"]) == 2
+    assert trainer["timed_steps"] == 4 and trainer["span_tokens_per_s"] > 0
     assert r["trainer_tokens_per_s"] > 0 and r["minimal_tokens_per_s"] > 0
     assert r["throughput_ratio"] == pytest.approx(r["trainer_tokens_per_s"] / r["minimal_tokens_per_s"])
+    # Two plain-loop arms per pair: torch's default threads (the environment's OMP_NUM_THREADS
+    # removed) and OMP_NUM_THREADS=1, which the ranks under the deepspeed launcher really ran with.
+    assert r["plain_arms"] == ["default", "1thread"] == result["meta"]["plain_arms"]
+    (default,), (one,) = r["plain_default"], r["plain_1thread"]
+    assert default["omp_num_threads"] is None and default["torch_threads"] >= 1
+    assert one["omp_num_threads"] == "1" and one["torch_threads"] == 1
+    # "minimal" (what bench/gpu_checks.py reads) is the pair's faster arm: the best plain loop.
+    best = max((default, one), key=lambda x: statistics.median(x["window_tokens_per_s"]))
+    assert minimal == best
+    assert r["pair_ratios"] == [pytest.approx(statistics.median(trainer["window_tokens_per_s"])
+                                              / statistics.median(best["window_tokens_per_s"]))]
+    assert r["pair_ratios"][0] <= min(r["pair_ratios_default"][0], r["pair_ratios_1thread"][0])
     assert len(r["peak_bytes_per_rank"]) == 2 and min(r["peak_bytes_per_rank"]) > 100 * 2**20  # max RSS
     assert len(trainer["measured_model_states_per_rank"]) == 2
     assert all(abs(e) < 0.10 for e in r["planner_error_per_rank"]), r["planner_error_per_rank"]
     md = next(tmp_path.glob("stages-*.md")).read_text()
-    assert "| zero2 |" in md and "trainer/plain (pairs)" in md
+    assert "| zero2 |" in md and "trainer / best plain loop (pairs)" in md
+    assert "plain torch default threads tok/s" in md and "plain 1 thread/rank tok/s" in md
 
 
 def test_bench_rejects_unknown_configs(tmp_path):
