@@ -205,14 +205,19 @@ class _Plan:
 
     def floor_if_needed(self, ref: Result, got: Result, first) -> Result | None:
         """The rounding-floor reference (module docstring), launched only where the fixed band
-        failed in a run that completed; None otherwise."""
-        if first is None or not got.ok:
+        failed in a run that completed, after step 1; None otherwise (step 1 is judged by the band
+        alone: compare)."""
+        if first is None or not got.ok or first[0] == 1:
             return None
         step, q = first[0], first[1]
-        print(f"verify: step {step} {q} is beyond the fixed band; measuring this run's rounding floor: the "
-              f"reference again, summed in another order (one more 1-process launch)", flush=True)
+        # fp32: the trusted path (1-process fp32 DDP) again. bf16/fp16: the checked JSON itself on
+        # 1 process, so the floor is how far this precision alone carries the run from fp32.
+        half = got.precision != "fp32"
+        what = f"the checked JSON in {got.precision} on 1 process" if half else "the reference again"
+        print(f"verify: step {step} {q} is beyond the fixed band; measuring this run's rounding floor: {what}, "
+              f"summed in another order (one more 1-process launch)", flush=True)
         threads = ref.threads or 1
-        floor = self.launch("floor", self.fp32_json("ddp"), 1, floor=True,
+        floor = self.launch("floor", self.opts.ds_config if half else self.fp32_json("ddp"), 1, floor=True,
                             env={"OMP_NUM_THREADS": str(1 if threads > 1 else 2)})
         if not floor.ok:
             print(f"verify: the floor reference failed (its log: {floor.log}); judging against the fixed band only")
@@ -381,8 +386,10 @@ def compare(ref: Result, got: Result, steps: int, floor: Result | None = None):
     """The table's rows (step, quantity, reference, checked, floor, tolerance, rel. diff, within)
     and the first row beyond its tolerance (None: they agree). The tolerance is the band of
     `got`'s precision, or, where the rounding-floor reference `floor` is given, max(band,
-    FLOOR_FACTOR x the two references' difference at that step) (floor None in the row: not
-    measured). A step either run lacks (it failed) is a divergence at that step."""
+    FLOOR_FACTOR x the two references' difference at that step) from step 2 on (floor None in the
+    row: not measured; step 1 is always judged by the band: no rounding has been amplified there,
+    and every bug of the distribution shows from the first step it is in). A step either run lacks
+    (it failed) is a divergence at that step."""
     rows, first = [], None
     for step in range(1, steps + 1):
         for q in QUANTITIES:
@@ -395,7 +402,7 @@ def compare(ref: Result, got: Result, steps: int, floor: Result | None = None):
             tol, fl = tolerance(q, got, ref), None
             if floor is not None:
                 fl = rel_diff(a, floor.steps.get(step, {}).get(q), scale)
-                if math.isfinite(fl):
+                if step > 1 and math.isfinite(fl):  # step 1: the same weights and data went in, nothing amplified yet
                     tol = max(tol, FLOOR_FACTOR * fl)
             row = (step, q, a, b, fl, tol, d, d <= tol)
             rows.append(row)
@@ -418,8 +425,10 @@ def table(rows, label: str) -> str:
 
 
 def verdict(first, got: Result, label: str, ref: Result | None = None, floor: Result | None = None) -> str:
-    floored = "" if floor is None else (f"; the fixed band alone failed, so the tolerance is max(band, {FLOOR_FACTOR} x "
-                                        f"the rounding floor: two fp32 references summed in different orders)")
+    what = ("two fp32 references summed in different orders" if floor is None or floor.precision == "fp32" else
+            f"the fp32 reference against this JSON in {floor.precision} on 1 process, summed in another order")
+    floored = "" if floor is None else (f"; the fixed band alone failed, so from step 2 on the tolerance is "
+                                        f"max(band, {FLOOR_FACTOR} x the rounding floor: {what})")
     if first is None:
         tol = TOLERANCE.get(got.precision, TOLERANCE["fp32"])
         g = tolerance("grad_norm", got, ref) if ref is not None else tol
