@@ -74,7 +74,10 @@ first step and quantity that differ beyond the tolerance, and exits 0 (agree) or
 
 Tolerances (relative): fp32 1e-5 (grad_norm: at least 2^-24 x sqrt(parameters), the size of an
 fp32 norm's own rounding on CPU); bf16 and fp16 runs are compared with the bands in
-docs/troubleshooting.md. Checkpoints, exports, evaluation and samples are off in both runs;
+docs/troubleshooting.md. Where a step after the first is beyond its band, one more 1-process
+launch measures the run's rounding floor (the reference again, summed in another order; for a
+bf16/fp16 run the JSON on 1 process) and that step's tolerance becomes max(band, 4 x floor):
+the table's floor and tolerance columns. Checkpoints, exports, evaluation and samples are off in both runs;
 train.max_steps is K (so the LR schedule is that of a K-step run, the same in both).
 """
 
