@@ -19,11 +19,14 @@ rounding carries it before it judges. It launches the reference a second time wi
 summation order changed (another number of CPU intra-op threads, so other reduction blocks in
 the matmuls and convolutions, and each step's micro-batches in reverse order:
 debug.reverse_micro_batches) and takes the two references' difference per step and quantity as
-the floor; a step's tolerance is then max(band, FLOOR_FACTOR x floor). A model whose first
-AdamW steps amplify rounding (ResNet-18 with BatchNorm: x100-1000 a step) thus passes where
-the strategy computes the same thing, while a real bug, a factor on the gradient or the update
-from the step where it starts, stays far above a floor of rounding. A run within the band costs
-no extra launch.
+the floor; from step 2 on a step's tolerance is then max(band, FLOOR_FACTOR x floor). Step 1
+is always judged by the band alone (the same weights and data went in, nothing amplified yet;
+every planted bug shows there), so a step-1 divergence launches nothing more. For a bf16/fp16
+run the floor reference is the checked JSON itself on 1 process (what that precision alone does
+to the run, against the fp32 reference). A model whose first AdamW steps amplify rounding
+(ResNet-18 with BatchNorm: x10-100 a step) thus passes where the strategy computes the same
+thing, while a real bug, a factor on the gradient or the update from the step where it starts,
+stays far above a floor of rounding. A run within the band costs no extra launch.
 
 --matrix checks every shipped strategy (ds_configs/: DDP, ZeRO-1/2/3, offload) in fp32 on 1 and
 N processes, and on N processes with the accumulation doubled at the same global batch, against
