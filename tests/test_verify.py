@@ -38,6 +38,9 @@ def test_verify_passes_where_the_strategy_computes_the_same(tmp_path, base):
     losses = [float(r[2]) for r in rows if r[1] == "loss"]
     assert losses[2] < losses[0]  # it trained: three real steps, not one number three times
     assert "OK: loss, grad_norm and param_checksum agree at every step within 1e-05 relative (fp32)" in proc.stdout
+    # Within the fixed band: no rounding-floor reference launched, its column empty.
+    assert "rounding floor" not in proc.stdout and not (tmp_path / "verify" / "floor").exists()
+    assert all(r[4] == "-" for r in rows), rows
 
 
 # (planted bug, strategy, extra flags, the step and quantity where it first shows)
@@ -66,6 +69,8 @@ def test_verify_names_the_first_divergence_of_a_planted_bug(tmp_path, bug, base,
     first_bad = next(r for r in rows if "<--" in " ".join(r))
     assert (int(first_bad[0]), first_bad[1]) == (step, quantity)
     assert float(rows[0][-1]) <= 1e-5  # step 1's loss: the same data and weights went in
+    # Step 1 is judged by the fixed band alone: no floor reference, nothing can widen it.
+    assert "rounding floor" not in proc.stdout and float(first_bad[5]) <= 2e-4
     if bug == "loss_accum_twice":  # the norm is the only witness: the weights and losses stay the same
         assert all(float(r[-1]) <= 1e-5 for r in rows if r[1] != "grad_norm"), rows
 
@@ -92,3 +97,27 @@ def test_matrix_accumulation_and_sp_rows_agree_with_the_reference(tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         row = [line for line in proc.stdout.splitlines() if line.strip().startswith(only + ":")]
         assert len(row) == 1 and "OK: loss, grad_norm and param_checksum agree" in row[0], proc.stdout
+
+
+def test_verify_measures_the_rounding_floor_of_a_model_that_amplifies_rounding(tmp_path):
+    """examples/resnet18_shapes.yaml (ZeRO-2 fp32, 2 processes, 3 steps): BatchNorm and AdamW's
+    first, sign-like steps carry last-bit differences to ~1e-4 by step 3, beyond the fixed band.
+    verify then launches the reference again in another summation order (other CPU threads,
+    micro-batches reversed) and passes against max(band, 4 x that floor); step 1's floor is
+    rounding itself, far below what any planted bug moves."""
+    from zerotrain.train.data.make_shapes import make_shapes
+    data = make_shapes(tmp_path / "shapes")  # the example's own set (its comments)
+    cmd = [sys.executable, "-m", "zerotrain.train.cli", "verify", str(REPO / "examples" / "resnet18_shapes.yaml"),
+           "--ds-config", fp32(tmp_path, "zero2"), "--keep", str(tmp_path / "verify"), "--data.path", str(data)]
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env({}), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "measuring this run's rounding floor" in proc.stdout and (tmp_path / "verify" / "floor").is_dir()
+    rows = table_rows(proc.stdout)
+    assert len(rows) == 9 and "from step 2 on the tolerance is max(band, 4 x the rounding floor" in proc.stdout
+    step1 = [r for r in rows if r[0] == "1"]
+    assert all(float(r[4]) < 1e-5 and float(r[5]) <= 2e-4 for r in step1), step1  # the band alone, a tiny floor
+    # The fixed band alone fails somewhere after step 1 (that is why the floor was measured) and
+    # the floor is what the run stays within there.
+    band = {r[1]: float(r[5]) for r in step1}  # step 1's tolerance is the fixed band
+    widened = [r for r in rows if float(r[6]) > band[r[1]]]
+    assert widened and all(int(r[0]) > 1 and float(r[6]) <= 4 * float(r[4]) for r in widened), rows

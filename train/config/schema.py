@@ -186,6 +186,11 @@ class DebugConfig:
     """After every optimizer step, log debug/param_checksum: a checksum of every parameter as
     the step left it (Strategy.param_checksum; under ZeRO-3 each parameter is gathered, a
     collective and a host read per step). `zerotrain verify` turns it on to compare strategies."""
+    reverse_micro_batches: bool = False
+    """Run each optimizer step's micro-batches in reverse order: the same samples and the same
+    gradient, summed in another order (floating-point rounding only; with 3 or more micro-batches
+    a step, since a + b = b + a exactly). `zerotrain verify` uses it for its rounding-floor
+    reference (docs/troubleshooting.md#zerotrain-verify)."""
     collectives: bool = False
     """Check, before every collective, that every rank runs the same one (operation, shapes,
     dtypes): torch's TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper around the process group. A mismatch

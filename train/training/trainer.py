@@ -263,13 +263,17 @@ class Trainer:
         loss_sum = self._zero()
         grad_norm = None
         prefetched, denominator = [], None
-        if self.data.masked_labels or self.seq_parallel is not None:
+        token_count = self.data.masked_labels or self.seq_parallel is not None
+        if token_count or self.cfg.debug.reverse_micro_batches:
             # The step's micro-batches first: their labelled tokens, counted over every rank,
             # normalise the loss before the first backward (_token_denominator).
             t0 = time.perf_counter()
             prefetched = [self._next_batch() for _ in range(self.batch.accum)]
             t_data += time.perf_counter() - t0
-            denominator = self._token_denominator(prefetched)
+            if token_count:
+                denominator = self._token_denominator(prefetched)
+            if self.cfg.debug.reverse_micro_batches:  # zerotrain verify's rounding floor: another summation order
+                prefetched.reverse()
         for i in range(self.batch.accum):
             t0 = time.perf_counter()
             batch = prefetched[i] if prefetched else self._next_batch()
