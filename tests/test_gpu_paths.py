@@ -109,16 +109,29 @@ def test_tf32_is_on_for_cuda_fp32_matmuls_unless_disabled():
 
 
 def test_cpu_ranks_of_a_node_share_its_cores_unless_omp_num_threads_says_otherwise(monkeypatch):
-    """2 ranks on 2 cores with torch's default (2 threads each) oversubscribe the cores: measured
-    ~10% slower steps (BENCHMARKS.md, issue 24). Each rank gets its share; the user's
-    OMP_NUM_THREADS and a GPU run keep torch's choice."""
+    """2 DDP ranks on 2 cores with torch's default (2 threads each) oversubscribe the cores: measured
+    ~10% slower steps (BENCHMARKS.md, issue 24). Each DDP rank gets its share; a ZeRO rank, whose
+    computing thread blocks in DeepSpeed's collectives, keeps torch's default (every core: issue 41,
+    BENCHMARKS.md "Trainer against the best plain loop"). The user's OMP_NUM_THREADS and a GPU run
+    keep torch's choice."""
     monkeypatch.setattr(hardware, "cores_per_rank", lambda local_world: max(1, 16 // local_world))
+    monkeypatch.setattr(hardware, "TORCH_DEFAULT_THREADS", 16)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
     assert hardware.cpu_threads(cuda=False, local_world=2, env={}) == 8
     assert hardware.cpu_threads(cuda=False, local_world=32, env={}) == 1
     assert hardware.cpu_threads(cuda=False, local_world=1, env={}) is None          # already all of them
     assert hardware.cpu_threads(cuda=False, local_world=2, env={"OMP_NUM_THREADS": "4"}) is None
     assert hardware.cpu_threads(cuda=True, local_world=2, env={}) is None
+    assert hardware.cpu_threads(cuda=False, local_world=2, share=False, env={}) is None  # torch's 16 stand
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)  # e.g. Accelerate's multi-CPU start-up set 8
+    assert hardware.cpu_threads(cuda=False, local_world=2, share=False, env={}) == 16
+    assert hardware.cpu_threads(cuda=False, local_world=2, share=False, env={"OMP_NUM_THREADS": "1"}) is None
+
+
+def test_ddp_shares_the_cores_and_the_zero_stages_do_not(tmp_path):
+    """Which backend shares a CPU node's cores is the Strategy's (train/strategy/)."""
+    for name, shares in (("ddp", True), ("zero1", False), ("zero2", False), ("zero3", False)):
+        assert _ds(tmp_path, name).shares_cpu_cores is shares, name
 
 
 def test_the_deepspeed_launchers_node_ranks_reach_accelerate(monkeypatch):

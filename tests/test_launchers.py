@@ -3,6 +3,7 @@ data shards, and identical losses (issue 2). Two real processes per launch, gloo
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
@@ -106,4 +107,21 @@ def test_ddp_ranks_under_the_deepspeed_launcher_keep_their_share_of_the_cores(tm
     assert [i["strategy"] for i in infos] == ["DDP (fp32)"] * 2 and all("MULTI_CPU" in i["distributed_type"] for i in infos)
     assert [(i["torch_threads"], i["local_world_size"]) for i in infos] == [(share, 2)] * 2
     assert f"{share} torch thread(s) per rank" in (run_dir / "launcher.out").read_text()
+    assert sorted(train_losses(run_dir)) == list(range(1, STEPS + 1))
+
+
+def test_zero_ranks_under_the_deepspeed_launcher_keep_every_core(tmp_path_factory, fp32_configs):
+    """No OMP_NUM_THREADS: a ZeRO rank's computing thread blocks in DeepSpeed's collectives, so
+    each rank keeps torch's default count (every core) and lends its cores to the other rank while
+    it waits; with a share (1 thread on 2 cores) ZeRO-2 ran at 0.94 of every core (issue 41,
+    BENCHMARKS.md "Trainer against the best plain loop")."""
+    run_dir = cached_run(tmp_path_factory, "deepspeed", 2, args_for(fp32_configs["zero2"]),
+                         env={"OMP_NUM_THREADS": None})
+    infos = rank_infos(run_dir)
+    assert [i["strategy"] for i in infos] == ["ZeRO-2 (fp32)"] * 2
+    every = infos[0]["torch_default_threads"]
+    assert [(i["torch_threads"], i["local_world_size"]) for i in infos] == [(every, 2)] * 2
+    if (os.cpu_count() or 1) >= 2:  # a share would be fewer threads: the test tells the two apart
+        assert every > 1
+    assert f"{every} torch thread(s) per rank" in (run_dir / "launcher.out").read_text()
     assert sorted(train_losses(run_dir)) == list(range(1, STEPS + 1))

@@ -30,32 +30,32 @@ def apply_tf32(cfg: RunConfig, cuda: bool) -> str | None:
     return precision
 
 
-def cpu_threads(cuda: bool, local_world: int, env=None) -> int | None:
-    """torch's intra-op threads per rank on a CPU-only machine: this rank's share of the node's
-    cores, so that the ranks of a node do not oversubscribe them (torch's default gives every
-    process all the cores; DeepSpeed's launcher splits them only with --bind_cores_to_rank).
-    None keeps torch's choice: on a GPU, where OMP_NUM_THREADS sets it, or where the share
-    would not be fewer threads."""
+# torch's own intra-op thread count in this process, before anything set one (Accelerate's
+# multi-CPU start-up does): what a rank that does not share the cores gets back.
+TORCH_DEFAULT_THREADS = torch.get_num_threads()
+
+
+def cpu_threads(cuda: bool, local_world: int, share: bool = True, env=None) -> int | None:
+    """torch's intra-op threads per rank on a CPU-only machine. `share` (Strategy.shares_cpu_cores,
+    DDP): this rank's share of the node's cores, so that ranks computing at the same time do not
+    oversubscribe them. Not `share` (the ZeRO stages, whose collectives block the computing
+    thread): every core the process may use, as torch's default gives it. DeepSpeed's launcher
+    splits the cores only with --bind_cores_to_rank, and Accelerate sets its own count for
+    multi-CPU runs (keep_cpu_threads). None keeps torch's current choice: on a GPU, where
+    OMP_NUM_THREADS sets it, or where the count would not change."""
     env = os.environ if env is None else env
     if cuda or env.get("OMP_NUM_THREADS", "").strip():
         return None
-    share = cores_per_rank(local_world)
-    return share if share < torch.get_num_threads() else None
+    n = cores_per_rank(local_world) if share else TORCH_DEFAULT_THREADS
+    return n if n != torch.get_num_threads() else None
 
 
-def apply_cpu_threads(cuda: bool, local_world: int) -> int:
+def apply_cpu_threads(cuda: bool, local_world: int, share: bool = True) -> int:
     """Sets cpu_threads() where it has one; returns the threads torch uses (config.json)."""
-    n = cpu_threads(cuda, local_world)
+    n = cpu_threads(cuda, local_world, share)
     if n is not None:
         torch.set_num_threads(n)
     return torch.get_num_threads()
-
-
-def keep_cpu_threads(threads: int) -> None:
-    """After the Accelerator starts: Accelerate sets its own count for multi-CPU DDP when
-    OMP_NUM_THREADS is unset (physical cores // LOCAL_WORLD_SIZE); the run's choice stands."""
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
 
 
 def use_channels_last(cfg: RunConfig, strategy, family: str, cuda: bool) -> bool:

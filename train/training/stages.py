@@ -81,7 +81,7 @@ def set_up_runtime(cfg: RunConfig) -> Runtime:
     cuda = torch.cuda.is_available()
     matmul_precision = hardware.apply_tf32(cfg, cuda)
     local_world = dist_.node_layout(os.environ, int(os.environ["RANK"]), world)[2]
-    threads = hardware.apply_cpu_threads(cuda, local_world)
+    threads = hardware.apply_cpu_threads(cuda, local_world)  # the ranks' share until the strategy says (choose_strategy)
     run_dir = Path(cfg.train.run_dir)
     _check_run_dir(run_dir)
     elastic = _elastic_join(cfg, run_dir, world, launcher)
@@ -208,7 +208,8 @@ def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, d
     ds = strategy.ds
     _sweep_shm_buffers()  # before DeepSpeed creates this job's own
     acc = strategy.build_accelerator(rt.batch, collectives.timeout_s(cfg))
-    hardware.keep_cpu_threads(rt.threads)
+    # After the Accelerator (its multi-CPU start-up sets a count of its own): the strategy's (Strategy.shares_cpu_cores)
+    rt.threads = hardware.apply_cpu_threads(rt.cuda, rt.local_world, strategy.shares_cpu_cores)
     topo = dist_.topology(rt.launcher, "nccl" if rt.cuda else "gloo")
     dist_.check_world(acc, topo)
     collectives.StackOnRequest.start_for(topo.rank)  # debug.collectives: a peer may ask for this rank's stack
@@ -379,7 +380,8 @@ def prepare(rt: Runtime, dist: Distributed, model: Model, loaders: Loaders) -> P
     if dist.sp is not None:
         facts["sequence_parallel"] = dist.sp.record()
     # What the steps will run with, once every library has started (Accelerate sets threads too).
-    facts.update(torch_threads=torch.get_num_threads(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
+    facts.update(torch_threads=torch.get_num_threads(), torch_default_threads=hardware.TORCH_DEFAULT_THREADS,
+                 local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     _write_rank_info(rt.run_dir, topo, facts)
     return Prepared(train_loader=train_loader, val_loader=val[0] if val else None)
 
