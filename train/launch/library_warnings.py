@@ -29,7 +29,7 @@ DEPRECATED_BY_TORCH_CALLED_BY_DEEPSPEED = (
 
 
 # Accelerate's multi-CPU DDP start-up sets torch's threads itself and says so; zerotrain sets
-# them back to its own choice right after (train/training/hardware.py keep_cpu_threads) and
+# them back to its own choice right after (train/training/stages.py choose_strategy: hardware.apply_cpu_threads) and
 # records that choice in the banner and config.json, so the message would be false.
 ACCELERATE_THREADS = ("accelerate.state", "OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at")
 

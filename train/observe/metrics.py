@@ -177,24 +177,25 @@ def lifetime_peaks() -> tuple[int, int]:
 def file_backed_bytes() -> int:
     """This process's resident file-backed pages (RssFile: the libraries' code and read-only
     data, shared with every process that maps them); 0 where /proc has no breakdown."""
+    return _proc_status_bytes("RssFile:") or 0
+
+
+def _proc_status_bytes(key: str) -> int | None:
+    """A "<key> N kB" line of /proc/self/status in bytes; None where there is none."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("RssFile:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
 
 
 def _vm_hwm() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    hwm = _proc_status_bytes("VmHWM:")
+    if hwm is not None:
+        return hwm
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 

@@ -41,7 +41,7 @@ def cpu_threads(cuda: bool, local_world: int, share: bool = True, env=None) -> i
     oversubscribe them. Not `share` (the ZeRO stages, whose collectives block the computing
     thread): every core the process may use, as torch's default gives it. DeepSpeed's launcher
     splits the cores only with --bind_cores_to_rank, and Accelerate sets its own count for
-    multi-CPU runs (keep_cpu_threads). None keeps torch's current choice: on a GPU, where
+    multi-CPU runs, which choose_strategy sets back right after. None keeps torch's current choice: on a GPU, where
     OMP_NUM_THREADS sets it, or where the count would not change."""
     env = os.environ if env is None else env
     if cuda or env.get("OMP_NUM_THREADS", "").strip():
