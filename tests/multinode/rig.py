@@ -92,13 +92,18 @@ def _which(tool: str) -> str | None:
 
 
 def _pid_alive(pid: int) -> bool:
+    """True while `pid` runs. A zombie is dead: it answers signal 0 until its parent reaps it, and
+    an orphan's new parent (this container's PID 1) may never do so."""
     try:
         os.kill(pid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    try:   # the state follows the ")" that closes the command name
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _ns_pids(ns: str) -> list[int]:
