@@ -108,30 +108,23 @@ def test_tf32_is_on_for_cuda_fp32_matmuls_unless_disabled():
     assert hardware.float32_matmul_precision(load_config(None), cuda=False) is None
 
 
-def test_cpu_ranks_of_a_node_share_its_cores_unless_omp_num_threads_says_otherwise(monkeypatch):
-    """2 DDP ranks on 2 cores with torch's default (2 threads each) oversubscribe the cores: measured
-    ~10% slower steps (BENCHMARKS.md, issue 24). Each DDP rank gets its share; a ZeRO rank, whose
-    computing thread blocks in DeepSpeed's collectives, keeps torch's default (every core: issue 41,
-    BENCHMARKS.md "Trainer against the best plain loop"). The user's OMP_NUM_THREADS and a GPU run
-    keep torch's choice."""
-    monkeypatch.setattr(hardware, "cores_per_rank", lambda local_world: max(1, 16 // local_world))
-    monkeypatch.setattr(hardware, "TORCH_DEFAULT_THREADS", 16)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
-    assert hardware.cpu_threads(cuda=False, local_world=2, env={}) == 8
-    assert hardware.cpu_threads(cuda=False, local_world=32, env={}) == 1
-    assert hardware.cpu_threads(cuda=False, local_world=1, env={}) is None          # already all of them
-    assert hardware.cpu_threads(cuda=False, local_world=2, env={"OMP_NUM_THREADS": "4"}) is None
-    assert hardware.cpu_threads(cuda=True, local_world=2, env={}) is None
-    assert hardware.cpu_threads(cuda=False, local_world=2, share=False, env={}) is None  # torch's 16 stand
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)  # e.g. Accelerate's multi-CPU start-up set 8
-    assert hardware.cpu_threads(cuda=False, local_world=2, share=False, env={}) == 16
-    assert hardware.cpu_threads(cuda=False, local_world=2, share=False, env={"OMP_NUM_THREADS": "1"}) is None
-
-
-def test_ddp_shares_the_cores_and_the_zero_stages_do_not(tmp_path):
-    """Which backend shares a CPU node's cores is the Strategy's (train/strategy/)."""
-    for name, shares in (("ddp", True), ("zero1", False), ("zero2", False), ("zero3", False)):
-        assert _ds(tmp_path, name).shares_cpu_cores is shares, name
+def test_cpu_ranks_of_a_node_share_its_cores_unless_omp_num_threads_says_otherwise():
+    """2 ranks on 2 cores with torch's default (2 threads each) oversubscribe the cores (issue 24,
+    issue 41). Where OMP_NUM_THREADS is unset, each rank gets the node's cores / its ranks, as the
+    launcher that started it counts them; the user's (or torchrun's) OMP_NUM_THREADS stands."""
+    assert device_env.cpu_threads({"LOCAL_WORLD_SIZE": "2"}, 16) == (8, "16 core(s) / 2 rank(s) on this node")
+    assert device_env.cpu_threads({"LOCAL_SIZE": "2"}, 16)[0] == 8          # the deepspeed launcher
+    assert device_env.cpu_threads({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, 16)[0] == 4
+    assert device_env.cpu_threads({"LOCAL_WORLD_SIZE": "32"}, 16)[0] == 1
+    assert device_env.cpu_threads({}, 16)[0] == 16                          # 1 process: every core
+    assert device_env.cpu_threads({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "4"}, 16) is None
+    assert device_env.cpu_threads({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": " "}, 16)[0] == 8
+    env = {"LOCAL_SIZE": "2"}
+    device_env.apply(env)
+    assert env["OMP_NUM_THREADS"] == str(max(1, device_env.cores() // 2))
+    mine = {"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}
+    device_env.apply(mine)
+    assert mine["OMP_NUM_THREADS"] == "3"
 
 
 def test_the_deepspeed_launchers_node_ranks_reach_accelerate(monkeypatch):

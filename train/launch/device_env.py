@@ -5,11 +5,20 @@ DeepSpeed's accelerator is CPU. For debugging on a GPU machine, and for the test
 launches 2 ranks per test and must not put rank 1 on a second GPU a machine may not have. It is
 re-applied inside each rank because the deepspeed launcher rewrites CUDA_VISIBLE_DEVICES for
 its workers.
+
+OMP_NUM_THREADS, where the user set none, becomes this rank's share of the node's cores (cpu_threads).
 """
 
 from __future__ import annotations
 
 import os
+import sys
+
+from zerotrain.train.launch.device_memory import local_ranks
+
+#: Where this process's torch threads came from (config.json's hardware.cpu_threads_from):
+#: "OMP_NUM_THREADS" (the user's or the launcher's), or the share apply() set in os.environ.
+THREADS_FROM = "OMP_NUM_THREADS" if os.environ.get("OMP_NUM_THREADS", "").strip() else "torch's default"
 
 
 def apply(environ=os.environ) -> None:
@@ -22,3 +31,36 @@ def apply(environ=os.environ) -> None:
     if device == "cpu":
         environ["CUDA_VISIBLE_DEVICES"] = ""
         environ["DS_ACCELERATOR"] = "cpu"
+    threads = cpu_threads(environ, cores())
+    if threads is not None and environ is os.environ:
+        global THREADS_FROM
+        if "torch" in sys.modules:  # too late: OpenMP read the environment when torch loaded
+            THREADS_FROM = "torch's default (torch was imported before zerotrain started)"
+            return
+        THREADS_FROM = threads[1]
+    if threads is not None:
+        environ["OMP_NUM_THREADS"] = str(threads[0])
+
+
+def cpu_threads(environ, cores: int) -> tuple[int, str] | None:
+    """torch's intra-op threads for this rank where OMP_NUM_THREADS is unset: the node's cores
+    divided by its ranks (device_memory.local_ranks), so that ranks computing at the same time do
+    not oversubscribe them. torchrun sets 1 per rank when it starts several, Accelerate's launcher
+    cores / processes; the deepspeed launcher sets nothing, and torch's default (every core in
+    every rank) ran ZeRO-2 at 0.94 of the best plain loop on 2 cores (issue 41).
+
+    It goes into the environment before torch is imported, so OpenMP starts at that size: the same
+    count set later with torch.set_num_threads ran ZeRO-2 slower than OMP_NUM_THREADS did
+    (BENCHMARKS.md "Trainer against the best plain loop"). None: the environment already says."""
+    if environ.get("OMP_NUM_THREADS", "").strip():
+        return None
+    ranks = local_ranks(environ)
+    return max(1, cores // ranks), f"{cores} core(s) / {ranks} rank(s) on this node"
+
+
+def cores() -> int:
+    """The cores this process may run on (a cgroup cpuset or taskset narrows os.cpu_count())."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

@@ -28,17 +28,8 @@ DEPRECATED_BY_TORCH_CALLED_BY_DEEPSPEED = (
 )
 
 
-# Accelerate's multi-CPU DDP start-up sets torch's threads itself and says so; zerotrain sets
-# them back to its own choice right after (train/training/stages.py choose_strategy: hardware.apply_cpu_threads) and
-# records that choice in the banner and config.json, so the message would be false.
-ACCELERATE_THREADS = ("accelerate.state", "OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at")
-
-
 def quiet() -> None:
     """Install the filters (idempotent: the warnings module drops a duplicate filter)."""
     for message in DEPRECATED_BY_TORCH_CALLED_BY_DEEPSPEED:
         warnings.filterwarnings("ignore", message=re.escape(message), category=FutureWarning,
                                 module=re.escape(C10D_WRAPPER_MODULE) + r"\Z")
-    module, message = ACCELERATE_THREADS
-    warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning,
-                            module=re.escape(module) + r"\Z")

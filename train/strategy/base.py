@@ -71,14 +71,6 @@ class Strategy:
         reading a whole parameter is a gather."""
         return False
 
-    #: On a CPU-only node: whether each rank takes only its share of the node's cores for torch's
-    #: intra-op threads (train/training/hardware.py cpu_threads), or every core. A share where the
-    #: ranks compute at the same time (DDP: the gradient all-reduce runs on gloo's thread during
-    #: the backward), every core where a rank's computing thread blocks in the collectives (the
-    #: ZeRO stages), so that its cores are the other ranks' while it waits. Measured in
-    #: BENCHMARKS.md "Trainer against the best plain loop".
-    shares_cpu_cores: bool = True
-
     # ------------------------------------------------------------------ checks and build
     def check_run(self, cfg) -> None:
         """Refuses, in one line, what this backend cannot run (raises ConfigError)."""

@@ -17,11 +17,6 @@ from zerotrain.train.strategy.base import Strategy
 
 class ZeroStrategy(Strategy):
     backend = "deepspeed"
-    # DeepSpeed's reductions (in the gradient hooks) and all-gathers (after the step, ZeRO-3's in
-    # the forward) block the computing thread: a rank with every core lends them to the other
-    # ranks while it waits (2 ranks on 2 cores: BENCHMARKS.md "Trainer against the best plain loop").
-    shares_cpu_cores = False
-
     @property
     def stage(self) -> int:
         return self.ds.stage

@@ -1,4 +1,5 @@
-"""Run options that only concern the hardware: TF32, CPU threads, channels-last, torch.compile, loader workers.
+"""Run options that only concern the hardware: TF32, channels-last, torch.compile, loader workers (CPU threads:
+train/launch/device_env.py, before torch loads).
 
 Each decision is a small pure function of the config, the strategy and the machine, so it is
 tested on CPU; build.py applies them.
@@ -6,12 +7,12 @@ tested on CPU; build.py applies them.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
 from zerotrain.train.config import DataSection, RunConfig
+from zerotrain.train.launch import device_env
 
 
 def float32_matmul_precision(cfg: RunConfig, cuda: bool) -> str | None:
@@ -30,34 +31,6 @@ def apply_tf32(cfg: RunConfig, cuda: bool) -> str | None:
     return precision
 
 
-# torch's own intra-op thread count in this process, before anything set one (Accelerate's
-# multi-CPU start-up does): what a rank that does not share the cores gets back.
-TORCH_DEFAULT_THREADS = torch.get_num_threads()
-
-
-def cpu_threads(cuda: bool, local_world: int, share: bool = True, env=None) -> int | None:
-    """torch's intra-op threads per rank on a CPU-only machine. `share` (Strategy.shares_cpu_cores,
-    DDP): this rank's share of the node's cores, so that ranks computing at the same time do not
-    oversubscribe them. Not `share` (the ZeRO stages, whose collectives block the computing
-    thread): every core the process may use, as torch's default gives it. DeepSpeed's launcher
-    splits the cores only with --bind_cores_to_rank, and Accelerate sets its own count for
-    multi-CPU runs, which choose_strategy sets back right after. None keeps torch's current choice: on a GPU, where
-    OMP_NUM_THREADS sets it, or where the count would not change."""
-    env = os.environ if env is None else env
-    if cuda or env.get("OMP_NUM_THREADS", "").strip():
-        return None
-    n = cores_per_rank(local_world) if share else TORCH_DEFAULT_THREADS
-    return n if n != torch.get_num_threads() else None
-
-
-def apply_cpu_threads(cuda: bool, local_world: int, share: bool = True) -> int:
-    """Sets cpu_threads() where it has one; returns the threads torch uses (config.json)."""
-    n = cpu_threads(cuda, local_world, share)
-    if n is not None:
-        torch.set_num_threads(n)
-    return torch.get_num_threads()
-
-
 def use_channels_last(cfg: RunConfig, strategy, family: str, cuda: bool) -> bool:
     """model.channels_last (a key of vision models only): None = vision models on a GPU where
     the strategy keeps the layout."""
@@ -66,11 +39,7 @@ def use_channels_last(cfg: RunConfig, strategy, family: str, cuda: bool) -> bool
 
 
 def cores_per_rank(local_world: int) -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_world))
+    return max(1, device_env.cores() // max(1, local_world))
 
 
 SHARD_WORKERS = 1  # auto workers per rank for a sharded corpus (TokensData.num_workers says why)

@@ -76,6 +76,7 @@ def _resolved(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed, mod
         out["pad_to"] = loaders.pad_to
     stream = data.bundle.stream
     out["hardware"] = {"float32_matmul_precision": rt.matmul_precision, "cpu_threads": rt.threads,
+                       "cpu_threads_from": rt.threads_from,
                        "channels_last": model.channels_last, "compile": cfg.hardware.compile,
                        "data_workers": loaders.workers, **({"stream_workers": stream.workers} if stream else {})}
     return out

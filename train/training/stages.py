@@ -29,7 +29,7 @@ from zerotrain.train.data.sampler import EvalBatchSampler, GlobalBatchSampler
 from zerotrain.train.strategy import Strategy, for_setup
 from zerotrain.train.strategy.ds_config import load_ds_setup
 from zerotrain.train.errors import ConfigError
-from zerotrain.train.launch import collectives
+from zerotrain.train.launch import collectives, device_env
 from zerotrain.train.launch import distributed as dist_
 from zerotrain.train.launch import elastic as elastic_
 from zerotrain.train.launch import host_settings, shm_buffers
@@ -65,6 +65,7 @@ class Runtime:
     local_world: int                 # this node's ranks
     matmul_precision: Optional[str]  # set on CUDA (hardware.tf32)
     threads: int                     # torch's intra-op threads in this rank
+    threads_from: str                # why that many (train/launch/device_env.py THREADS_FROM)
     run_dir: Path
     elastic: Optional[ElasticRun]    # torchrun's agent: this attempt of the job
     sp_size: int                     # distributed.sequence_parallel (1: off)
@@ -81,7 +82,6 @@ def set_up_runtime(cfg: RunConfig) -> Runtime:
     cuda = torch.cuda.is_available()
     matmul_precision = hardware.apply_tf32(cfg, cuda)
     local_world = dist_.node_layout(os.environ, int(os.environ["RANK"]), world)[2]
-    threads = hardware.apply_cpu_threads(cuda, local_world)  # the ranks' share until the strategy says (choose_strategy)
     run_dir = Path(cfg.train.run_dir)
     _check_run_dir(run_dir)
     elastic = _elastic_join(cfg, run_dir, world, launcher)
@@ -90,7 +90,8 @@ def set_up_runtime(cfg: RunConfig) -> Runtime:
     sp_size = sp_.size(cfg, world)
     batch = train.batch(world // sp_size)
     return Runtime(launcher=launcher, world=world, cuda=cuda, local_world=local_world,
-                   matmul_precision=matmul_precision, threads=threads, run_dir=run_dir, elastic=elastic,
+                   matmul_precision=matmul_precision, threads=torch.get_num_threads(),
+                   threads_from=device_env.THREADS_FROM, run_dir=run_dir, elastic=elastic,
                    sp_size=sp_size, batch=batch, resume=resume)
 
 
@@ -208,8 +209,7 @@ def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, d
     ds = strategy.ds
     _sweep_shm_buffers()  # before DeepSpeed creates this job's own
     acc = strategy.build_accelerator(rt.batch, collectives.timeout_s(cfg))
-    # After the Accelerator (its multi-CPU start-up sets a count of its own): the strategy's (Strategy.shares_cpu_cores)
-    rt.threads = hardware.apply_cpu_threads(rt.cuda, rt.local_world, strategy.shares_cpu_cores)
+    rt.threads = torch.get_num_threads()  # as OMP_NUM_THREADS set it (train/launch/device_env.py cpu_threads)
     topo = dist_.topology(rt.launcher, "nccl" if rt.cuda else "gloo")
     dist_.check_world(acc, topo)
     collectives.StackOnRequest.start_for(topo.rank)  # debug.collectives: a peer may ask for this rank's stack
@@ -380,7 +380,7 @@ def prepare(rt: Runtime, dist: Distributed, model: Model, loaders: Loaders) -> P
     if dist.sp is not None:
         facts["sequence_parallel"] = dist.sp.record()
     # What the steps will run with, once every library has started (Accelerate sets threads too).
-    facts.update(torch_threads=torch.get_num_threads(), torch_default_threads=hardware.TORCH_DEFAULT_THREADS,
+    facts.update(torch_threads=torch.get_num_threads(), threads_from=device_env.THREADS_FROM,
                  local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     _write_rank_info(rt.run_dir, topo, facts)
     return Prepared(train_loader=train_loader, val_loader=val[0] if val else None)
