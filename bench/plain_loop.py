@@ -67,14 +67,20 @@ def parse(argv):
 
 def ds_config(a, world: int) -> dict:
     """The DeepSpeed dict a user writes for this run: batch, clipping, fp32, the ZeRO stage and
-    the model-width bucket sizes (h*h buckets, as Hugging Face's integration fills "auto")."""
+    the model-width bucket sizes (h*h buckets, as Hugging Face's integration fills "auto"); the
+    stage's other settings as the shipped ds_configs/zero<stage>.json has them, so that both loops
+    run the same DeepSpeed (stage 1: DeepSpeed's defaults, overlap_comm off; with it on, this
+    loop's ZeRO-1 ran at 0.91 of its speed with it off on 2 CPU cores, BENCHMARKS.md "Trainer
+    against the best plain loop")."""
     h = a.d_model
     cfg = {"train_micro_batch_size_per_gpu": a.micro_batch, "gradient_accumulation_steps": a.grad_accum,
            "train_batch_size": a.micro_batch * a.grad_accum * world, "gradient_clipping": a.clip,
            "bf16": {"enabled": False}, "fp16": {"enabled": False}, "steps_per_print": 10**9,
            "zero_allow_untested_optimizer": True}
     zero = {"stage": int(a.stage)}
-    if zero["stage"] in (1, 2):
+    if zero["stage"] == 1:
+        zero.update(reduce_bucket_size=h * h, allgather_bucket_size=h * h)
+    if zero["stage"] == 2:
         zero.update(overlap_comm=True, contiguous_gradients=True, reduce_scatter=True,
                     reduce_bucket_size=h * h, allgather_bucket_size=h * h)
     if zero["stage"] == 3:
