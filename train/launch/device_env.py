@@ -47,7 +47,8 @@ def cpu_threads(environ, cores: int) -> tuple[int, str] | None:
     divided by its ranks (device_memory.local_ranks), so that ranks computing at the same time do
     not oversubscribe them. torchrun sets 1 per rank when it starts several, Accelerate's launcher
     cores / processes; the deepspeed launcher sets nothing, and torch's default (every core in
-    every rank) ran ZeRO-2 at 0.94 of the best plain loop on 2 cores (issue 41).
+    every rank) ran ZeRO-2 at 0.94-0.96 of the best plain loop on 2 cores (issue 41). On a GPU node
+    the same share keeps the ranks' host threads (data, ZeRO-Offload's CPU Adam) from oversubscribing.
 
     It goes into the environment before torch is imported, so OpenMP starts at that size: the same
     count set later with torch.set_num_threads ran ZeRO-2 slower than OMP_NUM_THREADS did

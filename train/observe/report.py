@@ -80,7 +80,7 @@ def _validation_text(t) -> str:
 
 
 def _threads_text(t) -> str:
-    """On a CPU: torch's threads per rank (train/training/hardware.py cpu_threads)."""
+    """On a CPU: torch's threads per rank (OMP_NUM_THREADS: train/launch/device_env.py cpu_threads)."""
     threads = t.resolved_config.get("resolved", {}).get("hardware", {}).get("cpu_threads")
     return f", {threads} torch thread(s) per rank" if t.topo.device == "cpu" and threads else ""
 
