@@ -58,6 +58,9 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--groups", type=int, default=2, choices=(1, 2),
                    help="AdamW parameter groups: 2 = decay / no decay (as the trainer), 1 = one group")
+    p.add_argument("--overlap-comm", choices=("json", "on", "off"), default="json",
+                   help="ZeRO-1/2 overlap_comm: as the shipped ds_configs/zero<stage>.json (stage 1 off, "
+                        "stage 2 on), or forced")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--window", type=int, required=True, help="steps per timed window")
     p.add_argument("--out", required=True)
@@ -83,6 +86,8 @@ def ds_config(a, world: int) -> dict:
     if zero["stage"] == 2:
         zero.update(overlap_comm=True, contiguous_gradients=True, reduce_scatter=True,
                     reduce_bucket_size=h * h, allgather_bucket_size=h * h)
+    if zero["stage"] in (1, 2) and a.overlap_comm != "json":
+        zero["overlap_comm"] = a.overlap_comm == "on"
     if zero["stage"] == 3:
         zero.update(overlap_comm=True, contiguous_gradients=True, reduce_bucket_size=h * h,
                     stage3_prefetch_bucket_size=int(0.9 * h * h), stage3_param_persistence_threshold=10 * h,

@@ -100,9 +100,8 @@ def test_ranks_under_the_deepspeed_launcher_take_their_share_of_the_cores(tmp_pa
     each rank's OpenMP starts at its share of the node's cores, set in the environment before
     torch loads (train/launch/device_env.py), also once Accelerate has started, and the banner
     and config.json say so. On 2 cores torch's default (every core in every rank) ran the plain
-    loop's DDP at 0.38 and its ZeRO stages at 0.92-0.96 of 1 thread per rank, and the share set
-    later with torch.set_num_threads ran the trainer's ZeRO-1/2 at 0.84-0.89 of the best plain
-    loop (issue 41, BENCHMARKS.md "Trainer against the best plain loop")."""
+    loop's DDP at 0.38 and its ZeRO stages at 0.92-0.96 of 1 thread per rank (issue 41,
+    BENCHMARKS.md "Trainer against the best plain loop")."""
     from zerotrain.train.training import hardware
     run_dir = cached_run(tmp_path_factory, "deepspeed", 2, args_for(fp32_configs[name]),
                          env={"OMP_NUM_THREADS": None})

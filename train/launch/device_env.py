@@ -50,9 +50,10 @@ def cpu_threads(environ, cores: int) -> tuple[int, str] | None:
     every rank) ran ZeRO-2 at 0.94-0.96 of the best plain loop on 2 cores (issue 41). On a GPU node
     the same share keeps the ranks' host threads (data, ZeRO-Offload's CPU Adam) from oversubscribing.
 
-    It goes into the environment before torch is imported, so OpenMP starts at that size: the same
-    count set later with torch.set_num_threads ran ZeRO-2 slower than OMP_NUM_THREADS did
-    (BENCHMARKS.md "Trainer against the best plain loop"). None: the environment already says."""
+    It goes into the environment before torch is imported: one setting that every library and
+    process reading OMP_NUM_THREADS sees (torch's OpenMP pool, Accelerate's multi-CPU start-up,
+    which otherwise sets a count of its own, DeepSpeed's CPU Adam, data workers), and nothing sets
+    it again later. None: the environment already says."""
     if environ.get("OMP_NUM_THREADS", "").strip():
         return None
     ranks = local_ranks(environ)
