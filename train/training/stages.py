@@ -379,7 +379,8 @@ def prepare(rt: Runtime, dist: Distributed, model: Model, loaders: Loaders) -> P
     facts.update(strategy.after_prepare(workload))
     if dist.sp is not None:
         facts["sequence_parallel"] = dist.sp.record()
-    # What the steps will run with, once every library has started (Accelerate sets threads too).
+    # What the steps will run with, once every library has started (Accelerate sets a count where
+    # OMP_NUM_THREADS is unset: torch was imported before train/main.py could set it).
     facts.update(torch_threads=torch.get_num_threads(), threads_from=device_env.THREADS_FROM,
                  local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     _write_rank_info(rt.run_dir, topo, facts)
