@@ -62,6 +62,7 @@ from zerotrain.train.data.prep_sources import ByteTokenizer, HFTokenizer  # noqa
 from zerotrain.train.data.shards import Corpus
 from zerotrain.train.data.tokens import FORMAT, sidecar_path, val_path
 from zerotrain.train.errors import ConfigError, DataError, user_errors
+from zerotrain.train.launch import device_env
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".html", ".tex", ".c", ".h", ".js")
 PIECE_BYTES = 4 << 20
@@ -239,8 +240,7 @@ def prepare_sharded(a, out: Path) -> int:
         if odd:
             raise ConfigError(f"{odd[0]} is a dataset file: pass --text-field NAME (the column holding the text)")
     files, val = find(a.inputs), find(a.val) if a.val else []
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = a.workers or cpus
+    workers = a.workers or device_env.cores()
     t0 = time.perf_counter()
     try:
         meta = prepare_pool.prepare_shards(files, val, tokenizer, out, a.shard_tokens or prepare_pool.DEFAULT_SHARD_TOKENS,

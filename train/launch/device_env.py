@@ -32,14 +32,15 @@ def apply(environ=os.environ) -> None:
         environ["CUDA_VISIBLE_DEVICES"] = ""
         environ["DS_ACCELERATOR"] = "cpu"
     threads = cpu_threads(environ, cores())
-    if threads is not None and environ is os.environ:
+    if threads is None:
+        return
+    if environ is os.environ:
         global THREADS_FROM
         if "torch" in sys.modules:  # too late: OpenMP read the environment when torch loaded
             THREADS_FROM = "torch's default (torch was imported before zerotrain started)"
             return
         THREADS_FROM = threads[1]
-    if threads is not None:
-        environ["OMP_NUM_THREADS"] = str(threads[0])
+    environ["OMP_NUM_THREADS"] = str(threads[0])
 
 
 def cpu_threads(environ, cores: int) -> tuple[int, str] | None:

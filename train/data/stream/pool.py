@@ -12,6 +12,7 @@ import os
 import signal
 
 from zerotrain.train.data.prep_sources import make_tokenizer
+from zerotrain.train.launch import device_env
 from zerotrain.train.data.stream.readers import StreamFile, tokenize_chunk
 
 _WORKER_TOKENIZER = None
@@ -75,9 +76,5 @@ def _end_pool(pool):
 def default_workers() -> int:
     """data.num_workers unset: one tokenizer process per rank per spare core, 1 to 4 (a rank
     tokenizes the whole stream, so a node with more ranks than cores still gets 1 each)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    per_rank = cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    per_rank = device_env.cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return max(1, min(4, per_rank - 1))
