@@ -153,7 +153,7 @@ def run_one(a, size: str, stage: str, work: Path) -> dict:
 # ---------------------------------------------------------------------------- the vote's cost
 
 def _vote_worker(rank: int, world: int, port: int, iters: int, out: str):
-    """Times the trainer's StopVote call with the every_minutes ticket (train/training/stop.py)
+    """Times the trainer's StopVote call with the every_minutes ticket (train/training/tick.py)
     against the vote as it was before (1 float: fill_, async all-reduce, .item() of the previous
     one), on a real 2-process gloo group; only the call is timed, with a 2 ms pause in between (a
     "step": the reduction completes in the background, as in training)."""
@@ -163,7 +163,7 @@ def _vote_worker(rank: int, world: int, port: int, iters: int, out: str):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from zerotrain.train.checkpoint.cadence import SaveCadence
-    from zerotrain.train.training.stop import StopVote
+    from zerotrain.train.training.tick import StopVote
 
     class Acc:
         num_processes = world
@@ -190,8 +190,8 @@ def _vote_worker(rank: int, world: int, port: int, iters: int, out: str):
             vote = OldVote()
             call = lambda v=vote: v(False)  # noqa: E731
         else:
-            vote, cad = StopVote(Acc()), SaveCadence(0, 1.0, rank == 0)
-            call = lambda v=vote, c=cad: v(False, c.ticket())  # noqa: E731
+            vote, cad = StopVote(Acc(), 2), SaveCadence(0, 1.0, rank == 0)
+            call = lambda v=vote, c=cad: v([0.0, c.ticket()])  # noqa: E731
         dist.barrier()
         for _ in range(iters):
             t = time.perf_counter()

@@ -25,7 +25,7 @@ import tempfile
 # The progress bar's switch moved from train. to logging. in zerotrain 0.2; this script runs any checkout.
 QUIET_BAR = ["--logging.progress" if os.path.exists("train/config/moved.py") else "--train.progress", "false"]
 
-LOOP = ("fit", "train_step", "_agree", "on_step", "before_step", "advance")
+LOOP = ("fit", "train_step", "_agree", "agree", "on_step", "before_step", "advance")  # _agree: before LoopControl
 
 
 def main(argv=None) -> int:

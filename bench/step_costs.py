@@ -71,7 +71,7 @@ def rank_main(a) -> dict:
     from zerotrain.train.checkpoint.cadence import SaveCadence
     from zerotrain.train.optim.optimizer import set_lr
     from zerotrain.train.optim.schedule import lr_at
-    from zerotrain.train.training.stop import StopVote
+    from zerotrain.train.training.tick import StopVote
     from zerotrain.train.training.trainer import Trainer
 
     torch.distributed.init_process_group("gloo")
@@ -101,11 +101,11 @@ def rank_main(a) -> dict:
     step_s = statistics.median(steps)
 
     acc = SimpleNamespace(num_processes=world)
-    vote = StopVote(acc)
+    vote = StopVote(acc, 2)
     cadence = SaveCadence(0, 30.0, rank == 0)
     counter = iter(range(10**9))
     items = {
-        "vote": lambda: vote(False, cadence.ticket()),
+        "vote": lambda: vote([0.0, cadence.ticket()]),
         "cadence": lambda: cadence.due(next(counter), 0.0, False),  # the vote's ticket: 0 within 30 minutes
     }
     shim = SimpleNamespace(acc=acc, batch=SimpleNamespace(accum=1))

@@ -12,14 +12,18 @@ all three cadences are set to K).
     python bench/step_files.py --step 7 --plain         # a step with no log, eval or save
     python bench/step_files.py --ds-config ds_configs/zero3_fp32.json
 
-It prints the files in the order first reached, and their count. Nothing of zerotrain is
-imported here: it works on any checkout (run it from that checkout's root).
+It prints the files in the order first reached, and their count; with --json, instead, one last
+line {"step", "plain", "ds_config", "count", "files"} (what tests/test_step_files.py reads). It
+exits 1 if the run never reached step K's entry. Nothing of zerotrain is imported here: it works
+on any checkout (run it from that checkout's root).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -36,6 +40,8 @@ def parse(argv):
     p.add_argument("--step", type=int, default=10, help="the optimizer step followed (1-based)")
     p.add_argument("--plain", action="store_true", help="no log, eval or save at that step")
     p.add_argument("--entry", default="train_step", help="the function whose entries mark the steps")
+    p.add_argument("--run-dir", help="the run's directory, kept (default: a temporary one, removed at the end)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line, last")
     return p.parse_args(argv)
 
 
@@ -44,7 +50,7 @@ def main(argv=None) -> int:
     repo = Path.cwd().resolve()
     roots = tuple(str(repo / d) + os.sep for d in ("train", "models"))
     every = 1000 if a.plain else a.step
-    run_dir = tempfile.mkdtemp(prefix="step-files-")
+    run_dir = a.run_dir or tempfile.mkdtemp(prefix="step-files-")
     sys.argv = ["train/main.py", "--config", a.config, "--ds-config", a.ds_config, "--train.run_dir", run_dir,
                 "--train.max_steps", str(a.step + 2), "--logging.every_steps", str(every),
                 "--train.eval_every", str(every), "--checkpoint.every_steps", str(every),
@@ -74,11 +80,23 @@ def main(argv=None) -> int:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-    kind = "a step with no log, eval or save" if a.plain else "a step that logs, evaluates and saves"
-    print(f"\n{len(seen)} files of train/ and models/ run in step {a.step} ({kind}, {a.ds_config}):")
-    for f in seen:
-        print(f"  {f}")
+    if not a.run_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    files = list(seen)
+    if not files:
+        print(f"step_files: the run never entered {a.entry}() of trainer.py for step {a.step} "
+              f"(train.max_steps {a.step + 2}); pass --entry if the step's function was renamed", file=sys.stderr)
+        code = code or 1
+    elif a.json:
+        print(json.dumps({"step": a.step, "plain": a.plain, "ds_config": a.ds_config, "count": len(files),
+                          "files": files}))
+    else:
+        kind = "a step with no log, eval or save" if a.plain else "a step that logs, evaluates and saves"
+        print(f"\n{len(files)} files of train/ and models/ run in step {a.step} ({kind}, {a.ds_config}):")
+        for f in files:
+            print(f"  {f}")
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)  # as train/main.py exits: no interpreter finalization of torch's process group
 
 

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism, the model side (issue 29): the two all-to-alls around attention.
+"""Ulysses sequence parallelism, the model side: the two all-to-alls around attention.
 
 Each rank of a sequence-parallel (SP) group of N ranks holds a contiguous 1/N of every sequence.
 Everything but attention is per token, so it runs on the local slice unchanged. Attention needs

@@ -56,7 +56,7 @@ class Workload:
     def loss(self, model, batch, denominator: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Mean loss over the micro-batch, in fp32. LMs: models/losses.py's chunked
         cross-entropy, the fp32 mathematics of F.cross_entropy(logits.float(), labels) without
-        an fp32 copy of the (B, T, V) logits or a saved fp32 log-softmax (issue 12).
+        an fp32 copy of the (B, T, V) logits or a saved fp32 log-softmax.
         `denominator` (LMs only): the summed token loss is divided by it instead of by this
         micro-batch's number of labelled tokens (the trainer's token-count normalisation).
         A py: model with model.loss "model" returns its own loss from forward(**batch)

@@ -27,8 +27,9 @@ device_env.apply()
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-import zerotrain.train.training.stop as stop_mod  # noqa: E402
+import zerotrain.train.training.tick as stop_mod  # noqa: E402
 import zerotrain.train.training.trainer as trainer_mod  # noqa: E402
+import zerotrain.train.training.components as components_mod  # noqa: E402
 
 READS = {"item", "tolist", "__float__", "__bool__", "__int__", "__index__", "numpy", "cpu", "__format__"}
 OURS = (str(REPO / "train") + os.sep, str(REPO / "models") + os.sep)
@@ -76,24 +77,24 @@ def _during_step(fn):
 
 def _vote(fn):
     """The stop vote reads its flag every step by design, from a CPU tensor on a gloo group
-    (train/training/stop.py StopVote): not a device read, so it is checked by where its buffers live."""
-    def wrapped(self, flag, *a, **k):
+    (train/training/tick.py StopVote): not a device read, so it is checked by where its buffers live."""
+    def wrapped(self, values, *a, **k):
         VOTES.extend(str(b.device) for b in self.buffers)
         VOTES.append("group:" + ("default" if self.group is None else "side"))
-        return fn(self, flag, *a, **k)
+        return fn(self, values, *a, **k)
     return wrapped
 
 
 def _log(fn):
-    def wrapped(self, *a, **k):
-        LOG_STEPS.append(self.state.step)
-        return fn(self, *a, **k)
+    def wrapped(self, tick, *a, **k):
+        LOG_STEPS.append(tick.step)
+        return fn(self, tick, *a, **k)
     return wrapped
 
 
 trainer_mod.Trainer.train_step = _during_step(trainer_mod.Trainer.train_step)
 stop_mod.StopVote.__call__ = _vote(stop_mod.StopVote.__call__)
-trainer_mod.Trainer._log_window = _log(trainer_mod.Trainer._log_window)
+components_mod.LogLine.write = _log(components_mod.LogLine.write)
 
 
 def _dump():

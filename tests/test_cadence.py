@@ -94,7 +94,7 @@ def test_the_stop_vote_carries_the_ticket_one_step_late():
     stop flag and the ticket come back together, one call later."""
     import torch
     import torch.distributed as dist
-    from zerotrain.train.training.stop import StopVote
+    from zerotrain.train.training.tick import StopVote
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
     store = dist.HashStore()
@@ -102,13 +102,13 @@ def test_the_stop_vote_carries_the_ticket_one_step_late():
     try:
         class Acc:
             num_processes = 2  # as if distributed: the vote goes through the collective
-        vote = StopVote(Acc())
+        vote = StopVote(Acc(), 2)
         assert vote.dist
         got = []
         for flag, ticket in [(False, 0.0), (False, 3.0), (False, 0.0), (True, 0.0)]:
-            got.append(vote(flag, ticket))  # Agreed(stop, ticket)
-        assert [(a.stop, a.ticket) for a in got] == [(False, 0.0), (False, 0.0), (False, 3.0), (False, 0.0)]
-        assert vote.finish() is True
+            got.append(vote([float(flag), ticket]))  # (stop, ticket) as cast a step ago
+        assert got == [None, (0.0, 0.0), (0.0, 3.0), (0.0, 0.0)]
+        assert vote.finish() == (1.0, 0.0)
         assert all(b.device == torch.device("cpu") for b in vote.buffers)
     finally:
         dist.destroy_process_group()

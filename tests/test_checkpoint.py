@@ -386,7 +386,7 @@ def test_checkpoint_resolution_prefers_latest_and_skips_incomplete(tmp_path):
 
 
 def test_shape_mismatch_lists_missing_extra_and_resized_names():
-    from zerotrain.train.checkpoint.manager import shape_mismatch
+    from zerotrain.train.checkpoint.load import shape_mismatch
     assert shape_mismatch({"a": (2,)}, {"a": [2]}, "model", "weights") is None
     msg = shape_mismatch({"a": (2,), "b": (3, 4), "c": (1,)}, {"a": (2,), "b": (3, 8), "d": (5,)}, "model", "weights")
     assert "in model only (1):\n    c" in msg and "in weights only (1):\n    d" in msg
@@ -435,14 +435,14 @@ def test_registered_components_are_saved_and_restored_by_name(tmp_path):
     engine = SimpleNamespace(state_dict=lambda: {"counters": {"global_steps": 3}}, loaded=[])
     engine.load_state_dict = lambda state, at: engine.loaded.append((state, at.step))
     c = Checkpointer.__new__(Checkpointer)
-    c.components = {}
+    c.registered = {}
     c.register("engine", engine)
     mine = Counter()
     mine.n = 5
     c.register("counter", mine)
     with pytest.raises(ValueError, match="counter"):
         c.register("counter", Counter())
-    saved = {name: comp.state_dict() for name, comp in c.components.items()}
+    saved = {name: comp.state_dict() for name, comp in c.registered.items()}
     assert saved == {"engine": {"counters": {"global_steps": 3}}, "counter": {"n": 5}}
     mine.n = 0
     st = c._restore_counters({"train_state": {**TrainState(step=3).to_dict(), "unknown_later_field": 1},
@@ -450,7 +450,7 @@ def test_registered_components_are_saved_and_restored_by_name(tmp_path):
     assert st == TrainState(step=3) and (mine.n, mine.at) == (5, 3)
     assert engine.loaded == [({"counters": {"global_steps": 3}}, 3)]
     fresh = Counter()  # registered after the checkpoint was written: gets {} and keeps its start
-    c.components = {"counter": fresh}
+    c.registered = {"counter": fresh}
     c._restore_counters({"train_state": TrainState(step=3).to_dict(), "state": {"engine": {}}})
     assert fresh.n == -1 and fresh.at == 3
 

@@ -90,7 +90,7 @@ def test_ddp_fp16_settings_without_a_grad_scaler_meaning_are_refused(tmp_path, f
 
 # ------------------------------------------------------------------ hardware options
 def test_default_ds_config_suits_the_hardware(monkeypatch):
-    from zerotrain.train.launch.distributed import default_ds_config
+    from zerotrain.train.launch.ds_config_choice import default_ds_config
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_ds_config()[0] == "zero2_fp32.json"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -362,7 +362,7 @@ def test_watchdog_names_a_silent_node_and_an_unreachable_store():
     node 1's heartbeat is played by this test."""
     import datetime
     import torch.distributed as td
-    from zerotrain.train.launch.distributed import PeerWatchdog
+    from zerotrain.train.launch.peers import PeerWatchdog
     servers = [td.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)]
     client = td.TCPStore("127.0.0.1", servers[0].port, is_master=False, timeout=datetime.timedelta(seconds=2))
 

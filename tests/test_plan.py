@@ -208,7 +208,7 @@ def test_cli_reads_a_run_file(tmp_path, capsys):
     assert plan_cli.main([str(run), "--device-mem", "24GB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["batch"] == {"micro": 4, "seq_len": 512, "accum": 2, "checkpointing": False, "sequence_parallel": 1,
-                            "document_mask": False, "reference_copy": False}
+                            "document_mask": False, "reference_copy": False, "ema_copy": False}
     assert out["model"] == "gpt2-124m"
 
 
@@ -263,3 +263,19 @@ def test_the_runs_memory_plan_sizes_the_model_the_run_builds(model, tmp_path):
     assert dataclasses.replace(meta, width=None) == dataclasses.replace(
         module_shape(built.model, spec.name, meta.gpt, built.hidden_size), width=None)
     assert meta.tensors and (meta.frozen != ()) == ("lora" in model)  # LoRA: the base is frozen, the adapters trained
+
+
+@pytest.mark.parametrize("name,offload", [("ddp", False), ("zero2", False), ("zero3", False),
+                                          ("zero2_offload", True), ("zero3_offload", True)])
+def test_ema_counts_one_fp32_copy_of_the_master_elements_a_rank_holds(name, offload):
+    """train.ema keeps the average of exactly what each rank's moments cover (train/training/ema.py):
+    half the moments' 8 bytes per held element, on the device, or on the host under optimizer
+    offload; nothing else changes."""
+    psi, n = 1_000_000, 4
+    base = estimate(count_shape(psi), strategy(name, "bf16"), n, BatchShape(micro=1, seq_len=None))
+    ema = estimate(count_shape(psi), strategy(name, "bf16"), n, BatchShape(micro=1, seq_len=None, ema_copy=True))
+    held = psi if name == "ddp" else psi // n  # DDP holds every element; ZeRO-2/3 a 1/n share
+    assert ema.master == base.master == held
+    where = "host" if offload else "buffers"
+    assert getattr(ema, where) - getattr(base, where) == 4 * held
+    assert ema.device_total - base.device_total == (0 if offload else 4 * held)

@@ -500,7 +500,7 @@ def test_precomputed_reference_gives_the_live_frozen_copy_loss_and_gradients_in_
     beside the data, keyed by JSONL line; the run's pairs then carry it, and the step-1 loss and
     gradients equal the live frozen-copy reference's. Preparing again is a no-op."""
     from zerotrain.train.config import DpoConfig, RunConfig, TrainConfig
-    from zerotrain.train.training.stages import attach_reference
+    from zerotrain.train.training.preference_setup import attach_reference
     recs = _records(6, 7)
     recs.insert(2, {"prompt": "a", "chosen": "same", "rejected": "same"})  # skipped: the keys are line numbers
     path = write_jsonl(tmp_path / "d.jsonl", recs)

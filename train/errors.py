@@ -53,8 +53,8 @@ def say(line: str) -> None:
     """Print one line to stderr in one write. The ranks of a launch share the launcher's stderr,
     and print() writes a line and its newline in two writes (unbuffered, as under
     PYTHONUNBUFFERED): another rank's line then lands between them, glued to the end of this
-    one instead of starting its own (measured: 1 launch in 3 of tests/test_collectives.py's
-    extra all-reduce, which read as a rank exiting without its line). One write of a line
+    one instead of starting its own (seen in tests/test_collectives.py's extra all-reduce, where
+    it read as a rank exiting without its line). One write of a line
     shorter than the pipe's atomic size (4096 bytes on Linux) is never split."""
     stream = sys.stderr
     stream.flush()  # whatever this process wrote before goes first, on its own
@@ -77,7 +77,7 @@ _PEERS = None
 
 
 def report_peers_with(peers) -> None:
-    """Called by train/launch/distributed.py when a launch imports it (a bad flag never imports torch
+    """Called by train/launch/peers.py when a launch imports it (a bad flag never imports torch
     for this): `peers` has report_user_error, peer_user_error, explain_peer_failure and
     report_collective_failure, which user_errors uses to tell the other ranks, to name a rank
     that died, and to say which ranks ran different collectives (debug.collectives)."""

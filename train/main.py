@@ -49,9 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         finally:
             trainer.close()
-        if trainer.stop_reason == "diverged":
-            from zerotrain.train.errors import TrainingDiverged
-            raise TrainingDiverged(trainer.health.diverged_reason)
+        if trainer.stop is not None and trainer.stop.failure is not None:  # e.g. TrainingDiverged: its exit code
+            raise trainer.stop.failure(trainer.stop.message)
     return 0
 
 

@@ -5,7 +5,7 @@ save writes) into `Staging`, host buffers allocated at the first save and reused
 one, then hands them to a `BackgroundWrite`: a thread that writes the same files a synchronous
 save writes (same names, same bytes), fsyncs them and writes the rank's part list, while the loop
 trains on. Committing (manifest, rename, `latest`) is rank 0's, once every rank's write is known
-to be durable: train/checkpoint/manager.py (`poll`, `flush`), docs/checkpoints.md.
+to be durable: train/checkpoint/async_save.py (`poll`, `flush`), docs/checkpoints.md.
 
 A thread, not a process: the snapshot is already in this process's memory, and the write
 (safetensors' serialisation, the file writes, fsync, sha256) runs outside the GIL, so the thread

@@ -5,7 +5,7 @@ decide to save at the same step. A step count is the same everywhere; wall time 
 rank has its own clock and reaches a step at its own moment). So only rank 0's clock counts:
 each step rank 0 offers a *ticket* (the number the next save will have, once every_minutes
 have passed since the last save ended; 0 before), the other ranks offer 0, and the sum travels
-in the trainer's stop vote (train/training/stop.py StopVote: an async all-reduce of a CPU
+in the trainer's stop vote (train/training/tick.py StopVote: an async all-reduce of a CPU
 tensor over gloo, read one step later). Every rank reads the same sum at the same step and saves
 when it equals its own count of saves + 1. A vote cast before a save and read after it carries
 the old number and is ignored, so one expiry never makes two saves.

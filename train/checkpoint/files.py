@@ -322,6 +322,11 @@ def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
 
 
+def rng_file(rank: int) -> str:
+    """Where in a checkpoint rank `rank`'s RNG streams are."""
+    return f"rng/rank{rank:05d}.json"
+
+
 def rng_state() -> dict:
     """This process's RNG streams as JSON (dropout masks, augmentation, sampling)."""
     py_version, py_state, py_gauss = random.getstate()
@@ -350,6 +355,13 @@ def set_rng_state(s: dict):
 
 def process_group():
     return torch.distributed if process_group_exists() else None
+
+
+def barrier():
+    """Every rank waits for the others (nothing alone)."""
+    d = process_group()
+    if d is not None:
+        d.barrier()
 
 
 def reduce_max(t: torch.Tensor, device) -> torch.Tensor:

@@ -40,3 +40,22 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict, at: TrainState) -> None:
         """Restores from state_dict()'s record; `state` is {} when the checkpoint has none."""
         ...
+
+
+class TensorState(Stateful, Protocol):
+    """A Stateful that also keeps per-parameter tensors (train.ema's average): for each kind in
+    `tensor_kinds`, the elements slot.need of a trained parameter that this rank holds (the
+    strategy's holder, train/strategy/holders.py, says which). A save writes the slot.save part
+    of each as pieces of that kind, like the moments: sharded per rank, in the manifest with
+    hashes; a resume reads slot.need back under any world size and backend."""
+
+    tensor_kinds: tuple[str, ...]
+
+    def tensor(self, kind: str, slot) -> Optional[object]:
+        """This rank's flat tensor over slot.need (uncopied), or None: the slot has none."""
+        ...
+
+    def load_tensors(self, kind: str, read) -> None:
+        """`read(slot)`: the checkpoint's flat fp32 values over slot.need, or None where the
+        checkpoint has no such tensor."""
+        ...

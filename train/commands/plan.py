@@ -145,7 +145,7 @@ two offload options (from ds_configs/*.json) and recommends the fastest that fit
 --device cpu plans CPU ranks (device memory = host RAM, e.g. a memory cgroup limit per rank;
 --gpus-per-node then counts ranks per node): the peak includes the memory a rank owns before
 its model exists (anonymous pages of the imported libraries; their shared code pages are not
-charged per rank), measured by importing them once here (~10 s), or --runtime SIZE.
+charged per rank), measured by importing them once here (seconds), or --runtime SIZE.
 
 --sequence-parallel N plans Ulysses sequence parallelism (distributed.sequence_parallel): each
 rank holds 1/N of every row, so activations divide by N; the all-to-all buffers are added. When

@@ -18,10 +18,9 @@ the file and byte; byte-level takes any bytes.
 
 --sft: one JSONL file of {"prompt", "response"} / {"messages"} records is tokenized exactly as
 data.kind sft does at start-up (the same code), but once: training with data.path
-data/sft.bin memory-maps it instead of every rank tokenizing every record (measured with
-bench/sft_startup.py: 20,000 records, a BPE tokenizer and its chat template, build_data 16.2s
-from the JSONL vs 0.003s from the prepared set, per rank; prepare itself took 14.9s). Records are stored whole with a trained flag per token, so data.seq_len
-stays a training-time choice. --val FILE, else a sibling <records>.val.jsonl, gives
+data/sft.bin memory-maps it instead of every rank tokenizing every record (measured:
+docs/workloads.md "Instruction data"). Records are stored whole with a trained flag per token,
+so data.seq_len stays a training-time choice. --val FILE, else a sibling <records>.val.jsonl, gives
 data/sft.val.bin. The sidecar data/sft.json records the tokenizer (by content), whether its
 chat template was used (--no-chat-template = data.chat_template false) and the source's size
 and sha256: training refuses a set made with another tokenizer or template setting, or from
@@ -369,8 +368,9 @@ def prepare_reference(argv: list[str]) -> int:
     from zerotrain.train.config.loader import load_config
     from zerotrain.train.data import build_data, reference
     from zerotrain.train.data.preference import read_pairs
+    from zerotrain.train.data.sequence_length import resolve_seq_len
     from zerotrain.train.data.sft import byte_encoder, hf_encoder, val_path
-    from zerotrain.train.training import stages
+    from zerotrain.train.training.preference_setup import reference_identity
 
     a = parse_train_args(argv)
     if a.ds_config:
@@ -382,7 +382,7 @@ def prepare_reference(argv: list[str]) -> int:
         raise ConfigError("prepare --reference computes with the model as built, before model.init_from is loaded; "
                           "export those weights as an hf: directory and name it in model.name")
     spec = resolve(cfg.model)
-    seq_len = stages._seq_len(cfg, spec)
+    seq_len = resolve_seq_len(cfg, spec)
     tokenizer = cfg.data.tokenizer or (spec.name[3:] if spec.family == "hf" else None)
     bundle = build_data(cfg.data, seq_len, cfg.train.seed, tokenizer)
     enc = hf_encoder(tokenizer, cfg.data.chat_template) if tokenizer else byte_encoder()
@@ -395,7 +395,7 @@ def prepare_reference(argv: list[str]) -> int:
         pairs, _, _ = read_pairs(src, enc, seq_len)
         if pairs is None:
             continue
-        want = stages.reference_identity(cfg, spec, seq_len, bundle, src)
+        want = reference_identity(cfg, spec, seq_len, bundle, src)
         out = reference.reference_path(src)
         if out.is_file():
             try:

@@ -89,8 +89,8 @@ QUANTITIES = ("loss", "grad_norm", "param_checksum")
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-2}  # bf16, fp16: docs/troubleshooting.md#zerotrain-verify
 # A step's tolerance, where the fixed band fails: max(band, FLOOR_FACTOR x the two fp32 references'
 # difference). 4: the run checked rounds in yet another order, so its distance from the reference
-# is a second sample of the same amplified rounding, not the same number; on resnet18_shapes it
-# was 0.1x to 1.2x the floor where the band failed (docs/troubleshooting.md#zerotrain-verify).
+# is a second sample of the same amplified rounding, not the same number (measured:
+# docs/troubleshooting.md#zerotrain-verify).
 FLOOR_FACTOR = 4
 CHECKSUM = "debug/param_checksum"
 MAIN = Path(__file__).resolve().parent.parent / "main.py"  # the training program: train/main.py
@@ -368,10 +368,9 @@ def read_result(name: str, run_dir: Path, ok: bool, log: Path) -> Result:
 
 def tolerance(q: str, got: Result, ref: Result) -> float:
     """The relative band of quantity q for `got`'s precision. fp32 grad_norm: at least 2^-24 x
-    sqrt(parameters), the size of an fp32 norm's own rounding on CPU (measured on the 186M
-    frontier model's gradient: torch's fp32 norm of its 5.6M-element tensor is 1.7e-4 below the
-    fp64 value, of each half 6e-5, so a norm over ZeRO partitions and one over whole tensors part
-    by 2e-5 to 4e-5 with the same gradient; docs/troubleshooting.md#zerotrain-verify)."""
+    sqrt(parameters), the size of an fp32 norm's own rounding on CPU: a norm over ZeRO partitions
+    and one over whole tensors part by about that much with the same gradient (measured:
+    docs/troubleshooting.md#zerotrain-verify)."""
     tol = TOLERANCE.get(got.precision, TOLERANCE["fp32"])
     if q == "grad_norm" and got.precision == "fp32":
         tol = max(tol, 2.0 ** -24 * math.sqrt(ref.n_params))

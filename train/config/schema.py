@@ -82,6 +82,49 @@ class DpoConfig:
 
 
 @dataclass
+class EmaConfig:
+    """train.ema: an exponential moving average of the trained weights (docs/features.md#ema)."""
+    decay: float = 0.999
+    """ema = decay x ema + (1 - decay) x weights at each update; in (0, 1). The average spans
+    about 1 / (1 - decay) updates."""
+    every_steps: int = 1
+    """Update every N optimizer steps (the average then spans N / (1 - decay) steps)."""
+    evaluate: bool = True
+    """At each evaluation also evaluate the EMA weights, logged as val_ema/* (train.early_stop
+    may watch them)."""
+
+    def __post_init__(self):
+        if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or not 0 < self.decay < 1:
+            raise ConfigError(f"train.ema.decay must be a number in (0, 1), e.g. 0.999 (got {self.decay!r})")
+        if self.every_steps <= 0:
+            raise ConfigError(f"train.ema.every_steps must be a positive integer (got {self.every_steps})")
+
+
+@dataclass
+class EarlyStopConfig:
+    """train.early_stop: stop when an evaluated metric stops improving (docs/features.md#early-stopping)."""
+    metric: str = "val/loss"
+    """The evaluation metric watched: val/<name> (or val_ema/<name> with train.ema.evaluate)."""
+    patience: int = 3
+    """Stop after this many evaluations in a row without an improvement."""
+    min_delta: float = 0.0
+    """An improvement must beat the best value so far by more than this."""
+    mode: str = "min"
+    """min (a loss) or max (an accuracy)."""
+
+    def __post_init__(self):
+        if self.patience <= 0:
+            raise ConfigError(f"train.early_stop.patience must be a positive number of evaluations (got {self.patience})")
+        if not (math.isfinite(self.min_delta) and self.min_delta >= 0):
+            raise ConfigError(f"train.early_stop.min_delta must be a number >= 0 (got {self.min_delta})")
+        if self.mode not in ("min", "max"):
+            raise ConfigError(f'train.early_stop.mode must be "min" or "max" (got "{self.mode}")')
+        if not self.metric.startswith(("val/", "val_ema/")):
+            raise ConfigError(f'train.early_stop.metric "{self.metric}": early stopping watches an evaluation '
+                              f'metric, val/<name> (e.g. val/loss) or val_ema/<name>')
+
+
+@dataclass
 class TrainConfig:
     seed: int = 1234
     micro_batch_size: int = 8
@@ -115,6 +158,12 @@ class TrainConfig:
     data, or the task's loss) or "dpo" (preference tuning on data.kind preference, train.dpo)."""
     dpo: DpoConfig = field(default_factory=DpoConfig)
     """train.objective dpo: the preference loss, beta, gamma and the reference."""
+    ema: Optional[EmaConfig] = None
+    """An exponential moving average of the weights, kept sharded like the optimizer's moments and
+    saved in checkpoints (null = off); e.g. --train.ema.decay 0.999."""
+    early_stop: Optional[EarlyStopConfig] = None
+    """Stop when train.early_stop.metric has not improved for `patience` evaluations (null = off);
+    e.g. --train.early_stop.patience 3. The run then saves, exports and exits 0."""
     max_bad_steps: int = 5
     """Stop after this many consecutive non-finite steps, whatever nan_policy says. Both are
     decided at each log line (logging.every_steps) and before each checkpoint, where the trainer
@@ -236,6 +285,8 @@ class CheckpointConfig:
     """Export consolidated weights (sharded safetensors, HF layout) to <run_dir>/export at the end of training."""
     export_dtype: str = "bf16"
     """bf16 | fp32 for exported weights."""
+    export_weights: str = "live"
+    """live | ema: which weights the end-of-run export writes (ema needs train.ema)."""
     max_shard_size: str = "2GB"
     """Largest safetensors file (e.g. "500MB", "5GB"): export shards, and each rank's checkpoint
     files (one such file is the extra host memory a save needs)."""
@@ -253,13 +304,11 @@ class CheckpointConfig:
     tries again. Costs host memory the size of the rank's share of the checkpoint (~12 bytes x
     parameters / processes), which the memory plan counts: on a CPU, where it would not fit the
     budget, the run saves synchronously (one banner line). Lifecycle: docs/checkpoints.md.
-    Default false, from the measurement (BENCHMARKS.md "Asynchronous checkpoint saves", CPU, 2
-    processes): it cuts the loop's blocked time per save ~11x (gpt-78m: 4.76 s to 0.43 s, the copy at
-    ~70% of memcpy speed once the buffers exist), but on a CPU the write runs on the cores training
-    uses (the steps it overlapped were 1.3 s slower in the median, up to 16 s under load, within this
-    shared machine's noise), every rank keeps its share of the checkpoint in memory all run long
-    (gpt-78m: +440 MiB per rank, +16% peak RSS: on a CPU the memory that bounds the model size),
-    a failed write becomes a warning instead of an error, and the CUDA path is not measured yet.
+    Default false, from the measurement (BENCHMARKS.md "Asynchronous checkpoint saves"): it cuts
+    the loop's blocked time per save to the copy into host memory, but on a CPU the write runs on
+    the cores training uses (the steps it overlaps may run slower), every rank keeps its share of
+    the checkpoint in memory all run long (on a CPU the memory that bounds the model size), a
+    failed write becomes a warning instead of an error, and the CUDA path is not measured yet.
     Turn it on where a save is long against the step and the host has the RAM (GPU nodes)."""
 
     def __post_init__(self):
@@ -270,6 +319,8 @@ class CheckpointConfig:
                               f"(got {self.every_minutes})")
         if self.keep_last <= 0:
             raise ConfigError(f"checkpoint.keep_last must be >= 1 (got {self.keep_last})")
+        if self.export_weights not in ("live", "ema"):
+            raise ConfigError(f'checkpoint.export_weights must be "live" or "ema" (got "{self.export_weights}")')
         if self.export_dtype not in ("bf16", "fp32"):
             raise ConfigError(f'checkpoint.export_dtype must be "bf16" or "fp32" (got "{self.export_dtype}")')
         if not self.resume:
@@ -401,6 +452,18 @@ class RunConfig:
                                  else "set train.objective dpo"))
         if self.train.objective == "dpo" and self.distributed.sequence_parallel > 1:
             raise ConfigError("train.objective dpo does not run with distributed.sequence_parallel yet; set it to 1")
+        if self.checkpoint.export_weights == "ema" and self.train.ema is None:
+            raise ConfigError("checkpoint.export_weights ema: the run keeps no EMA; set train.ema (e.g. "
+                              "--train.ema.decay 0.999) or export the live weights")
+        es = self.train.early_stop
+        off = "train.eval_batches 0" if self.train.eval_batches == 0 else \
+            "data.val_fraction 0" if getattr(self.data, "val_fraction", None) == 0 else None
+        if es is not None and off:
+            raise ConfigError(f'train.early_stop.metric "{es.metric}" is never logged: evaluation is off '
+                              f"({off}); turn evaluation on or remove train.early_stop")
+        if es is not None and es.metric.startswith("val_ema/") and (self.train.ema is None or not self.train.ema.evaluate):
+            raise ConfigError(f'train.early_stop.metric "{es.metric}" is never logged: it needs train.ema with '
+                              f"train.ema.evaluate true")
         if self.data.kind == "stream" and self.train.epochs:
             raise ConfigError("train.epochs: a stream (data.kind stream) has no known length before it is "
                               "tokenized; set train.max_steps instead (or `zerotrain prepare` the files first)")

@@ -64,7 +64,8 @@ class FeistelPermutation:
         return y.astype(np.int64)
 
     def __getitem__(self, k: int) -> int:
-        """One index, in plain integers (a per-sample lookup: ~10x faster than a 1-element array)."""
+        """One index, in plain integers (a per-sample lookup: a 1-element array's per-call overhead
+        would dominate it)."""
         if not 0 <= k < self.n:
             raise IndexError(f"index {k} outside a permutation of {self.n}")
         y = self._encrypt_int(int(k))

@@ -12,7 +12,7 @@ byte-level tokens, are the same either way).
 
 Local Hugging Face datasets (parquet, arrow, json/jsonl with --text-field) are read through
 `datasets` from disk only (HF_DATASETS_OFFLINE=1, streaming): one record is one document.
-`datasets` is imported late: it costs ~1 s and only this source needs it.
+`datasets` is imported late: its imports are slow and only this source needs it.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def find_dataset_files(inputs: list[str]) -> list[Path]:
 def dataset_units(files: list[Path], field: str, start: Optional[list] = None) -> Iterator[tuple]:
     """One unit per record's `field`, from position [file index, record index, 0]."""
     os.environ["HF_DATASETS_OFFLINE"] = "1"  # local files only: never the hub
-    import datasets  # late: ~1 s of imports that only this source needs
+    import datasets  # late: slow imports that only this source needs
     datasets.disable_progress_bars()
     f0, r0, _ = start or (0, 0, 0)
     for fi in range(f0, len(files)):

@@ -94,7 +94,7 @@ def encoded(units: Iterator[tuple], tokenizer, workers: int, dtype) -> Iterator[
             yield from ((u, ids, n) for u, (ids, n) in zip(batch, encode(tokenizer, batch, dtype)))
         return
     # fork where there is one: spawn re-imports torch and the caller's modules per worker
-    # (~10 s on 2 cores, measured). Workers only run numpy and the tokenizer, whose own
+    # (slow). Workers only run numpy and the tokenizer, whose own
     # threads are off in them (TOKENIZERS_PARALLELISM=false), so no lock held by a parent
     # thread is touched across the fork.
     ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")

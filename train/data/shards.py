@@ -9,16 +9,16 @@ Layout (written by `zerotrain prepare ... --out DIR`, see train/data/prepare_poo
     DIR/val_00000.bin     validation tokens (when prepare had --val)
 
 Opening costs O(1) per shard and no reads: the manifest is parsed and each shard's size is
-checked with one stat (1,000 shards open in a few ms, bench/shards_open.py, BENCHMARKS.md).
+checked with one stat (measured: BENCHMARKS.md "Sharded token sets: opening 1,000 shards").
 A shard is opened only when a sample from it is first read, so each rank (and each DataLoader
 worker) opens only the shards its samples live in. Checksums are NOT verified at open (hashing
 10 GB at every start is not acceptable): `zerotrain prepare --verify DIR` hashes every shard once.
 
 Reads are one pread per sample, not a memory map: every page a map has touched counts in the
-process's RSS until the kernel reclaims it, so a mapped corpus showed 40-110 KB of RSS per
-sample read (readahead + fault-around; bench/read_rss.py: +523 MiB after 4,800 windows of a
-cold 1 GiB file), growing with the steps run up to the corpus size per rank. pread leaves those pages in the shared page cache, outside any process's RSS, so a rank's
-peak RSS does not depend on the corpus size or the run length (bench/data_scale.py,
+process's RSS until the kernel reclaims it, so a mapped corpus's RSS grows with every sample
+read (readahead + fault-around), with the steps run, up to the corpus size per rank (measured:
+BENCHMARKS.md "Data at pre-training scale", bench/read_rss.py). pread leaves those pages in the
+shared page cache, outside any process's RSS, so a rank's peak RSS does not depend on the corpus size or the run length (bench/data_scale.py,
 BENCHMARKS.md). At most MAX_OPEN shard files are held open per process (least recently used
 closed first), so a corpus of thousands of shards stays under the file-descriptor limit.
 Descriptors are never pickled (spawned DataLoader workers open their own); forked workers
@@ -64,8 +64,8 @@ def is_sharded(path: Path) -> bool:
 
 
 def hasher():
-    # sha256 over blake2b: measured 2x faster here (1.4 GB/s vs 0.75 GB/s on a CPU with SHA
-    # extensions, bench/shards_open.py), and `sha256sum DIR/shard_00000.bin` checks a shard by hand.
+    # sha256 over blake2b: faster on a CPU with SHA extensions (measured: BENCHMARKS.md "Sharded
+    # token sets: opening 1,000 shards"), and `sha256sum DIR/shard_00000.bin` checks a shard by hand.
     return hashlib.sha256()
 
 

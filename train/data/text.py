@@ -24,8 +24,8 @@ def default_corpus_files(directory: str | None = None) -> Iterator[Path]:
     """The standard library's *.py files (site-packages excluded) in sorted path order, so that
     every process and every run sees the same corpus. A lazy depth-first walk with each
     directory's entries sorted yields exactly `sorted(root.rglob("*.py"))` (paths compare part
-    by part), but stops as soon as the reader has data.max_bytes: every rank of every launch
-    used to list all ~1,800 files first (bench/import_time.py shows the difference), to read
+    by part), but stops as soon as the reader has data.max_bytes: listing every file first
+    would cost every rank of every launch (bench/import_time.py shows the difference), to read
     the first few dozen."""
     with os.scandir(directory or sysconfig.get_paths()["stdlib"]) as it:
         entries = sorted(it, key=lambda e: e.name)

@@ -47,7 +47,7 @@ def val_path(bin_path: Path) -> Path:
 
 
 def max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
-    """Largest id, scanning a memmap in 16M-token chunks (bounded memory, ~1 GB/s)."""
+    """Largest id, scanning a memmap in 16M-token chunks (bounded memory)."""
     top = 0
     for start in range(0, len(tokens), chunk):
         top = max(top, int(tokens[start:start + chunk].max()))

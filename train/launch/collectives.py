@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from zerotrain.train import process_group
 from zerotrain.train.errors import say
-from zerotrain.train.launch import distributed as dist_
+from zerotrain.train.launch import peers
 
 _STATE: dict = {"on": False, "timeout_s": None, "timeout_key": None, "run_dir": None, "helpers": [],
                 "short_s": None, "start_s": None}
@@ -86,9 +86,9 @@ def enable(cfg) -> int:
 def _keep_the_checks_groups() -> bool:
     """Keep each ProcessGroupWrapper's side gloo group (the one its monitored barrier and
     fingerprint all-gather run on, with the timeout the group was made with), so that `shorten`
-    can set its timeout: dist.set_timeout(group) does not reach it (measured, torch 2.14: a rank
-    12 s late still passed a 3 s timeout set that way; set on the side group, the other rank named
-    it after 3.0 s). torch builds the wrapper in distributed_c10d._create_process_group_wrapper;
+    can set its timeout: dist.set_timeout(group) does not reach it (torch 2.14: a rank late by
+    more than a timeout set that way still passed; set on the side group, the other rank named it
+    once the timeout had passed). torch builds the wrapper in distributed_c10d._create_process_group_wrapper;
     this is that function, the same three lines, keeping the side group. False (nothing changed)
     where torch's function is not the one these lines copy."""
     import inspect
@@ -238,7 +238,7 @@ def report(exc: BaseException) -> bool:
     Ranks at different collectives all raise: each then waits (at most OTHERS_LINES_S) until the
     others printed theirs too, since the launcher stops every rank once one exits. The wait ends
     as soon as every rank has printed; its bound is generous because a loaded machine can delay
-    a peer's raise by seconds (a 5 s bound lost rank 1's line once in a full test run)."""
+    a peer's raise by seconds."""
     line = explain(exc)
     if line is None:
         return False
@@ -252,17 +252,17 @@ OTHERS_LINES_S = 30.0
 
 
 def _wait_for_the_others_lines(wait_s: float = OTHERS_LINES_S) -> None:
-    store = dist_._store_client()
+    store = peers.store_client()
     if store is None:
         return
-    start = dist_._PEERS["roster"][0]["start"]
+    start = peers.PEERS["roster"][0]["start"]
 
     def key(rank) -> str:
         return f"zerotrain/desync/{start}/{rank}"
 
     try:
         store.set(key(os.environ.get("RANK", "?")), "1")
-        others = [key(r["rank"]) for r in dist_._PEERS["roster"]]
+        others = [key(r["rank"]) for r in peers.PEERS["roster"]]
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not store.check(others):
             time.sleep(0.05)
@@ -271,13 +271,13 @@ def _wait_for_the_others_lines(wait_s: float = OTHERS_LINES_S) -> None:
 
 
 def _stack_key(rank: int) -> str:
-    return f"zerotrain/stack/{dist_._PEERS['roster'][0]['start']}/{rank}"
+    return f"zerotrain/stack/{peers.PEERS['roster'][0]['start']}/{rank}"
 
 
 def _ask_for_stacks(ranks: list[int], waited_s: float, wait_s: float = 15.0) -> None:
     """Ask each rank in `ranks` for its stack, and wait (at most wait_s) until they printed it:
     this rank exiting first would have the launcher stop them before they do."""
-    store = dist_._store_client()
+    store = peers.store_client()
     if store is None:
         return
     me = os.environ.get("RANK", "?")
@@ -309,7 +309,7 @@ class StackOnRequest(threading.Thread):
         return t
 
     def run(self):
-        store = dist_._store_client(timeout_s=max(2.0, ASK_EVERY_S * 4))
+        store = peers.store_client(timeout_s=max(2.0, ASK_EVERY_S * 4))
         if store is None:
             return
         key = _stack_key(self.rank)
@@ -334,4 +334,4 @@ class StackOnRequest(threading.Thread):
             os._exit(1)
 
 
-dist_.PEERS_API.report_collective_failure = report  # user_errors (train/errors.py) asks it first
+peers.PEERS_API.report_collective_failure = report  # user_errors (train/errors.py) asks it first

@@ -23,7 +23,7 @@ THREADS_FROM = "OMP_NUM_THREADS" if os.environ.get("OMP_NUM_THREADS", "").strip(
 
 def apply(environ=os.environ) -> None:
     # Nothing that trades speed for memory (huge pages, allocator settings) is set here:
-    # train/launch/host_settings.py decides those, off by default (issue 24).
+    # train/launch/host_settings.py decides those, off by default.
     device = environ.get("ZEROTRAIN_DEVICE", "").strip().lower()
     if device not in ("", "auto", "cpu"):
         raise SystemExit(f'zerotrain: error: ZEROTRAIN_DEVICE="{device}" is not understood; use "cpu" (hide the '
@@ -48,7 +48,8 @@ def cpu_threads(environ, cores: int) -> tuple[int, str] | None:
     divided by its ranks (device_memory.local_ranks), so that ranks computing at the same time do
     not oversubscribe them. torchrun sets 1 per rank when it starts several, Accelerate's launcher
     cores / processes; the deepspeed launcher sets nothing, and torch's default (every core in
-    every rank) ran ZeRO-2 at 0.94-0.96 of the best plain loop on 2 cores (issue 41). On a GPU node
+    every rank) oversubscribes them (measured: BENCHMARKS.md "Trainer against the best plain
+    loop"). On a GPU node
     the same share keeps the ranks' host threads (data, ZeRO-Offload's CPU Adam) from oversubscribing.
 
     It goes into the environment before torch is imported: one setting that every library and

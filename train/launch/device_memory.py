@@ -35,9 +35,9 @@ def rss_bytes() -> int:
 
 def owned_bytes() -> int:
     """The resident memory this process alone holds and cannot give back: anonymous pages and
-    shared memory it created (RssAnon + RssShmem). Its file-backed pages (the libraries' code,
-    RssFile 0.47 GiB of a rank's 0.87 GiB RSS after the imports) are shared with every process that maps them, charged to
-    the cgroup that read them first and dropped under memory pressure: neither a cgroup limit
+    shared memory it created (RssAnon + RssShmem). Its file-backed pages (the libraries' code, a
+    large part of a rank's RSS after the imports) are shared with every process that maps them,
+    charged to the cgroup that read them first and dropped under memory pressure: neither a cgroup limit
     nor the RAM pays for them per rank. Falls back to the RSS where /proc has no breakdown."""
     try:
         fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
@@ -170,11 +170,10 @@ def compact_host_malloc() -> bool:
 
     By default glibc raises its mmap threshold as blocks are freed (up to 32 MiB), so most
     tensors come from the heap, and freed ones stay resident wherever live ones sit above
-    them: a ZeRO-3 rank (139M-parameter GPT, fp32, 2 ranks) peaked at 3.2 GiB with 2.2 GiB of
-    live tensors (BENCHMARKS.md, host allocator). With a fixed 1 MiB threshold memory follows
-    live tensors. Fresh pages cost page faults, which huge pages (THP_MEM_ALLOC_ENABLE, which the
-    user may set before torch loads) mostly remove: ZeRO-3's step +10% with them, +62% without. A threshold the
-    user set (MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES) is left alone. Returns True if applied."""
+    them: a ZeRO-3 rank's peak is well above its live tensors. With a fixed 1 MiB threshold
+    memory follows live tensors. Fresh pages cost page faults, which huge pages
+    (THP_MEM_ALLOC_ENABLE, which the user may set before torch loads) mostly remove (measured:
+    BENCHMARKS.md "Host allocator on CPU"). A threshold the user set (MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES) is left alone. Returns True if applied."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:

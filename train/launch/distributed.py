@@ -1,4 +1,5 @@
-"""Launcher detection and the Accelerator, built from the DeepSpeed JSON.
+"""The environment and topology of a run: launcher detection, who runs where, the process group
+and the Accelerator (built from the DeepSpeed JSON the run chose: train/launch/ds_config_choice.py).
 
 Every launcher (deepspeed, accelerate launch, torchrun, mpirun, plain python) ends here
 with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in the environment, and
@@ -8,6 +9,9 @@ machines Accelerate needs help (docs/machine_notes.md):
   each rank believes it is rank 0 of 1 while DeepSpeed sees N ranks); `cpu=True` would
   silently switch DeepSpeed off.
 - DDP: `cpu=True` (MULTI_CPU); gloo alone leaves the model unwrapped and all-reduces no-ops.
+
+Once the ranks have met, each gathers who runs where (`gather_roster`), so that a failure
+between nodes can name the missing one (train/launch/peers.py).
 """
 
 from __future__ import annotations
@@ -18,18 +22,15 @@ import os
 import re
 import socket
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-from zerotrain.train import errors, paths, process_group
+from zerotrain.train import paths, process_group
 from zerotrain.train.config import Batch
 from zerotrain.train.errors import ConfigError
-from zerotrain.train.strategy.ds_config import machine_precision, read_ds_json
+from zerotrain.train.launch import peers
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -91,7 +92,7 @@ def venv_tools_first(env):
 
     JIT ops are built by whichever ninja is first on PATH, and ninja 1.11 (Debian's) and
     1.13 (pip's) write incompatible .ninja_log versions: each rebuilds the other's build
-    (~3 min on CPU). Ranks started with and without the venv on PATH (a remote node's
+    (the whole op, minutes on CPU). Ranks started with and without the venv on PATH (a remote node's
     login shell, `make`, an activated shell) would keep rebuilding the shared op."""
     bin_dir = str(Path(sys.executable).parent)
     if (Path(bin_dir) / "ninja").exists():
@@ -140,35 +141,6 @@ def topology(launcher: str, backend: str) -> Topology:
                     backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
-def resolve_ds_config_path(cli_or_file: str | None, launcher: str) -> str:
-    """Which DeepSpeed JSON: explicit (--ds-config / run file) > accelerate YAML > default."""
-    acc_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    acc_uses_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if launcher == "accelerate" and cli_or_file and cli_or_file.split(":")[0] == "auto":
-        raise ConfigError(f"--ds-config {cli_or_file} chooses the strategy at start-up, but an accelerate config "
-                          f"fixes it already; launch with deepspeed, torchrun or python instead")
-    if launcher == "accelerate" and acc_uses_ds and acc_file and acc_file != "none":
-        if cli_or_file and Path(cli_or_file).resolve() != Path(acc_file).resolve():
-            raise ConfigError(f"the accelerate config names deepspeed_config_file {acc_file} but the run asks for "
-                              f"{cli_or_file} (--ds-config / distributed.ds_config); use one of them")
-        return acc_file
-    if launcher == "accelerate" and not acc_uses_ds:
-        if cli_or_file and "ddp" not in read_ds_json(cli_or_file):
-            raise ConfigError(f"the accelerate config launches plain DDP (no deepspeed_config) but the run asks for "
-                              f"DeepSpeed config {cli_or_file}; use ds_configs/accelerate/zero*.yaml or drop --ds-config")
-        return cli_or_file or str(paths.DS_CONFIGS / "ddp.json")
-    return cli_or_file or str(paths.DS_CONFIGS / default_ds_config()[0])
-
-
-def default_ds_config() -> tuple[str, str]:
-    """(file in ds_configs/, why) when the run names none: ZeRO-2 in the fastest precision this
-    hardware has (train/strategy/ds_config.py machine_precision, also what "enabled": "auto" means)."""
-    precision, why = machine_precision(torch.cuda.is_available())
-    name, label = {"bf16": ("zero2.json", "bf16"), "fp16": ("zero2_fp16.json", "fp16 with loss scaling"),
-                   "fp32": ("zero2_fp32.json", "fp32")}[precision]
-    return name, f"ZeRO-2, {label}: {why}"
-
-
 def build_accelerator(mixed_precision: str, batch: Batch, timeout_s: int, handlers: tuple = (), **backend):
     """The Accelerator for one backend: `handlers` and `backend` (a DeepSpeedPlugin, or cpu=)
     come from the strategy (train/strategy/); the rest is the same for every backend."""
@@ -186,7 +158,7 @@ def build_accelerator(mixed_precision: str, batch: Batch, timeout_s: int, handle
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=batch.accum, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,
     )
-    _PEERS["timeout_s"] = timeout_s
+    peers.PEERS["timeout_s"] = timeout_s
     with rendezvous_errors(timeout_s):  # the process group (and its TCP store) is created here
         return Accelerator(kwargs_handlers=[pg, *handlers], **common, **backend)
 
@@ -195,12 +167,12 @@ def init_process_group(timeout_s: int):
     """The process group Accelerate would create, made earlier (ranks must agree on something
     before the Accelerator exists, e.g. --ds-config auto). Accelerate and DeepSpeed adopt an
     existing group."""
-    if process_group.exists():  # made earlier (an elastic start, train/training/build.py)
+    if process_group.exists():  # made earlier (an elastic start, train/training/assembly.py)
         return
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    _PEERS["timeout_s"] = timeout_s
+    peers.PEERS["timeout_s"] = timeout_s
     with rendezvous_errors(timeout_s):
         torch.distributed.init_process_group("nccl" if cuda else "gloo",
                                              timeout=datetime.timedelta(seconds=timeout_s))
@@ -215,16 +187,6 @@ def check_world(acc, topo: Topology):
         raise RuntimeError("process group size disagrees with WORLD_SIZE")
     if process_group.exists():
         gather_roster(topo)
-
-
-# ---------------------------------------------------------------------- failures between nodes
-# Who runs where, gathered once at start-up, so that a rank whose peer vanished can say
-# which node is missing instead of printing a gloo/NCCL stack trace (or hanging).
-_PEERS: dict = {"roster": [], "me": None, "timeout_s": None}
-_IP = re.compile(r"\[?((?:\d{1,3}\.){3}\d{1,3})\]?:\d+")
-_PEER_LOST = re.compile(r"connection (closed|reset|refused)|broken pipe|timed out|timeout|socket closed|"
-                        r"ECONNRESET|EPIPE|peer|recv|NCCL (error|communicator was aborted)|unhandled system error",
-                        re.I)
 
 
 def node_addr() -> str:
@@ -248,168 +210,21 @@ def node_addr() -> str:
 
 
 def gather_roster(topo: Topology) -> list[dict]:
+    """Who runs where, gathered once at start-up (a collective) for the diagnosis of a peer that
+    vanishes (train/launch/peers.py); a multi-node run also starts this node's PeerWatchdog."""
     # start: a token of this start of the job (rank 0's), so that store keys of an earlier start
     # under the same elastic agent's store are never read as this one's.
     me = {"rank": topo.rank, "node_rank": topo.node_rank, "host": socket.gethostname(), "addr": node_addr(),
           "start": os.urandom(8).hex()}
     roster: list = [None] * topo.world_size
     torch.distributed.all_gather_object(roster, me)
-    _PEERS.update(roster=roster, me=me)
+    peers.PEERS.update(roster=roster, me=me)
     if topo.is_main and topo.num_nodes > 1:
         print(f"zerotrain: {topo.num_nodes} nodes joined: "
-              + "; ".join(describe_node(n, roster) for n in sorted({r["node_rank"] for r in roster})), flush=True)
-    if topo.num_nodes > 1 and topo.local_rank == 0 and _PEERS["timeout_s"]:
-        PeerWatchdog.start_for(topo, _PEERS["timeout_s"])
+              + "; ".join(peers.describe_node(n, roster) for n in sorted({r["node_rank"] for r in roster})), flush=True)
+    if topo.num_nodes > 1 and topo.local_rank == 0 and peers.PEERS["timeout_s"]:
+        peers.PeerWatchdog.start_for(topo.node_rank, topo.num_nodes, peers.PEERS["timeout_s"])
     return roster
-
-
-class PeerWatchdog(threading.Thread):
-    """Notices a node that stops answering *without* closing its connections (network
-    partition, frozen or powered-off machine): gloo collectives then wait forever - measured
-    here: still blocked after 10 min with distributed.timeout_s=20. One per node (local
-    rank 0): a poller bumps this node's heartbeat counter in the rendezvous TCP store and
-    reads the other nodes'; this thread, which never touches the network (a store call to
-    a partitioned host blocks forever too), ends the process with a message naming the node
-    when a node has been silent, or the store unreachable, for timeout_s. The node's
-    launcher then stops its other ranks."""
-
-    def __init__(self, store, node_rank: int, num_nodes: int, timeout_s: float, on_lost):
-        super().__init__(name="zerotrain-peer-watchdog", daemon=True)
-        self.store, self.node_rank, self.timeout_s, self.on_lost = store, node_rank, timeout_s, on_lost
-        self.interval_s = min(30.0, max(0.2, timeout_s / 6))
-        self.stopped = threading.Event()
-        self.lock = threading.Lock()
-        now = time.monotonic()
-        self.store_ok = now                       # last successful round trip to the store
-        self.heard = {n: (None, now) for n in range(num_nodes) if n != node_rank}  # node -> (counter, when it moved)
-
-    @classmethod
-    def start_for(cls, topo: Topology, timeout_s: float):
-        client_timeout = datetime.timedelta(seconds=max(2.0, min(30.0, timeout_s / 6)))
-        store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                           is_master=False, timeout=client_timeout)
-        dog = cls(store, topo.node_rank, topo.num_nodes, timeout_s, _abort_peer_lost)
-        dog.start()
-        return dog
-
-    def _poll(self):
-        key = "zerotrain/heartbeat/node{}".format
-        while not self.stopped.wait(self.interval_s):
-            try:
-                self.store.add(key(self.node_rank), 1)
-                counts = {n: self.store.add(key(n), 0) for n in self.heard}  # add(0) reads without waiting
-            except Exception:  # store host gone or unreachable: the monitor judges how long
-                continue
-            now = time.monotonic()
-            with self.lock:
-                self.store_ok = now
-                self.heard = {n: (c, now) if c != self.heard[n][0] else self.heard[n] for n, c in counts.items()}
-
-    def run(self):
-        threading.Thread(target=self._poll, name="zerotrain-heartbeat", daemon=True).start()
-        while not self.stopped.wait(self.interval_s):
-            now = time.monotonic()
-            with self.lock:
-                store_ok, heard = self.store_ok, dict(self.heard)
-            if now - store_ok > self.timeout_s:
-                return self.on_lost(None, now - store_ok)
-            silent = sorted(n for n, (_, t) in heard.items() if now - t > self.timeout_s)
-            if silent:
-                return self.on_lost(silent, max(now - heard[n][1] for n in silent))
-
-
-def _abort_peer_lost(nodes: list[int] | None, silent_s: float):
-    roster, me = _PEERS["roster"], _PEERS["me"] or {}
-    if nodes is None:
-        what = (f"cannot reach the rendezvous store on the master {os.environ.get('MASTER_ADDR')}:"
-                f"{os.environ.get('MASTER_PORT')} for {silent_s:.0f} s")
-    else:
-        what = f"lost contact with {' and '.join(describe_node(n, roster) for n in nodes)}: silent for {silent_s:.0f} s"
-    errors.say(f"[rank {me.get('rank', '?')}] zerotrain: error: {what} (distributed.timeout_s={_PEERS['timeout_s']}). "
-               f"That node is down or frozen, or the network between the nodes failed; collectives would wait "
-               f"forever, so this node stops. {_what_next()}")
-    os._exit(1)  # the main thread is blocked inside a collective: no clean way out
-
-
-def _user_error_key() -> str:
-    return f"zerotrain/user_error/{_PEERS['roster'][0]['start']}"
-
-
-def _store_client(timeout_s: float = 2.0):
-    """A client of the launch's rendezvous store (the one the process group was built on), or None
-    before the ranks have met (gather_roster)."""
-    if not _PEERS["roster"] or len(_PEERS["roster"]) < 2 or "MASTER_ADDR" not in os.environ:
-        return None
-    try:
-        return torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                          timeout=datetime.timedelta(seconds=timeout_s))
-    except Exception:  # the store's host is the one that failed: nobody to tell, nothing to read
-        return None
-
-
-def report_user_error(message: str) -> None:
-    """Before a rank exits on a user error, say so in the store: the ranks that then lose it in a
-    collective exit with the same code and no second message (the first line is the cause)."""
-    store = _store_client()
-    if store is not None:
-        with contextlib.suppress(Exception):
-            store.set(_user_error_key(), f"rank {os.environ.get('RANK', '?')}: {message}")
-
-
-def peer_user_error() -> str | None:
-    """The user error another rank reported before it exited, if any."""
-    store = _store_client()
-    if store is None:
-        return None
-    with contextlib.suppress(Exception):
-        if store.check([_user_error_key()]):
-            return store.get(_user_error_key()).decode()
-    return None
-
-
-def describe_node(node_rank: int, roster: list[dict]) -> str:
-    ranks = [r for r in roster if r["node_rank"] == node_rank]
-    addrs = sorted({r["addr"] for r in ranks})
-    return (f"node {node_rank} ({ranks[0]['host']}, {', '.join(addrs)}; "
-            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r['rank']) for r in ranks)})")
-
-
-def explain_peer_failure(exc: BaseException) -> str | None:
-    """A one-paragraph explanation if `exc` is a collective failing because a peer is gone."""
-    roster, me = _PEERS["roster"], _PEERS["me"]
-    if not roster or me is None:
-        return None
-    texts, e = [], exc
-    while e is not None and len(texts) < 8:  # the error may be chained under a later one (close())
-        texts.append(f"{type(e).__name__}: {e}")
-        e = e.__cause__ or e.__context__
-    text = "\n".join(texts)
-    dist_error = any(n in text for n in ("DistBackendError", "DistNetworkError", "DistError", "gloo", "Gloo",
-                                          "NCCL", "c10d"))
-    if not (dist_error and _PEER_LOST.search(text)):
-        return None
-    others = sorted({r["node_rank"] for r in roster} - {me["node_rank"]})
-    named = sorted({r["node_rank"] for r in roster if r["addr"] in set(_IP.findall(text))} - {me["node_rank"]})
-    if named:
-        who = " and ".join(describe_node(n, roster) for n in named)
-        what = f"lost contact with {who}"
-    elif others:
-        who = " or ".join(describe_node(n, roster) for n in others)
-        what = f"a collective failed or timed out; the missing peer is on {who}"
-    else:
-        who = "another rank on this node"
-        what = "a collective failed or timed out; a local rank is gone"
-    return (f"{what}. Its process died or its network failed: look in that node's log for the first error. "
-            f"This rank (rank {me['rank']}, node {me['node_rank']}) stops instead of waiting "
-            f"(distributed.timeout_s={_PEERS['timeout_s']}). {_what_next()}")
-
-
-def _what_next() -> str:
-    from zerotrain.train.launch import elastic
-    if elastic.restarts_left():
-        return ("torchrun's elastic agent restarts the workers on the nodes that are left; they resume from the "
-                "newest checkpoint by themselves.")
-    return "Restart with --resume auto to continue from the last checkpoint."
 
 
 @contextlib.contextmanager
@@ -438,11 +253,3 @@ def rendezvous_errors(timeout_s: int):
                               f"{addr}:{port} (wrong master address, firewall, or GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME "
                               f"naming the wrong interface); world size {world}") from None
         raise
-
-
-# user_errors (train/errors.py) tells the other ranks of a user error, and names a peer that died;
-# train/launch/collectives.py puts its report_collective_failure here when imported (debug.collectives).
-PEERS_API = SimpleNamespace(report_user_error=report_user_error, peer_user_error=peer_user_error,
-                            explain_peer_failure=explain_peer_failure,
-                            report_collective_failure=lambda exc: False)
-errors.report_peers_with(PEERS_API)

@@ -1,7 +1,7 @@
 """Host memory settings that trade step time for memory: which ones a run gets, and why.
 
-zerotrain turns none on by default (issue 24: on this machine compact malloc cost a small
-model's ZeRO-1/2 step about a third, transparent huge pages about a tenth; BENCHMARKS.md):
+zerotrain turns none on by default: on a CPU both cost step time (measured: BENCHMARKS.md "Host
+allocator on CPU"):
 
 * transparent huge pages (PyTorch's THP_MEM_ALLOC_ENABLE, read once when torch loads): never
   set by zerotrain; a value in the environment is the user's and is recorded as such.
@@ -21,9 +21,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-# A rank's peak with glibc's default over its peak with compact malloc (cgroup peaks, fp32,
-# 2 ranks, huge pages off; BENCHMARKS.md "Host allocator on CPU"): DDP 2.66/2.61, ZeRO-2
-# 2.99/2.87, ZeRO-3 3.21/2.16. ZeRO-0/1 hold the same flat buffers as ZeRO-2.
+# A rank's peak with glibc's default over its peak with compact malloc, from the cgroup peaks of
+# BENCHMARKS.md "Host allocator on CPU" (fp32, 2 ranks, huge pages off). ZeRO-0/1 hold the same
+# flat buffers as ZeRO-2.
 GLIBC_GROWTH = {"ddp": 1.02, 0: 1.05, 1: 1.05, 2: 1.05, 3: 1.50}
 # Compact malloc's step time over glibc's, same measurement (the banner quotes it).
 COMPACT_COST = {"ddp": 1.01, 0: 0.11, 1: 0.11, 2: 0.11, 3: 0.62}

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism, the run side (distributed.sequence_parallel, issue 29).
+"""Ulysses sequence parallelism, the run side (distributed.sequence_parallel).
 
 zerotrain's own all-to-all around attention (models/ulysses.py), not Accelerate's
 `ParallelismConfig(sp_backend="deepspeed")` nor DeepSpeed's UlyssesSPDataLoaderAdapter, because

@@ -14,16 +14,16 @@ Nothing ever unlinks them (`shared_close` is never called), so every such run le
 Owners (`release_own_buffer`): once every rank has mapped every peer's file, the names are never
 looked up again; unlinking a name that processes have mapped is safe on Linux (the memory lives
 until the last mapping goes). "Every rank has mapped every file" holds after a collective that
-follows DeepSpeed's comm initialisation on all ranks: build.py calls this after
-`accelerator.prepare` (the engine exists: its comm backend was initialised) behind a barrier, so
-no peer can still be in the ENOENT loop waiting for the name (it would spin forever). Each rank
+follows DeepSpeed's comm initialisation on all ranks: train/training/assembly.py prepare() calls
+this after `accelerator.prepare` (the engine exists: its comm backend was initialised) behind a
+barrier, so no peer can still be in the ENOENT loop waiting for the name (it would spin forever). Each rank
 unlinks only its own file. After that nothing is left to leak, whatever kills the job later
 (SIGKILL included). Exits before that point (a user error right after the engine was built) run
 `release_at_exit` (atexit), which unlinks the rank's own file only if this process has mapped
 all world-size buffers.
 
-Sweep (`sweep_stale`, at start-up on each node's local rank 0, and by the test suite at its
-end): removes a buffer file only when no running job can own it:
+Sweep (`sweep_stale`, at start-up on each node's local rank 0 (`sweep_at_start`), and by the test
+suite at its end): removes a buffer file only when no running job can own it:
 - its name has our uid and the file is ours;
 - no process whose /proc we can read has it open (/proc/<pid>/fd) or mapped (/proc/<pid>/maps);
   processes we cannot read (e.g. /proc/1 in some containers) are not seen;
@@ -40,6 +40,7 @@ This module imports nothing heavy (the test suite's session hook imports it).
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import time
@@ -189,6 +190,19 @@ def holders(paths: set[Path], proc: Path = Path("/proc")) -> dict[Path, set[int]
             if str(p) in wanted:
                 found[wanted[str(p)]].add(pid)
     return found
+
+
+def sweep_at_start() -> None:
+    """At a rank's start, before DeepSpeed creates this job's buffers: those ended jobs left are
+    removed by each node's local rank 0 when no running job can own them (`sweep_stale`), and this
+    rank's own buffer is released at exit too (`release_at_exit`)."""
+    atexit.register(release_at_exit)
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    removed = sweep_stale()
+    if removed:
+        print(f"zerotrain: removed {len(removed)} stale DeepSpeed shared-memory buffer(s) of ended jobs from "
+              f"{removed[0].parent}", flush=True)
 
 
 def sweep_stale(shm_dir: Path = SHM_DIR, min_age_s: float = 60.0, proc: Path = Path("/proc")) -> list[Path]:

@@ -58,8 +58,9 @@ class Loggers:
     """Fans every row out to the run's trackers (Accelerate GeneralTrackers); empty on non-main
     ranks. `inline` trackers (metrics.jsonl: a buffered line) are written on the caller's thread;
     the others (W&B, TensorBoard, MLflow) are called on one background writer thread, in order,
-    so that a log line costs the training step none of their work (issue 24: W&B's offline writer
-    cost a small CPU model ~9% of its step time when called inline). A writer error is raised on
+    so that a log line costs the training step none of their work (W&B's offline writer, called
+    inline, slowed a small CPU model's step; with the writer thread: BENCHMARKS.md "Trainer
+    overhead against the independent baseline"). A writer error is raised on
     the training thread at the next call or at close()."""
 
     def __init__(self, inline: list):

@@ -62,6 +62,8 @@ def banner(t) -> str:
         lines.append(f"  {host['banner']}")
     if t.state.step:
         lines.append(f"  resumed      at step {t.state.step} ({human(t.state.tokens_seen)} tokens seen)")
+    for feature in getattr(t, "features", ()):  # train.ema, train.early_stop: what each does, where it stands
+        lines.extend(f"  {line}" for line in feature.banner())
     lines.append(f"  run dir      {t.run_dir}")
     lines.append(f"  full config: {t.run_dir / 'config.json'}")
     for line in t.tracker_lines:  # rank 0: where W&B / TensorBoard / MLflow data goes, or why W&B is off
@@ -180,13 +182,13 @@ def summary(t, result: dict, elapsed: float, sample: str | None, exported: str |
              f"  {st.step - step0} steps in {duration(elapsed)}, {human(done)} {'tokens' if lm else 'samples'}"
              f" ({human(done / max(elapsed, 1e-9))}/s on average, evaluation included)"
              + (f"; resumed at step {step0}, now {st.step}" if step0 else "")
-             + (" (stopped by signal: resume with --resume auto)" if t.stop_reason == "signal" else "")]
+             + (f" ({t.stop.message})" if t.stop is not None else "")]
     if "loss" in result:
         lines.append(f"  final train loss {result['loss']:.4f}")
     val = {k: v for k, v in result.items() if k.startswith("val/") and k != "val/samples"}
     if val:
         lines.append("  validation   " + ", ".join(f"{k[4:]} {v:.4f}" for k, v in val.items()))
-    peak = getattr(t, "peak_mem", 0)
+    peak = t.log.peak_mem if getattr(t, "log", None) is not None else 0
     if peak:
         lines.append("  memory       " + _measured_text(t, peak))
     if ckpt:

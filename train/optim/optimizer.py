@@ -47,7 +47,7 @@ def adamw(model: torch.nn.Module, cfg: OptimConfig, fused: bool | None):
 def cpu_adamw(model: torch.nn.Module, cfg: OptimConfig):
     """DeepSpeedCPUAdam in AdamW mode: the optimizer ZeRO offload steps on the host."""
     groups, kw = _groups_and_args(model, cfg)
-    from deepspeed.ops.adam import DeepSpeedCPUAdam  # JIT-builds once (~45 s on 2 cores)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # JIT-builds once (`make ops` ahead: docs/machine_notes.md)
     return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
 
 

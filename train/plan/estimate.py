@@ -75,6 +75,8 @@ class Estimate:
     runtime: int = 0            # held before the model exists (Device.runtime)
     device_kind: str = "cuda"
     snapshot: int = 0           # checkpoint.async: the host snapshot of this rank's checkpoint share
+    master: int = 0             # fp32 master elements this rank holds (what its moments cover)
+    master_on_host: bool = False  # ... on the host (optimizer offload)
     fits: Optional[bool] = None
     notes: list = field(default_factory=list)
 
@@ -142,6 +144,10 @@ def _with_batch(shape: ModelShape, s: Option, device: Device, batch: BatchShape,
     if batch.reference_copy:  # DPO's live reference of full fine-tuning: every parameter once more, fp32
         terms["buffers"] = terms.get("buffers", 0) + 4 * shape.num_params
         notes = notes + ["frozen fp32 reference copy in buffers"]
+    if batch.ema_copy:  # train.ema: the average of the master elements the rank holds, where they live
+        where = "host" if terms.get("master_on_host") else "buffers"
+        terms[where] = terms.get(where, 0) + 4 * terms.get("master", 0)
+        notes = notes + [f"train.ema's fp32 average in {where}"]
     runtime = device.runtime + (cost.startup(s) if device.kind == "cpu" and device.runtime else 0)
     e = Estimate(s, activations=activation_bytes(gpt, batch, b) if gpt is not None else None, runtime=runtime,
                  device_kind=device.kind, notes=notes, **terms)

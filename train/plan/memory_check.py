@@ -57,7 +57,9 @@ def local_view() -> dict:
     """This rank's own view of its budget (collective-free). Measured once per run, before the
     process group and the Accelerator exist, by both the check and --ds-config auto, so that
     both see the same runtime; the memory an option's start-up adds is the planner's."""
-    importlib.import_module("torch._dynamo")  # the first optimizer imports it (~150 MiB resident): count it now
+    # The first optimizer imports it (resident memory: BENCHMARKS.md "Start-up: where a rank's first
+    # seconds go"): count it now.
+    importlib.import_module("torch._dynamo")
     nbytes, source, cgroup, runtime = local_budget()
     free, free_why = host_free()
     return {"bytes": nbytes, "source": source, "cgroup": cgroup, "host": socket.gethostname(), "runtime": runtime,
@@ -108,14 +110,16 @@ def plan_batch(cfg, batch, seq_len):
     """The planner's view of one rank's micro-batch in this run. Preference pairs (train.objective
     dpo) are one forward of 2 x micro rows (chosen and rejected); the live reference of full
     fine-tuning is a frozen copy of the model (models/preference.py), under LoRA no extra weights;
-    train.dpo.reference precomputed reads log-probs with the data: no copy."""
+    train.dpo.reference precomputed reads log-probs with the data: no copy. train.ema keeps one
+    more fp32 copy of the master elements each rank holds (train/training/ema.py)."""
     from zerotrain.train.plan.shapes import BatchShape
     dpo = cfg.train.objective == "dpo"
     return BatchShape(batch.micro * (2 if dpo else 1), seq_len, batch.accum, cfg.model.activation_checkpointing,
                       sequence_parallel=cfg.distributed.sequence_parallel,
                       document_mask=cfg.data.packing or cfg.data.document_mask,
                       reference_copy=(dpo and cfg.train.dpo.loss != "simpo" and cfg.model.lora is None
-                                      and cfg.train.dpo.reference == "live"))
+                                      and cfg.train.dpo.reference == "live"),
+                      ema_copy=cfg.train.ema is not None)
 
 
 def _device(budget: Budget):

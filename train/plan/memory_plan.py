@@ -1,5 +1,5 @@
 """The run's memory plan (MemoryPlan): made once, before the model exists
-(train/training/stages.py choose_strategy), and shared by everything that speaks of planned
+(train/training/assembly.py choose_strategy), and shared by everything that speaks of planned
 memory: the memory check compares it with the budget (train/plan/memory_check.py), the host
 settings size malloc from it (train/launch/host_settings.py), config.json keeps it
 (resolved.memory_plan), the start-up banner prints its "model states" and "memory" lines

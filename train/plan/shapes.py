@@ -40,6 +40,7 @@ class BatchShape:
     sequence_parallel: int = 1  # distributed.sequence_parallel: each rank holds seq_len / N of a row
     document_mask: bool = False  # data.packing / data.document_mask: the GPT's (B, 1, T, T) mask, once
     reference_copy: bool = False  # train.objective dpo, full fine-tuning: a frozen fp32 copy of the model per rank
+    ema_copy: bool = False        # train.ema: one more fp32 copy of the master elements a rank holds
 
 
 def gpt_shape(name: str, cfg) -> ModelShape:

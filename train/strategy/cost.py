@@ -26,14 +26,16 @@ ALLREDUCE_BUCKET = 5e8        # engine.allreduce_gradients' flatten size under Z
 DS_CPU_COMM_WORKSPACE = 64 * MiB
 # What a CPU rank's owned memory grows by while its Accelerator starts, on top of Device.runtime
 # (measured before the process group exists): DeepSpeed's communication backend and comm op, or
-# DDP's (measured: DEVELOPERS.md).
+# DDP's (measured: docs/machine_notes.md "DeepSpeed and Accelerate on CPU").
 STARTUP = {"deepspeed": 48 * MiB, "ddp": 4 * MiB}
 
 
 def terms(shape, s: Option, world: int, batch, device, rank: Optional[int] = None) -> tuple[dict, list]:
     """(the option's terms for one rank (`rank`) or the largest over all ranks (None): params,
     grads, optimizer, buffers, host, comm, pcie, backward_work and step_work in bytes, what
-    train/plan/estimate.Estimate holds; the caveats of the arithmetic for this model)."""
+    train/plan/estimate.Estimate holds, and `master`: the fp32 master elements the rank holds (the
+    ones its moments cover; on the host where `master_on_host`); the caveats of the arithmetic
+    for this model)."""
     r = _Rank(shape, s, world, device)
     if s.backend == "ddp":
         return _ddp(r), []
@@ -119,7 +121,7 @@ def _ddp(r: _Rank) -> dict:
     copies live until backward. gloo all-reduces a bucket through its own send/receive copies
     (two buckets on CPU); zerotrain's DDP AdamW is fused on CUDA."""
     s, psi, n, trained = r.s, r.shape.num_params, r.n, r.trained
-    return dict(params=4 * psi, grads=4 * trained * (1 if s.bucket_view else 2), optimizer=8 * trained,
+    return dict(params=4 * psi, grads=4 * trained * (1 if s.bucket_view else 2), optimizer=8 * trained, master=trained,
                 buffers=2 * s.bucket_cap_mb * MiB if r.cpu and n > 1 else 0, host=0,
                 comm=1.0 if n > 1 else None, backward_work=2 * psi if r.b == 2 else 0,
                 step_work=_adam_work(r.device, r.largest, trained, fused=True))
@@ -132,10 +134,10 @@ def _zero0(r: _Rank) -> dict:
     b, psi, n, trained = r.b, r.shape.num_params, r.n, r.trained
     flatten = b * min(trained, ALLREDUCE_BUCKET) if n > 1 else 0
     if b == 4:
-        return dict(params=4 * psi, grads=4 * trained, optimizer=8 * trained, buffers=r.comm_workspace, host=0,
+        return dict(params=4 * psi, grads=4 * trained, optimizer=8 * trained, master=trained, buffers=r.comm_workspace, host=0,
                     comm=1.0 if n > 1 else None, backward_work=flatten,
                     step_work=_adam_work(r.device, r.largest, trained))
-    return dict(params=b * psi, grads=b * trained, optimizer=12 * trained, buffers=r.comm_workspace, host=0,
+    return dict(params=b * psi, grads=b * trained, optimizer=12 * trained, master=trained, buffers=r.comm_workspace, host=0,
                 comm=1.0 if n > 1 else None, backward_work=flatten,
                 step_work=4 * trained + _adam_work(r.device, r.largest, trained))
 
@@ -158,13 +160,13 @@ def _zero12(r: _Rank, batch, rank: Optional[int]) -> dict:
     if s.stage == 1 and s.precision == "bf16" and s.grad_accum_fp32 and not s.offload_optimizer:
         # DeepSpeed's BF16_Optimizer: bf16 params and their bf16 grads, fp32 gradient accumulators
         # for every parameter (the partition AdamW steps is a view of them).
-        return dict(params=2 * shape.num_params, grads=(2 + 4) * trained, optimizer=12 * owned,
+        return dict(params=2 * shape.num_params, grads=(2 + 4) * trained, optimizer=12 * owned, master=owned,
                     buffers=r.comm_workspace, host=0, comm=comm, step_work=_adam_work(r.device, group_part, owned))
     if s.offload_optimizer:
         return _zero12_offload(r, batch, owned, held, bucket, comm)
     grads = r.acc * (trained if s.stage == 1 and batch.accum > 1 else held)
     # The step hands AdamW an fp32 copy of the gradient partition.
-    return dict(params=b * shape.num_params, grads=grads, optimizer=12 * owned, buffers=bucket + r.comm_workspace,
+    return dict(params=b * shape.num_params, grads=grads, optimizer=12 * owned, master=owned, buffers=bucket + r.comm_workspace,
                 host=0, comm=comm, backward_work=b * r.largest,
                 step_work=4 * owned + _adam_work(r.device, group_part, owned))
 
@@ -176,7 +178,8 @@ def _zero12_offload(r: _Rank, batch, owned: int, held: int, bucket: int, comm) -
     gradient partition and a copy of the updated partition in the training dtype."""
     b, largest = r.b, r.largest
     host = (4 + 4 + 8 + b) * owned + b * largest + (b * held if batch.accum > 1 else 0)
-    return dict(params=b * r.shape.num_params, grads=0, optimizer=0, buffers=bucket + b * largest + r.comm_workspace,
+    return dict(params=b * r.shape.num_params, grads=0, optimizer=0, master=owned, master_on_host=True,
+                buffers=bucket + b * largest + r.comm_workspace,
                 host=host, comm=comm, pcie=b * owned * (batch.accum + 1), backward_work=b * largest,
                 step_work=(4 + b) * owned if r.cpu else 0)
 
@@ -211,6 +214,7 @@ def _zero3(r: _Rank, batch) -> dict:
         host += b * (part + frozen_part)
         params_dev -= b * (part + frozen_part)
         pcie += 2 * b * part * batch.accum
-    return dict(params=params_dev, grads=grads_dev, optimizer=opt_dev, buffers=step_buffer + ipg + r.comm_workspace,
+    return dict(params=params_dev, grads=grads_dev, optimizer=opt_dev, master=part, master_on_host=s.offload_optimizer,
+                buffers=step_buffer + ipg + r.comm_workspace,
                 host=host, comm=1.5 * batch.accum if n > 1 else None, pcie=pcie,
                 backward_work=gathered + b * r.largest, step_work=step_work)

@@ -150,9 +150,10 @@ HALF = ("bf16", "fp16")
 
 def machine_precision(cuda: bool) -> tuple[str, str]:
     """(precision, why): the fastest this machine trains in; what a run without --ds-config
-    takes (train/launch/distributed.py default_ds_config) and what "enabled": "auto" becomes.
+    takes (train/launch/ds_config_choice.py default_ds_config) and what "enabled": "auto" becomes.
     bf16 on GPUs that compute it (Ampere and newer), fp16 with loss scaling on older GPUs, fp32
-    on CPUs: without bf16 matmul units they emulate it, ~7x slower (BENCHMARKS.md)."""
+    on CPUs: without bf16 matmul units they emulate it, several times slower (measured:
+    BENCHMARKS.md "CPU: every stage, 2 processes")."""
     if not cuda:
         return "fp32", "no GPU here, and CPUs emulate bf16 ~7x slower"
     import torch

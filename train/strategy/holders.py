@@ -105,6 +105,13 @@ class Holder:
         are held (not copied; possibly on the device); None: no state yet (zeros)."""
         raise NotImplementedError
 
+    def held(self, slot: Slot) -> torch.Tensor:
+        """The elements `slot.need` of a trained parameter's fp32 master value, as held: a flat
+        view (no copy) that the optimizer step updates in place, so a copy of it kept beside the
+        moments (train.ema) follows the weights with no gather and no host read. After writing
+        into it, finish_load() refreshes the derived copies (low-precision weights, gathers)."""
+        raise NotImplementedError
+
     def read(self, slot: Slot, kind: str) -> torch.Tensor:
         """An owned fp32 CPU copy of `source` (zeros for a moment not created yet)."""
         t = self.source(slot, kind)
@@ -153,6 +160,9 @@ class ReplicaHolder(Holder):
             return slot.param.detach().reshape(-1)[a:b]
         st = self.optimizer.state.get(slot.param)
         return st[kind].reshape(-1)[a:b] if st else None
+
+    def held(self, slot):
+        return slot.param.data.view(-1)
 
     def write(self, slot, kind, values):
         a, b = slot.need
@@ -218,6 +228,9 @@ class MasterCopyHolder(Holder):
             return None
         return self._master(slot, kind)[a:b]
 
+    def held(self, slot):
+        return self._master(slot, "param")
+
     def write(self, slot, kind, values):
         a, b = slot.need
         target = self._master(slot, kind) if slot.trainable else slot.param.data.view(-1)
@@ -281,6 +294,9 @@ class FragmentHolder(Holder):
             return internals.hp_fragment(internals.hp_mapping(slot.param))
         return self._moment(slot, kind)
 
+    def held(self, slot):
+        return internals.hp_fragment(internals.hp_mapping(slot.param)).data.view(-1)
+
     def write(self, slot, kind, values):
         if not slot.trainable:
             a, b = slot.need
@@ -342,6 +358,11 @@ class Zero3Holder(Holder):
         if not self._has_state(slot):
             return None
         return safe_get_local_optimizer_state(slot.param, kind)[:b - a]
+
+    def held(self, slot):
+        from deepspeed.utils import safe_get_local_fp32_param
+        a, b = slot.need
+        return safe_get_local_fp32_param(slot.param).data.view(-1)[:b - a]
 
     def write(self, slot, kind, values):
         from deepspeed.utils import (safe_get_local_fp32_param, safe_get_local_optimizer_state,

@@ -18,11 +18,19 @@ if TYPE_CHECKING:
     from zerotrain.train.launch.sequence_parallel import SPRun
 
 
+def cast_floats(batch: dict, dtype: Optional[torch.dtype]) -> dict:
+    """Float inputs in `dtype` where the strategy keeps the parameters themselves in 16 bits
+    (Strategy.input_dtype; None: as they are)."""
+    if dtype is None:
+        return batch
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+
+
 class Evaluator:
     def __init__(self, *, cfg: RunConfig, acc, model, workload: Workload, data: DataBundle,
                  val_loader: Optional[DataLoader], seq_parallel: Optional[SPRun], cast: Callable[[dict], dict]):
-        """`model`: what accelerate prepared; `cast`: the trainer's input cast (the batch in the
-        parameters' dtype)."""
+        """`model`: what accelerate prepared; `cast`: the input cast (the batch in the parameters'
+        dtype: cast_floats)."""
         self.cfg, self.acc, self.model, self.workload, self.data = cfg, acc, model, workload, data
         self.val_loader, self.seq_parallel, self.cast = val_loader, seq_parallel, cast
 

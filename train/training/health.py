@@ -26,9 +26,10 @@ if TYPE_CHECKING:
 
 
 class Health:
-    def __init__(self, *, train: TrainConfig, strategy: Strategy, is_main: bool):
+    def __init__(self, *, train: TrainConfig, strategy: Strategy, is_main: bool, skipped: int = 0):
         """`train`: the run config's train section; `strategy`: the backend, bound to its engine
-        (it holds the fp16 loss scale); `is_main`: rank 0 prints the warnings."""
+        (it holds the fp16 loss scale); `is_main`: rank 0 prints the warnings; `skipped`: the
+        run's skipped steps so far (a resumed TrainState's)."""
         self.train, self.strategy, self.is_main = train, strategy, is_main
         self.fp16 = strategy.precision == "fp16"
         # The scale at which an overflowing fp16 step can no longer lower it.
@@ -37,7 +38,7 @@ class Health:
         self.bad_run = 0               # consecutive non-finite steps
         self.last_grad_norm: Optional[float] = None  # read at the last check
         self.diverged_reason = ""      # why read_interval() stopped the run
-        self.skipped = 0               # the run's skipped steps, while read_interval() counts them
+        self.skipped = skipped         # the run's skipped steps (TrainState.skipped_steps)
 
     def record(self, step: int, grad_norm) -> None:
         """Once per optimizer step, without a host read."""
@@ -48,21 +49,19 @@ class Health:
         None without fp16."""
         return self.strategy.loss_scale() if self.fp16 else None
 
-    def read_interval(self, skipped: int) -> tuple[bool, int]:
-        """Reads the recorded steps; `skipped`: the run's skipped steps so far (TrainState's).
-        Returns (whether the run must stop: nan_policy / max_bad_steps / fp16 loss-scale
-        collapse, diverged_reason says why; the run's skipped steps now)."""
+    def read_interval(self) -> bool:
+        """Reads the recorded steps (counting the skipped ones); True when the run must stop:
+        nan_policy / max_bad_steps / fp16 loss-scale collapse (diverged_reason says why)."""
         entries, self.pending = self.pending, []
         if not entries:
-            return False, skipped
+            return False
         norms, scales = read_numbers([e[1] for e in entries]), read_numbers([e[2] for e in entries])
         if norms[-1] is not None:
             self.last_grad_norm = norms[-1]
-        self.skipped = skipped
         for (step, _, _), norm, scale in zip(entries, norms, scales):
             if self._step(step, norm, scale):
-                return True, self.skipped
-        return False, self.skipped
+                return True
+        return False
 
     def _step(self, step: int, norm, scale) -> bool:
         bad = norm is not None and not math.isfinite(norm)
@@ -94,9 +93,9 @@ class Health:
             return True
         return False
 
-    def log_fields(self, skipped: int) -> dict:
+    def log_fields(self) -> dict:
         """The log line's grad_norm, loss_scale and skipped_steps (a host read: log intervals only);
-        `skipped`: the TrainState's count, unless the engine counts its own."""
+        the run's count becomes the engine's own where it keeps one."""
         m = {}
         if self.last_grad_norm is not None:
             m["grad_norm"] = self.last_grad_norm  # pre-clip, at the last step of the interval
@@ -105,8 +104,8 @@ class Health:
             if scale is not None:
                 m["loss_scale"] = scale
             if self.strategy.counts_skipped_steps():
-                skipped = self.strategy.engine_skipped_steps()
-        m["skipped_steps"] = skipped
+                self.skipped = self.strategy.engine_skipped_steps()
+        m["skipped_steps"] = self.skipped
         return m
 
 

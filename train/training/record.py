@@ -15,7 +15,8 @@ from zerotrain.train import paths
 
 if TYPE_CHECKING:
     from zerotrain.train.config import RunConfig
-    from zerotrain.train.training.stages import Distributed, Loaders, Model, Runtime, RunData
+    from zerotrain.train.training.loaders import Loaders
+    from zerotrain.train.training.assembly import Distributed, Model, Runtime, RunData
 
 
 def record_run(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed, model: Model,

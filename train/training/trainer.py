@@ -1,10 +1,10 @@
 """The training loop: accumulation, clipping, LR, evaluation, logging, stopping cleanly.
 
 fit() reads as the loop it is: step, agree, then every component in turn
-(train/training/components.py: health, the log line, evaluation, the checkpoint, progress and
-test hooks), each deciding from the step's Tick whether the step is its own; the last step goes
-through the same path. StopVote (train/training/stop.py) is what every rank agreed on,
-SaveCadence (train/checkpoint/cadence.py) when to save, DataPosition (train/data/position.py)
+(train/training/components.py: health, the log line, evaluation, the run's features, the
+checkpoint, progress and test hooks), each deciding from the step's Tick whether the step is its
+own; the last step goes through the same path. LoopControl (train/training/tick.py) makes the
+Tick, the one place that says what every rank agreed; DataPosition (train/data/position.py)
 where the data stands, Window (train/training/window.py) the statistics of one logging interval.
 
 An optimizer step's loss is the mean over its global batch: of samples, or for language-model
@@ -39,14 +39,12 @@ from zerotrain.train.data.position import DataPosition
 from zerotrain.train.launch import collectives
 from zerotrain.train.observe import report, trackers
 from zerotrain.train.observe.memory import MemoryReport
-from zerotrain.train.observe.metrics import reduce_window
-from zerotrain.train.observe.perf import device_peak_flops, throughput
 from zerotrain.train.optim.optimizer import set_lr
 from zerotrain.train.optim.schedule import lr_at
-from zerotrain.train.training.evaluate import Evaluator
+from zerotrain.train.training.evaluate import Evaluator, cast_floats
 from zerotrain.train.training.health import Health
 from zerotrain.train.training import components as components_
-from zerotrain.train.training.stop import NO_WRITES, NOTHING, StopRequested, StopVote
+from zerotrain.train.training.tick import LoopControl, StopReason, StopRequested
 from zerotrain.train.training.window import StepResult, Window
 
 if TYPE_CHECKING:
@@ -89,13 +87,16 @@ class Trainer:
     data: DataBundle                      # the splits and what they hold (tokens per sample, decode)
     train_loader: DataLoader
     sampler: GlobalBatchSampler           # the resumable global data order, positioned from `state`
-    val_loader: Optional[DataLoader]
     # -- services
     loggers: Loggers                      # logging.trackers on rank 0: metrics.jsonl, the others added by start()
     checkpointer: Optional[Checkpointer]  # save / export; None: the run writes no checkpoint
     memory_plan: Optional[MemoryPlan]     # the run's one memory plan: banner lines, plan/* metrics
+    evaluator: Evaluator                  # val/* metrics (train.eval_every), the closing sample text
     # -- where training stands: saved in checkpoints; a resumed run passes the restored one
     state: TrainState
+    # -- the run's features (train/training/features.py): components built with the services,
+    #    before the resume, registered with the checkpointer
+    features: list = field(default_factory=list)
     # -- torchrun's elastic agent: this attempt of the job (restarts, membership); None otherwise
     elastic: Optional[ElasticRun] = None
     # -- distributed.sequence_parallel > 1: this rank's SP group (its slice of each row); None: off
@@ -105,13 +106,12 @@ class Trainer:
     input_dtype: Optional[torch.dtype] = field(init=False)  # float inputs cast to it (Strategy.input_dtype)
     position: DataPosition = field(init=False)   # moves `state` through the data, yields the batches
     health: Health = field(init=False)           # non-finite steps, fp16 scale collapse: whether to stop
-    evaluator: Evaluator = field(init=False)     # val/* metrics (train.eval_every), the closing sample text
-    last_eval: dict = field(init=False, default_factory=dict)
-    stop_reason: Optional[str] = field(init=False, default=None)       # None | "signal" | "diverged"
+    evaluation: components_.Evaluation = field(init=False)  # its last metrics (fit() returns them)
+    log: Optional[components_.LogLine] = field(init=False, default=None)  # the log line, once fit() runs
+    stop: Optional[StopReason] = field(init=False, default=None)  # why the run ended before max_steps
     wandb: Optional[WandbTracker] = field(init=False, default=None)     # rank 0's W&B tracker, once start() ran
     tracker_lines: list = field(init=False, default_factory=list)      # rank 0's banner lines: where W&B, TensorBoard, MLflow log
     start_counts: tuple = field(init=False, default=(0, 0, 0))         # (step, samples, tokens) at start()
-    peak_mem: int = field(init=False, default=0)  # the largest peak_mem_bytes logged (the worst rank's), for the summary
     _t_start: float = field(init=False, default=0.0)
     _finished: bool = field(init=False, default=False)  # finish() completed: close() reports success to W&B
 
@@ -134,75 +134,78 @@ class Trainer:
     def __post_init__(self):
         self.input_dtype = self.strategy.input_dtype()
         self.position = DataPosition(self.data, self.sampler, self.train_loader, self.batch.global_size)
-        self.health = Health(train=self.cfg.train, strategy=self.strategy, is_main=self.acc.is_main_process)
-        self.evaluator = Evaluator(cfg=self.cfg, acc=self.acc, model=self.model, workload=self.workload, data=self.data,
-                                   val_loader=self.val_loader, seq_parallel=self.seq_parallel, cast=self._cast_inputs)
+        self.health = Health(train=self.cfg.train, strategy=self.strategy, is_main=self.acc.is_main_process,
+                             skipped=self.state.skipped_steps)
+        self.evaluation = components_.Evaluation(self.evaluator, self.topo.rank)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
-        """Trains to max_steps or a stop: step, agree, then every component in turn (each decides
-        from the Tick whether this step is its: train/training/components.py). Returns the last
-        log line's metrics and evaluation."""
+        """Trains to max_steps or a stop: step, agree (LoopControl makes the step's Tick), then
+        every component in turn, each deciding from the Tick whether this step is its. Returns
+        the last log line's metrics and evaluation."""
         self.model.train()
         if self.checkpointer:
             self.checkpointer.on_fit_start()  # a resumed run's RNG streams, right before the first step
-        vote = StopVote(self.acc)
-        cadence = SaveCadence(self.cfg.checkpoint.every_steps, self.cfg.checkpoint.every_minutes,
-                              self.acc.is_main_process)
-        testhooks.fire("slow_start", rank=self.topo.rank)  # tests: one rank comes late to its first step
         with StopRequested() as signals, self._progress_bar() as bar:
-            components, log = self._components(cadence, bar, signals)
+            components = self._components(bar, signals)
+            control = LoopControl(self.acc, components, signals, self.max_steps, self.loggers.log)
+            testhooks.fire("slow_start", rank=self.topo.rank)  # tests: one rank comes late to its first step
             tick = None
             while tick is None or not tick.last:
                 for c in components:
                     getattr(c, "before_step", _nothing)(self.state.step)
                 process_group.at("training step", self.state.step + 1)  # for a failed collective's message
                 out = self.train_step() if self.state.step < self.max_steps else None
-                tick = self._agree(out, vote, cadence, signals)
+                tick = control.agree(self.state.step, out, self.state)
                 for c in components:
                     c.on_step(tick)
-            vote.finish()  # a stop before the last step leaves one vote in flight (every rank has one)
-            self.stop_reason = tick.stop_reason
-        return {**log.last, **self.last_eval}
+            control.finish()
+            for c in components:
+                getattr(c, "after_last", _nothing)(tick)
+            self.stop = tick.stop_reason
+        self.state = self.snapshot()
+        if self.stop is not None:  # why the run ended early: a row of its own in every tracker
+            self.loggers.event({"stop/reason": self.stop.name, "stop/message": self.stop.message}, self.state.step)
+        return {**self.log.last, **self.evaluation.last}
 
-    def _components(self, cadence: SaveCadence, bar, signals: StopRequested) -> tuple[list, components_.LogLine]:
-        """The loop's components, in the order they see each step (components.py says why)."""
+    def _components(self, bar, signals: StopRequested) -> list:
+        """The loop's components, in the order they see each step (components.py says why), with
+        the run's features (train/training/features.py) after the evaluation."""
         window = Window(self.acc.device)
         # Measured model-state bytes of one early step (mem/* metrics), next to the plan's.
         report = MemoryReport(acc=self.acc, model=self.model, raw_optimizer=self.raw_optimizer,
                               step_target=self.strategy.step_target(), start_step=self.state.step,
                               max_steps=self.max_steps, log=self.loggers.log,
                               plan=self.memory_plan.estimate if self.memory_plan else None)
-        log = components_.LogLine(self, window, bar)
-        steps = [components_.StepTimer(window, self.batch.accum), components_.MemoryProbe(report),
-                 components_.HealthCheck(self), log]
-        if self.cfg.debug.param_checksum:  # before an evaluation's forward (ZeRO-3 leaves parameters in flight)
-            steps.append(components_.ParamChecksum(self))
-        steps.append(components_.Evaluation(self))
+        self.log = components_.LogLine(
+            window=window, bar=bar, acc=self.acc, every_steps=self.cfg.logging.every_steps,
+            global_batch=self.batch.global_size, max_steps=self.max_steps, data=self.data, workload=self.workload,
+            world_size=self.topo.world_size, peak_flops=self.cfg.logging.peak_flops, health=self.health,
+            log=self.loggers.log)
+        save = None
         if self.checkpointer is not None:
-            steps.append(components_.Checkpointing(self, cadence))
-        steps.append(components_.StepDone(self, bar, signals))
+            cadence = SaveCadence(self.cfg.checkpoint.every_steps, self.cfg.checkpoint.every_minutes,
+                                  self.acc.is_main_process)
+            save = components_.Checkpointing(self.checkpointer, cadence, self.cfg.checkpoint.save_at_end,
+                                             self.snapshot, self.topo.rank)
+        reads = [self.log.due] + ([save.due] if save else [])
+        steps = [components_.StepTimer(window, self.batch.accum), components_.MemoryProbe(report),
+                 components_.HealthCheck(self.health, reads), self.log]
+        if self.cfg.debug.param_checksum:  # before an evaluation's forward (ZeRO-3 leaves parameters in flight)
+            steps.append(components_.ParamChecksum(self.strategy))
+        steps.append(self.evaluation)
+        steps.extend(self.features)
+        if save is not None:
+            steps.append(save)
+        steps.append(components_.StepDone(bar, self.elastic, self.topo.rank, signals))
         if collectives.on():  # debug.collectives: its short timeout once the first step is done
             steps.insert(0, collectives.FirstStepDone())
-        return steps, log
+        return steps
 
-    def _agree(self, out, vote: StopVote, cadence: SaveCadence, signals: StopRequested) -> components_.Tick:
-        """What every rank decides about the step just taken. Every rank agrees on stopping (a
-        signal may reach the ranks at different steps; stopping alone would hang the others) and
-        on rank 0's checkpoint.every_minutes clock: an async vote, read one step later. The last
-        step also collects the vote still in flight (a signal during that step). The vote also
-        carries each rank's state of an asynchronous checkpoint write (checkpoint.async): the
-        checkpointer commits it once every rank's write is durable."""
-        step = self.state.step
-        writes = self.checkpointer.write_status() if self.checkpointer else NO_WRITES
-        process_group.at("stop vote", step)
-        agreed = vote(signals.flag, cadence.ticket(), writes, step=step) if out is not None else NOTHING
-        done = step >= self.max_steps
-        if done or agreed.stop:
-            agreed = agreed._replace(stop=vote.finish() or agreed.stop)
-        save = self.checkpointer is not None and cadence.due(step, agreed.ticket, done) is not None
-        log = step % self.cfg.logging.every_steps == 0 or done or agreed.stop
-        return components_.Tick(step=step, out=out, agreed=agreed, done=done, save_due=save, log_due=log)
+    def snapshot(self) -> TrainState:
+        """Where training stands now, as a checkpoint saves it: the run's state with Health's
+        count of skipped steps."""
+        return replace(self.state, skipped_steps=self.health.skipped)
 
     @contextlib.contextmanager
     def _progress_bar(self):
@@ -216,40 +219,6 @@ class Trainer:
             yield bar
         finally:
             bar.close()
-
-    def _log_window(self, w: Window, out: StepResult, bar) -> dict:
-        red = reduce_window(self.acc, w.loss, w.micro, w.data_s)
-        steps, elapsed = w.steps, w.train_s
-        m = {"loss": red["loss"], "lr": out.lr, "epoch": self.state.epoch,
-             **throughput(samples=self.batch.global_size * steps, seconds=elapsed,
-                          items_per_sample=self.data.items_per_sample, flops_per_item=self.workload.flops_per_item,
-                          world_size=self.topo.world_size,
-                          peak_per_device=self.cfg.logging.peak_flops or device_peak_flops(), real_items=w.real),
-             "step_time_s": elapsed / steps, "data_wait_s": red["data_wait_s"] / steps,
-             "compute_s": (elapsed - red["data_wait_s"]) / steps,
-             "samples_seen": self.state.samples_seen, "tokens_seen": self.state.tokens_seen,
-             **{f"data/tokens/{name}": n for name, n in self.state.source_tokens.items()},
-             "peak_mem_bytes": red["peak_mem_bytes"]}
-        self.peak_mem = max(self.peak_mem, red["peak_mem_bytes"])
-        m.update(self.health.log_fields(self.state.skipped_steps))  # grad_norm, loss_scale, skipped_steps
-        self.state.skipped_steps = m["skipped_steps"]  # the engine's own count, where it keeps one
-        if self.workload.moe is not None:  # loss/lm, loss/aux, tokens per expert (models/moe.py)
-            moe_metrics, warnings = self.workload.moe.window(self.acc)
-            m.update(moe_metrics)
-            for line in warnings if self.acc.is_main_process else ():
-                print(f"zerotrain: WARNING: {line}", flush=True)
-        if self.workload.preference is not None:  # rewards/*, logps/* under TRL's names (models/preference.py)
-            m.update(self.workload.preference.window(self.acc))
-        self.loggers.log(m, self.state.step)
-        if bar:
-            post = {"loss": f"{m['loss']:.4f}"}
-            if "tokens_per_s" in m:
-                post["tok/s"] = report.human(m["tokens_per_s"])
-            bar.set_postfix(post, refresh=False)
-        elif self.acc.is_main_process:  # no bar (logging.progress false, e.g. log files): one line per interval
-            print(report.progress_line(m, self.state.step, self.max_steps), flush=True)
-        w.reset()
-        return m
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> StepResult:
@@ -307,14 +276,7 @@ class Trainer:
             self._trace(b)
         if self.seq_parallel is not None:
             b = self.seq_parallel.slice_batch(b)  # this rank's contiguous slice of each row
-        return self._cast_inputs(b)
-
-    def _cast_inputs(self, b: dict) -> dict:
-        """Float inputs in the parameters' dtype where the strategy keeps the parameters themselves
-        in 16 bits (DeepSpeed bf16/fp16)."""
-        if self.input_dtype is None:
-            return b
-        return {k: v.to(self.input_dtype) if v.is_floating_point() else v for k, v in b.items()}
+        return cast_floats(b, self.input_dtype)
 
     def _trace(self, b):
         key = next(iter(b))
@@ -360,11 +322,16 @@ class Trainer:
     def finish(self, result: dict):
         process_group.at("end of training", self.state.step)
         elapsed = time.perf_counter() - self._t_start
-        sample = self.evaluator.sample_text() if self.stop_reason is None else None
+        completed = self.stop is None or self.stop.final
+        sample = self.evaluator.sample_text() if completed else None
         ckpt = self.checkpointer.latest_path() if self.checkpointer else None
         exported = None
-        if self.checkpointer and self.cfg.checkpoint.export and self.stop_reason is None:
-            exported = self.checkpointer.export()
+        if self.checkpointer and self.cfg.checkpoint.export and completed:
+            with contextlib.ExitStack() as weights:  # a feature may choose the weights exported (train.ema)
+                for c in self.features:
+                    if hasattr(c, "exporting"):
+                        weights.enter_context(c.exporting())
+                exported = self.checkpointer.export()
         if self.acc.is_main_process:
             final = {"final/" + k: v for k, v in result.items() if not isinstance(v, str)}
             final["final/elapsed_s"] = elapsed
@@ -372,7 +339,8 @@ class Trainer:
                 final["final/elastic_restarts"] = self.elastic.restarts
                 final["final/steps_recomputed"] = self.elastic.steps_recomputed
             self.loggers.log(final, self.state.step)
-            if self.wandb and self.stop_reason == "signal":
+            if self.wandb and self.stop is not None and not self.stop.final and self.stop.failure is None:
+                # a pause (a signal): W&B marks the run preempted, to be resumed
                 self.loggers.submit(self.wandb.mark_preempting)
             print(report.summary(self, result, elapsed, sample, exported, ckpt), flush=True)
         self._finished = True
@@ -382,7 +350,7 @@ class Trainer:
             self.checkpointer.close()  # checkpoint.async: the write in flight ends before the process does
         if self.data.stream is not None:
             self.data.stream.close()  # its tokenizer pool, before the exit hooks join it (train/data/stream.py)
-        self.loggers.close(failed=not self._finished or self.stop_reason == "diverged")
+        self.loggers.close(failed=not self._finished or (self.stop is not None and self.stop.failure is not None))
         if self.elastic:
             self.elastic.close()
         try:

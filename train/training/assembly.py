@@ -1,35 +1,34 @@
-"""The stages of build() (train/training/build.py), in order. Each takes the run config and the
-results of the stages before it, and returns a small typed result; the run record is
-train/training/record.py."""
+"""The parts of build() (train/training/build.py), in order. Each takes the run config and the
+results of the parts before it, and returns a small typed result; the run record is
+train/training/record.py. ("Stage" is kept for ZeRO's stages.)"""
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import json
+import functools
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import torch
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 
 from zerotrain.models import build_workload, hidden_size_of, partition_summary
 from zerotrain.models import resolve as resolve_model
 from zerotrain.models.moe import make_leaf
-from zerotrain.train import process_group, testhooks
+from zerotrain.train import testhooks
 from zerotrain.train.checkpoint.manager import Checkpointer
 from zerotrain.train.checkpoint.state import TrainState
 from zerotrain.train.config import RunConfig
 from zerotrain.train.data import build_data
-from zerotrain.train.data.sampler import EvalBatchSampler, GlobalBatchSampler
+from zerotrain.train.data.sampler import GlobalBatchSampler
+from zerotrain.train.data.sequence_length import resolve_seq_len
 from zerotrain.train.strategy import Strategy, for_setup
 from zerotrain.train.strategy.ds_config import load_ds_setup
 from zerotrain.train.errors import ConfigError
-from zerotrain.train.launch import collectives, device_env
+from zerotrain.train.launch import collectives, device_env, ds_config_choice
 from zerotrain.train.launch import distributed as dist_
 from zerotrain.train.launch import elastic as elastic_
 from zerotrain.train.launch import host_settings, shm_buffers
@@ -38,7 +37,12 @@ from zerotrain.train.observe import trackers
 from zerotrain.train.observe.metrics import Loggers
 from zerotrain.train.plan import memory_check
 from zerotrain.train.plan import memory_plan as plan_
-from zerotrain.train.training import hardware
+from zerotrain.train.training import hardware, rank_file
+from zerotrain.train.training.loaders import Loaders, build_loaders
+from zerotrain.train.training.preference_setup import attach_reference, preference
+from zerotrain.train.training.evaluate import Evaluator, cast_floats
+from zerotrain.train.training.features import Services as FeatureServices
+from zerotrain.train.training.features import build_features
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -132,7 +136,7 @@ class RunData:
 def load_data(cfg: RunConfig, rt: Runtime) -> RunData:
     """The data first: the model's vocabulary / classes / features come from it."""
     spec = resolve_model(cfg.model)  # the model checked and its config.json read, once for the whole build
-    seq_len = _seq_len(cfg, spec)
+    seq_len = resolve_seq_len(cfg, spec)
     # sft: data.tokenizer, else an hf:<dir> model's own tokenizer, else bytes (the GPT presets)
     tokenizer = cfg.data.tokenizer or (spec.name[3:] if spec.family == "hf" else None)
     bundle = build_data(cfg.data, seq_len, cfg.train.seed, tokenizer)
@@ -141,38 +145,6 @@ def load_data(cfg: RunConfig, rt: Runtime) -> RunData:
     sampler = _sampler(cfg, bundle, rt.batch)
     max_steps = cfg.train.epochs * sampler.steps_per_epoch if cfg.train.epochs else cfg.train.max_steps
     return RunData(spec=spec, seq_len=seq_len, bundle=bundle, sampler=sampler, max_steps=max_steps)
-
-
-def reference_identity(cfg: RunConfig, spec: ModelSpec, seq_len: int, bundle: DataBundle, source: Path) -> dict:
-    """What the precomputed reference log-probs of `source` depend on (train/data/reference.py):
-    train.seed only where it fixes the starting weights (not an hf: model's)."""
-    from zerotrain.train.data import reference
-    return reference.identity(source, bundle.extra["tokenizer_sha256"], bundle.extra["chat_template"], seq_len,
-                              cfg.model.name, cfg.train.seed if spec.family != "hf" else 0)
-
-
-def attach_reference(cfg: RunConfig, spec: ModelSpec, seq_len: int, bundle: DataBundle) -> None:
-    """train.dpo.reference precomputed: every pair (training and validation) gets its reference
-    log-probs from the file beside its JSONL file, checked against this run (one line if stale)."""
-    from zerotrain.train.data import reference
-    for pairs in (bundle.train, bundle.val):
-        if pairs is not None:
-            want = reference_identity(cfg, spec, seq_len, bundle, pairs.source)
-            pairs.attach_reference(*reference.load(pairs.source, want, pairs.lines))
-
-
-def _seq_len(cfg: RunConfig, spec: ModelSpec) -> Optional[int]:
-    ctx = spec.context
-    seq_len = cfg.data.seq_len or ctx
-    if cfg.data.kind in ("text", "tokens", "sft", "preference", "stream") and seq_len is None and spec.family == "py":
-        raise ConfigError(f'data.seq_len: model.name "{cfg.model.name}" is your own model, whose context zerotrain '
-                          f"does not know; set data.seq_len (tokens per sample)")
-    if cfg.data.kind in ("text", "tokens", "sft", "preference", "stream") and seq_len is None:
-        raise ConfigError(f'data.kind "{cfg.data.kind}" is language-model data but model.name "{cfg.model.name}" '
-                          f"is not a language model; use a GPT preset or hf:<dir>, or another data.kind")
-    if ctx is not None and seq_len > ctx:
-        raise ConfigError(f"data.seq_len {seq_len} exceeds the model's context length {ctx} (model.seq_len)")
-    return seq_len
 
 
 def _sampler(cfg: RunConfig, bundle: DataBundle, b: Batch):
@@ -207,7 +179,7 @@ def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, d
     before the model exists: a plan that does not fit the device memory stops here."""
     strategy, choice, view = _ds_setup(cfg, ds_config_cli, rt, data)
     ds = strategy.ds
-    _sweep_shm_buffers()  # before DeepSpeed creates this job's own
+    shm_buffers.sweep_at_start()  # before DeepSpeed creates this job's own
     acc = strategy.build_accelerator(rt.batch, collectives.timeout_s(cfg))
     rt.threads = torch.get_num_threads()  # as OMP_NUM_THREADS set it (train/launch/device_env.py cpu_threads)
     topo = dist_.topology(rt.launcher, "nccl" if rt.cuda else "gloo")
@@ -215,7 +187,7 @@ def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, d
     collectives.StackOnRequest.start_for(topo.rank)  # debug.collectives: a peer may ask for this rank's stack
     sp = sp_.SPRun.join(rt.sp_size, topo.rank, topo.world_size, data.spec.family) if rt.sp_size > 1 else None
     trackers.preflight(acc, cfg)  # a tracker's package missing, W&B online without credentials: every rank stops
-    rank_facts = _rank_facts(acc, topo, strategy)
+    rank_facts = rank_file.rank_facts(acc, topo, strategy)
     planned = plan_.make(cfg, data.spec, ds, data.bundle, rt.batch, data.seq_len, rt.world, topo.rank, topo.device,
                          acc.is_main_process, view, choice)  # and the memory check
     # Compact malloc only where the plan would not fit without it (train/launch/host_settings.py).
@@ -227,9 +199,9 @@ def choose_strategy(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, d
 def _ds_setup(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, data: RunData):
     """(the Strategy, --ds-config auto's AutoChoice or None, this rank's memory view) once checked."""
     given = ds_config_cli or cfg.distributed.ds_config
-    ds_path = dist_.resolve_ds_config_path(given, rt.launcher)
+    ds_path = ds_config_choice.resolve_ds_config_path(given, rt.launcher)
     if not given and rt.launcher != "accelerate" and os.environ.get("RANK", "0") == "0":
-        name, why = dist_.default_ds_config()
+        name, why = ds_config_choice.default_ds_config()
         print(f"zerotrain: no --ds-config given: ds_configs/{name} ({why}); pass --ds-config to choose", flush=True)
     view = memory_check.measure(cfg, ds_path)  # the memory budget: one view for the check and --ds-config auto
     ds_path, choice = memory_check.resolve_auto(ds_path, cfg, data.spec, data.bundle, rt.batch, data.seq_len, rt.world, view)
@@ -239,18 +211,6 @@ def _ds_setup(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, data: R
     sp_.refuse_unsupported(cfg, data.spec, data.seq_len, strategy)
     strategy.check_run(cfg)
     return strategy, choice, view
-
-
-def _sweep_shm_buffers():
-    """DeepSpeed's /dev/shm buffers that ended jobs left (66 MB each): removed by each node's
-    local rank 0 when no running job can own them; a rank's own buffer is released at exit too."""
-    atexit.register(shm_buffers.release_at_exit)
-    if os.environ.get("LOCAL_RANK", "0") != "0":
-        return
-    removed = shm_buffers.sweep_stale()
-    if removed:
-        print(f"zerotrain: removed {len(removed)} stale DeepSpeed shared-memory buffer(s) of ended jobs from "
-              f"{removed[0].parent}", flush=True)
 
 
 # ---------------------------------------------------------------------------- model and optimizer
@@ -280,7 +240,7 @@ def build_model(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed) -
         if acc.is_main_process:
             print(f"zerotrain: {moe.banner(aux=workload.moe is not None)}", flush=True)
     if cfg.train.objective == "dpo":
-        workload.preference = _preference(cfg, workload, strategy, acc.device)
+        workload.preference = preference(cfg, workload, strategy, acc.device)
     channels_last = hardware.use_channels_last(cfg, strategy, workload.family, rt.cuda)
     if channels_last:
         workload.model.to(memory_format=torch.channels_last)
@@ -291,68 +251,14 @@ def build_model(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed) -
     return Model(workload=workload, raw_optimizer=raw_optimizer, channels_last=channels_last)
 
 
-def _preference(cfg: RunConfig, workload: Workload, strategy: Strategy, device):
-    """train.objective dpo's objective and its live reference (models/preference.py): under
-    model.lora the model with its adapters off, else a frozen copy of the initial model."""
-    from zerotrain.models.preference import Preference, frozen_copy
-    d, lora = cfg.train.dpo, workload.lora is not None
-    reference = None
-    if d.loss != "simpo" and d.reference == "precomputed":  # read with the data (load_data): no copy
-        return Preference(d.loss, d.beta, d.gamma, precomputed=True)
-    if d.loss != "simpo" and not lora:
-        if strategy.partitions_parameters:
-            raise ConfigError(f"train.dpo.loss {d.loss} needs a reference model; under ZeRO-3 full fine-tuning has no "
-                              f"frozen copy (its parameters are partitioned): add model.lora (the reference is then "
-                              f"the base, adapters off), use ZeRO-0/1/2 or DDP, or train.dpo.loss simpo")
-        if cfg.model.init_from:
-            raise ConfigError("train.dpo: the reference of full fine-tuning is a copy of the model as built, before "
-                              "model.init_from is loaded; export those weights as an hf: directory and name it in "
-                              "model.name, or add model.lora")
-        reference = frozen_copy(workload.model).to(device)
-    return Preference(d.loss, d.beta, d.gamma, reference=reference, lora=lora)
-
-
 # ---------------------------------------------------------------------------- loaders
 
-@dataclass
-class Loaders:
-    train: DataLoader
-    val: Optional[DataLoader]   # None: no validation split
-    workers: int                # loader worker processes per rank
-    pad_to: Optional[str] = None  # instruction data: "longest" or "seq_len", what the batches use
-
-
 def make_loaders(cfg: RunConfig, rt: Runtime, data: RunData, model: Optional[Model] = None) -> Loaders:
-    """`model`: the built model, which decides whether instruction data may be padded per batch
-    (data.pad_to longest; SftData.pad_to says when it may not)."""
-    b, bundle = rt.batch, data.bundle
-    workers = hardware.data_workers(cfg.data, rt.local_world)
-    batches = sp_.ReplicatedBatches(data.sampler, rt.sp_size, b.micro) if rt.sp_size > 1 else data.sampler
-    train_set, val_set, collate, pad_to = bundle.train, bundle.val, None, bundle.extra.get("pad_to")
-    if pad_to == "longest":
-        from zerotrain.train.data import sft
-        w = model.workload if model is not None else None
-        fixed = sft.fixed_length_reason(rt.sp_size, cfg.hardware.compile, w is not None and w.moe is not None,
-                                        w is not None and bool(w.model_loss))
-        if fixed is None:
-            train_set = sft.LongestPadding(bundle.train)
-            val_set = sft.LongestPadding(bundle.val) if bundle.val is not None else None
-            collate = train_set.collate
-        else:  # the banner's data line says so
-            pad_to = "seq_len"
-            bundle.describe = bundle.describe.replace(bundle.extra["layout"], f"padded to {bundle.seq_len} ({fixed})")
-    train = DataLoader(train_set, batch_sampler=batches, generator=torch.Generator().manual_seed(cfg.train.seed),
-                       collate_fn=collate, **hardware.loader_options(workers, b.accum, rt.cuda, train=True))
-    val = None  # train.eval_batches 0: evaluation off, no loader (Evaluator.run then returns {})
-    if val_set is not None and len(val_set) > 0 and cfg.train.eval_batches != 0:
-        subset = val_set
-        if cfg.train.eval_batches is not None:
-            # A real subset (not just fewer batches) so that Accelerate's end-of-set padding
-            # arithmetic in gather_for_metrics sees the true number of samples.
-            subset = Subset(subset, range(min(len(subset), cfg.train.eval_batches * b.micro * rt.world)))
-        val = DataLoader(subset, batch_sampler=EvalBatchSampler(len(subset), b.micro, rt.world), collate_fn=collate,
-                         **hardware.loader_options(workers, 1, rt.cuda, train=False))
-    return Loaders(train=train, val=val, workers=workers, pad_to=pad_to)
+    """torch DataLoaders over the global batch sampler (train/training/loaders.py). `model`: the
+    built model, which decides whether instruction data may be padded per batch (data.pad_to
+    longest; SftData.pad_to says when it may not)."""
+    return build_loaders(cfg, data.sampler, data.bundle, rt.batch, rt.world, rt.local_world, rt.sp_size, rt.cuda,
+                         model.workload if model is not None else None)
 
 
 # ---------------------------------------------------------------------------- prepare
@@ -383,25 +289,8 @@ def prepare(rt: Runtime, dist: Distributed, model: Model, loaders: Loaders) -> P
     # OMP_NUM_THREADS is unset: torch was imported before train/main.py could set it).
     facts.update(torch_threads=torch.get_num_threads(), threads_from=device_env.THREADS_FROM,
                  local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-    _write_rank_info(rt.run_dir, topo, facts)
+    rank_file.write_rank_file(rt.run_dir, topo, facts)
     return Prepared(train_loader=train_loader, val_loader=val[0] if val else None)
-
-
-# ---------------------------------------------------------------------------- ranks/rank<R>.json
-
-def _rank_facts(acc, topo: Topology, strategy: Strategy) -> dict:
-    """Who this rank is: what launchers and tests check sharding and topology against
-    (ranks/rank<R>.json; prepare() adds what the engine decided and writes it once)."""
-    return {**topo.__dict__, "hostname": socket.gethostname(), "pid": os.getpid(),
-            "accelerate_process_index": acc.process_index, "accelerate_num_processes": acc.num_processes,
-            "distributed_type": str(acc.distributed_type), "strategy": strategy.describe(),
-            "process_group_size": process_group.size()}
-
-
-def _write_rank_info(run_dir: Path, topo: Topology, facts: dict) -> None:
-    d = run_dir / "ranks"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / f"rank{topo.rank}.json").write_text(json.dumps(facts, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------------- services
@@ -412,12 +301,16 @@ class Services:
     memory_plan: MemoryPlan               # the run's memory plan (choose_strategy's): banner lines, plan/*
     checkpointer: Checkpointer
     state: TrainState                     # where training starts: restored or fresh
+    evaluator: Evaluator                  # the validation split's metrics
+    features: list                        # the run's features (train/training/features.py), restored too
 
 
 def start_services(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed, model: Model,
-                   record: dict) -> Services:
-    """Loggers, the memory plan, the checkpointer, and the state the run starts from: a resumed
-    checkpoint (checkpoint.resume) or initial weights (model.init_from) are restored here."""
+                   prepared: Prepared, record: dict) -> Services:
+    """Loggers, the memory plan, the checkpointer, the evaluator, the run's features (registered
+    with the checkpointer), and the state the run starts from: a resumed checkpoint
+    (checkpoint.resume) or initial weights (model.init_from) are restored here, features
+    included."""
     acc, strategy, topo, workload = dist.acc, dist.strategy, dist.topo, model.workload
     loggers = trackers.jsonl(acc, cfg, rt.run_dir)
     # The banner's "model states" and "memory" lines; the plan is compared with mem/* at step 2.
@@ -427,13 +320,22 @@ def start_services(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed
     checkpointer = Checkpointer(cfg=ckpt_cfg, run_dir=rt.run_dir, rank=topo.rank, world=topo.world_size,
                                 strategy=strategy, workload=workload, sampler=data.sampler, batch=rt.batch,
                                 model_name=cfg.model.name, log=loggers.log, resolved_config=record)
+    evaluator = Evaluator(cfg=cfg, acc=acc, model=strategy.engine, workload=workload, data=data.bundle,
+                          val_loader=prepared.val_loader, seq_parallel=dist.sp,
+                          cast=functools.partial(cast_floats, dtype=strategy.input_dtype()))
+    features = build_features(FeatureServices(cfg=cfg, holder=checkpointer.holder, evaluator=evaluator,
+                                              is_main=acc.is_main_process))
+    for f in features:
+        if hasattr(f, "state_dict"):
+            checkpointer.register(f.name, f)
     state = _restore(checkpointer, cfg, rt.resume)
     if rt.elastic is not None:
         state.wandb_run_id = rt.elastic.run_id_for(state.wandb_run_id)
         rt.elastic.started(state, rt.batch, checkpointer.resumed_from)
     if data.bundle.stream is not None:
         data.bundle.stream.resume_from(state.data_cursor)  # restart reading there, not at the stream's start
-    return Services(loggers=loggers, memory_plan=memory_plan, checkpointer=checkpointer, state=state)
+    return Services(loggers=loggers, memory_plan=memory_plan, checkpointer=checkpointer, state=state,
+                    evaluator=evaluator, features=features)
 
 
 def _restore(ckpt: Checkpointer, cfg: RunConfig, resume: str) -> TrainState:

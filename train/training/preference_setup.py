@@ -1,0 +1,60 @@
+"""train.objective dpo at build time: the objective and its reference (models/preference.py), and
+the precomputed reference log-probs attached to the data (train/data/reference.py).
+
+The reference of sigmoid and ipo is precomputed (train.dpo.reference precomputed: read with the
+data, no copy of the model), the model with its adapters off (model.lora), or a frozen copy of the
+initial model; simpo needs none.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from zerotrain.train.config import RunConfig
+from zerotrain.train.errors import ConfigError
+
+if TYPE_CHECKING:
+    from zerotrain.models.spec import ModelSpec
+    from zerotrain.models.workload import Workload
+    from zerotrain.train.data.bundle import DataBundle
+    from zerotrain.train.strategy import Strategy
+
+
+def reference_identity(cfg: RunConfig, spec: ModelSpec, seq_len: int, bundle: DataBundle, source: Path) -> dict:
+    """What the precomputed reference log-probs of `source` depend on (train/data/reference.py):
+    train.seed only where it fixes the starting weights (not an hf: model's)."""
+    from zerotrain.train.data import reference
+    return reference.identity(source, bundle.extra["tokenizer_sha256"], bundle.extra["chat_template"], seq_len,
+                              cfg.model.name, cfg.train.seed if spec.family != "hf" else 0)
+
+
+def attach_reference(cfg: RunConfig, spec: ModelSpec, seq_len: int, bundle: DataBundle) -> None:
+    """train.dpo.reference precomputed: every pair (training and validation) gets its reference
+    log-probs from the file beside its JSONL file, checked against this run (one line if stale)."""
+    from zerotrain.train.data import reference
+    for pairs in (bundle.train, bundle.val):
+        if pairs is not None:
+            want = reference_identity(cfg, spec, seq_len, bundle, pairs.source)
+            pairs.attach_reference(*reference.load(pairs.source, want, pairs.lines))
+
+
+def preference(cfg: RunConfig, workload: Workload, strategy: Strategy, device):
+    """train.objective dpo's objective and its live reference (models/preference.py): under
+    model.lora the model with its adapters off, else a frozen copy of the initial model."""
+    from zerotrain.models.preference import Preference, frozen_copy
+    d, lora = cfg.train.dpo, workload.lora is not None
+    reference = None
+    if d.loss != "simpo" and d.reference == "precomputed":  # read with the data (load_data): no copy
+        return Preference(d.loss, d.beta, d.gamma, precomputed=True)
+    if d.loss != "simpo" and not lora:
+        if strategy.partitions_parameters:
+            raise ConfigError(f"train.dpo.loss {d.loss} needs a reference model; under ZeRO-3 full fine-tuning has no "
+                              f"frozen copy (its parameters are partitioned): add model.lora (the reference is then "
+                              f"the base, adapters off), use ZeRO-0/1/2 or DDP, or train.dpo.loss simpo")
+        if cfg.model.init_from:
+            raise ConfigError("train.dpo: the reference of full fine-tuning is a copy of the model as built, before "
+                              "model.init_from is loaded; export those weights as an hf: directory and name it in "
+                              "model.name, or add model.lora")
+        reference = frozen_copy(workload.model).to(device)
+    return Preference(d.loss, d.beta, d.gamma, reference=reference, lora=lora)
