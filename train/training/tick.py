@@ -128,7 +128,9 @@ class LoopControl:
             values[at] = float(id(c) in self.requested)
             if width:
                 values[at + 1:at + 1 + width] = c.vote()
-        self._local, self.requested = {**self._local, **self.requested}, {}
+        if self.requested:
+            self._local.update(self.requested)
+            self.requested = {}
         return values
 
     def agree(self, step: int, out, state: TrainState) -> Tick:
@@ -185,8 +187,9 @@ class StopRequested:
 
 class StopVote:
     """Every rank agrees on a vector of numbers (each rank's cast, summed) without a blocking
-    collective per step (BENCHMARKS.md "Stop vote"): each step starts an async all-reduce of this
-    rank's vector and reads the one started a step earlier, long finished in the background; so
+    collective per step (its cost: BENCHMARKS.md "Trainer overhead against the independent
+    baseline"): each step starts an async all-reduce of this rank's vector and reads the one
+    started a step earlier, long finished in the background; so
     all ranks see the same sums at the same step, one step after they were cast. The vector is a
     CPU tensor on a gloo group (the default group under gloo, a side group under NCCL): reading it
     never waits for the accelerator, and gloo's wait() returns at once for a reduction finished a
@@ -200,7 +203,7 @@ class StopVote:
         if self.dist and torch.distributed.get_backend() != "gloo":
             self.group = torch.distributed.new_group(backend="gloo")  # collective: every rank builds its StopVote
         self.buffers = [torch.zeros(width), torch.zeros(width)]  # one in flight, one being filled
-        self.views = [b.numpy() for b in self.buffers]    # filled through numpy: ~0.3 us, torch indexing ~10
+        self.views = [b.numpy() for b in self.buffers]    # filled through numpy: cheaper than torch indexing
         self.turn = 0
         self.pending = None  # (work, tensor) of the previous step
 
