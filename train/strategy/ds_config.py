@@ -315,10 +315,8 @@ def load_ds_setup(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda:
     _match_batch(path, ds, cfg, batch)
     _check_optimizer(path, ds, cfg.optim)
     _check_scheduler(path, ds, cfg.optim, max_steps)
-    if "ddp" in ds:
-        setup = _ddp_setup(path, ds, precision)
-    else:
-        setup = _deepspeed_setup(path, ds, precision, hidden_size, sizes_later)
+    import zerotrain.train.strategy.registry as registry
+    setup = registry.for_json(ds).setup(path, ds, precision, hidden_size, sizes_later)
     setup.precision_why = why
     return setup
 
@@ -381,8 +379,9 @@ def _check_scheduler(path, ds: dict, o, max_steps: int):
                                             "warmup_min_lr": (0.0, "warmup start (0)")})
 
 
-def _ddp_setup(path, ds: dict, precision: str) -> DSSetup:
-    """A "ddp" file: plain DDP with the block's options (and no DeepSpeed key)."""
+def ddp_setup(path, ds: dict, precision: str, hidden_size: int | None = None, sizes_later: bool = False) -> DSSetup:
+    """A "ddp" file: plain DDP with the block's options (and no DeepSpeed key). `hidden_size` and
+    `sizes_later` are the registry's setup arguments (DDP has no "auto" sizes)."""
     stray = [k for k in DEEPSPEED_ONLY if k in ds]
     if stray:
         raise ConfigError(f'{path}: a "ddp" file (plain DDP) cannot also set {", ".join(stray)}; '
@@ -399,7 +398,7 @@ def _ddp_setup(path, ds: dict, precision: str) -> DSSetup:
                    grad_scaler=grad_scaler_args(path, ds["fp16"]) if precision == "fp16" else None)
 
 
-def _deepspeed_setup(path, ds: dict, precision: str, hidden_size: int | None, sizes_later: bool) -> DSSetup:
+def deepspeed_setup(path, ds: dict, precision: str, hidden_size: int | None, sizes_later: bool) -> DSSetup:
     """A "zero_optimization" file (or neither block: ZeRO-0): checked, its "auto" sizes filled."""
     zero = _zero_block(path, ds)
     stage = zero.get("stage", 0)

@@ -8,11 +8,15 @@ from typing import Optional
 
 import torch
 
+import zerotrain.train.strategy.cost as cost
+import zerotrain.train.strategy.ds_config as ds_config
 import zerotrain.train.strategy.internals as internals
+import zerotrain.train.strategy.registry as registry
 from zerotrain.train import testhooks
 from zerotrain.train.errors import ConfigError
 from zerotrain.train.optim import loss_scale
 from zerotrain.train.strategy.base import Strategy
+from zerotrain.train.strategy.option import Option
 
 
 class ZeroStrategy(Strategy):
@@ -157,3 +161,52 @@ class ZeroStrategy(Strategy):
     @property
     def malloc_key(self):
         return self.stage
+
+
+# ------------------------------------------------------------------ the registry entry
+def _option(label: str, path, precision: str, ds: dict, width=None) -> Option:
+    """A DeepSpeed file as the planner prices it: its ZeRO block, sized as a run sizes it."""
+    return _zero_option(label, path, precision, dict(ds.get("zero_optimization") or {"stage": 0}),
+                        ds.get("data_types"), width)
+
+
+def _default_option(label: str, fname: str, precision: str) -> Option:
+    """DeepSpeed's defaults for a shipped file's name (zero2.json, zero3_offload.json, ...)."""
+    stage = int(fname[4])
+    zero = {"stage": stage}
+    if "offload" in fname:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
+    return _zero_option(label, None, precision, zero)
+
+
+def _zero_option(label, path, precision, zero, data_types=None, width=None) -> Option:
+    def on(block):
+        return (zero.get(block) or {}).get("device") not in (None, "none")
+    notes = []
+    ds_config.add_companion_sizes(zero)  # as train/strategy/ds_config.py sizes them for a run
+    for k, v in list(zero.items()):
+        if isinstance(v, str) and v.lower() == "auto":
+            if width and k in ds_config.AUTO_SIZES:
+                zero[k] = ds_config.AUTO_SIZES[k](width)   # what train/strategy/ds_config.py fills for this model
+            else:
+                zero.pop(k)                      # no width known: DeepSpeed's default stands in
+                notes.append('"auto" ZeRO sizes need the model width: DeepSpeed\'s defaults shown '
+                             '(5e8-element buckets; a run sizes them from its model)')
+    stage = int(zero.get("stage", 0))
+    accum = (data_types or {}).get("grad_accum_dtype")
+    # train/strategy/ds_config.py fills fp32 accumulation for bf16 from stage 1 when the JSON is silent.
+    fp32_accum = (ds_config.ACCUM_DTYPES.get(str(accum).lower()) == "fp32") if accum else (precision == "bf16" and stage >= 1)
+    return Option(label, path, "deepspeed", stage, precision, on("offload_optimizer"), on("offload_param"), zero,
+                  grad_accum_fp32=fp32_accum and precision != "fp32", notes=tuple(dict.fromkeys(notes)))
+
+
+# Fastest first, with DDP's (ddp.py): more communication than DDP, then PCIe traffic.
+registry.register(registry.Backend(
+    name="deepspeed", block="zero_optimization", strategy=ZeroStrategy, setup=ds_config.deepspeed_setup,
+    option=_option, default_option=_default_option, cost=cost.zero, startup=cost.DEEPSPEED_STARTUP, default=True,
+    options=(registry.PlannerOption(1, "ZeRO-1", "zero1.json"), registry.PlannerOption(2, "ZeRO-2", "zero2.json"),
+             registry.PlannerOption(3, "ZeRO-3", "zero3.json"),
+             registry.PlannerOption(4, "ZeRO-2 + opt offload", "zero2_offload.json"),
+             registry.PlannerOption(5, "ZeRO-3 + param/opt offload", "zero3_offload.json"))))
