@@ -160,7 +160,7 @@ def test_partitions_of_zero3(engines):
 # ---------------------------------------------------------------------------- the memory probe
 
 def test_memory_probe_finds_what_each_class_keeps(engines):
-    """train/observe/memory.py's measure() asks each ZeRO optimizer for what it keeps: every name it
+    """train/strategy/state_bytes.py's measure() asks each ZeRO optimizer for what it keeps: every name it
     lists is found on the class that keeps it (the others: offload, fp16 and BF16_Optimizer, which
     a CPU cannot build)."""
     found = {name: {n for n in (*ds.PARAM_FLATS, ds.LP_PARTITIONS, *ds.GRAD_STORES, ds.GRAD_PARTITION_BUFFER,

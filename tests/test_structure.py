@@ -1,5 +1,6 @@
-"""The code's shape, enforced: no import cycles, dependencies that point down the layers, and
-models/ independent of train/ (it imports nothing from it).
+"""The code's shape, enforced: no import cycles, dependencies that point down the layers,
+models/ independent of train/ (it imports nothing from it), and no backend library imported on
+the training path outside train/strategy/ (the import rule).
 
 Reads every module under train/ and models/ with `ast` (nothing is imported) and builds the
 graph of their imports of each other, in-function imports included (an import deferred into a
@@ -236,3 +237,59 @@ def test_the_backend_test_count_sees_code_not_text(tmp_path):
     f.write_text('x = "is_deepspeed"  # is_zero3\nif ds.stage == 3:  # backend-test: a reason\n    pass\n'
                  'y = ds.is_deepspeed\n')
     assert [(n, ok) for n, _, ok in _backend_tests(f)] == [(2, True), (4, False)]
+
+
+# The training path outside train/strategy/ imports no backend library and not the strategy's
+# private-attribute module: a backend is its strategy (its registry entry, its hooks), so adding one
+# touches train/strategy/ only. Imports inside functions count, and so do importlib.import_module /
+# __import__ calls naming one. Tools about DeepSpeed itself (the importer of its checkpoints, the
+# op prebuild command: train/commands/, not on the training path) may.
+BACKEND_MODULES = ("deepspeed", "torch.distributed.fsdp", "zerotrain.train.strategy.internals")
+TRAINING_PATH = ("zerotrain.train.training", "zerotrain.train.plan", "zerotrain.train.observe", "zerotrain.train.launch",
+                 "zerotrain.train.optim", "zerotrain.train.data", "zerotrain.train.checkpoint", "zerotrain.models")
+MAY_IMPORT_BACKENDS = {"zerotrain.train.checkpoint.importer"}  # reads DeepSpeed's own checkpoints
+
+
+def _backend_imports(path: Path) -> list[str]:
+    """`line: module` for each import (statement or call) of a BACKEND_MODULES module, or of one
+    inside it, in `path`."""
+    def forbidden(name: str) -> bool:
+        return any(name == m or name.startswith(m + ".") for m in BACKEND_MODULES)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]  # `from torch.distributed import fsdp`
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if func in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                names = [node.args[0].value]
+        hits = [n for n in names if forbidden(n)]
+        if hits:
+            found.append(f"{node.lineno}: {hits[0]}")
+    return found
+
+
+def test_the_training_path_outside_the_strategy_imports_no_backend():
+    bad = {name: found for name, path in sorted(_modules().items())
+           if name.startswith(TRAINING_PATH) and name not in MAY_IMPORT_BACKENDS and (found := _backend_imports(path))}
+    assert not bad, f"ask the Strategy (or a hook it gives), never the backend's library: {bad}"
+
+
+def test_the_import_rule_fails_on_a_planted_import(tmp_path):
+    """A copy of a train/training module with `import deepspeed` planted in one of its functions,
+    and the other forms the rule sees, each fails it; the module as it is passes."""
+    source = (REPO / "train" / "training" / "assembly.py").read_text()
+    assert _backend_imports(REPO / "train" / "training" / "assembly.py") == []
+    plants = {"def build_model(": "    import deepspeed\n",
+              "def prepare(": "    from torch.distributed.fsdp import fully_shard\n",
+              "def build_model(cfg": "    import importlib; importlib.import_module('deepspeed.utils')\n",
+              "def prepare(rt": "    from zerotrain.train.strategy import internals\n"}
+    for anchor, line in plants.items():
+        start = source.index(anchor)
+        body = source.index('"""', source.index('"""', start) + 3) + 3   # after the docstring
+        planted = tmp_path / "assembly.py"
+        planted.write_text(source[:body] + "\n" + line + source[body:])
+        assert len(_backend_imports(planted)) == 1, line

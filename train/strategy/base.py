@@ -94,6 +94,12 @@ class Strategy:
     def build_accelerator(self, batch, timeout_s: int):
         raise NotImplementedError
 
+    def make_leaf_modules(self, model: torch.nn.Module, classes) -> bool:
+        """Makes the modules of `classes` (sparse-MoE blocks: models/moe.py MoEInfo) units the
+        backend gathers whole, before the engine hooks the model; True where it did. Only a
+        backend that partitions parameters has anything to do."""
+        return False
+
     def init_context(self):
         """A zero-argument callable giving the context the model is constructed in."""
         return contextlib.nullcontext
@@ -179,6 +185,12 @@ class Strategy:
     def step_target(self):
         """The optimizer object whose step() the memory probe hooks."""
         return self.raw_optimizer
+
+    def measure_model_states(self, model, raw_optimizer):
+        """The model-state bytes this rank holds now (train/observe/memory.py ModelStateBytes):
+        the memory probe's measurement. state_bytes.py reads every engine DDP and DeepSpeed give."""
+        from zerotrain.train.strategy.state_bytes import measure
+        return measure(model, raw_optimizer)
 
     @property
     def malloc_key(self):

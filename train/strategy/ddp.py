@@ -8,10 +8,10 @@ import torch
 
 import zerotrain.train.strategy.cost as cost
 import zerotrain.train.strategy.ds_config as ds_config
+import zerotrain.train.strategy.loss_scale as loss_scale
 import zerotrain.train.strategy.registry as registry
 from zerotrain.train import testhooks
 from zerotrain.train.errors import ConfigError
-from zerotrain.train.optim import loss_scale
 from zerotrain.train.strategy.base import Strategy
 from zerotrain.train.strategy.option import DDP_BUCKET_CAP_MB, Option
 

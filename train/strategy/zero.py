@@ -11,10 +11,11 @@ import torch
 import zerotrain.train.strategy.cost as cost
 import zerotrain.train.strategy.ds_config as ds_config
 import zerotrain.train.strategy.internals as internals
+import zerotrain.train.strategy.loss_scale as loss_scale
 import zerotrain.train.strategy.registry as registry
+from zerotrain.models.partitioned import PartitionedInit
 from zerotrain.train import testhooks
 from zerotrain.train.errors import ConfigError
-from zerotrain.train.optim import loss_scale
 from zerotrain.train.strategy.base import Strategy
 from zerotrain.train.strategy.option import Option
 
@@ -55,18 +56,31 @@ class ZeroStrategy(Strategy):
         plugin = DeepSpeedPlugin(hf_ds_config=self.ds.resolved, zero3_init_flag=self.partitions_parameters)
         return build_accelerator(self.ds.accelerate_mixed_precision, batch, timeout_s, deepspeed_plugin=plugin)
 
+    def make_leaf_modules(self, model, classes) -> bool:
+        """ZeRO-3 leaf modules (deepspeed.utils.set_z3_leaf_modules): a block's parameters are
+        gathered as one unit when it starts, so ranks whose tokens reach different experts still
+        issue the same collectives (models/moe.py)."""
+        if not self.partitions_parameters:
+            return False
+        from deepspeed.utils import set_z3_leaf_modules
+        set_z3_leaf_modules(model, list(classes))
+        return True
+
     def init_context(self):
         """Build the model already partitioned under ZeRO-3 (a model larger than one device's
         memory never exists whole); an ordinary construction otherwise."""
         if not self.partitions_parameters:
             return super().init_context()
-        import deepspeed  # deferred: a DDP run never imports DeepSpeed (start-up time)
-        return lambda: deepspeed.zero.Init(config_dict_or_path=self.ds.resolved)
+        return ZeroInit(self.ds.resolved)
 
     def build_optimizer(self, model, optim_cfg):
-        from zerotrain.train.optim.optimizer import adamw, cpu_adamw
+        from zerotrain.train.optim.optimizer import adamw, groups_and_args
         if self.ds.offload_optimizer:
-            return cpu_adamw(model, optim_cfg)
+            # DeepSpeedCPUAdam in AdamW mode, the optimizer ZeRO offload steps on the host, over
+            # the same groups and arguments. It JIT-builds once (`make ops` ahead: docs/machine_notes.md).
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            groups, kw = groups_and_args(model, optim_cfg)
+            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
         return adamw(model, optim_cfg, fused=None)  # DeepSpeed steps its own flat partitions: torch's default
 
     def after_prepare(self, workload) -> dict:
@@ -161,6 +175,29 @@ class ZeroStrategy(Strategy):
     @property
     def malloc_key(self):
         return self.stage
+
+
+class ZeroInit(PartitionedInit):
+    """ZeRO-3's construction for the model builders (models/partitioned.py): deepspeed.zero.Init
+    with the run's resolved JSON, DeepSpeed's gather, its parameters' status."""
+
+    def __init__(self, config: dict):
+        self.config = config
+
+    def __call__(self):
+        import deepspeed  # deferred: a DDP run never imports DeepSpeed (start-up time)
+        return deepspeed.zero.Init(config_dict_or_path=self.config)
+
+    def partitioned(self, params) -> list:
+        return [p for p in params if hasattr(p, "ds_id")]
+
+    def needs_gather(self, tensor) -> bool:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        return getattr(tensor, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE
+
+    def gathered(self, params, modifier_rank=None):
+        import deepspeed
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
 
 
 # ------------------------------------------------------------------ the registry entry
