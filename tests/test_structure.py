@@ -29,7 +29,7 @@ LAYERS = [
     ("strategy", ("zerotrain.train.strategy",)),
     ("components", ("zerotrain.train.checkpoint", "zerotrain.train.observe", "zerotrain.train.launch", "zerotrain.train.data", "zerotrain.train.optim",
                     "zerotrain.models")),
-    ("config", ("zerotrain.train.config", "zerotrain.train.strategy.ds_config", "zerotrain.train.strategy.internals", "zerotrain.train.strategy.registry", "zerotrain.train.errors", "zerotrain.train.paths",
+    ("config", ("zerotrain.train.config", "zerotrain.train.strategy.ds_config", "zerotrain.train.strategy.internals", "zerotrain.train.strategy.registry", "zerotrain.train.strategy.precision", "zerotrain.train.errors", "zerotrain.train.paths",
                 "zerotrain.train.cli_args", "zerotrain.models.config", "zerotrain.models.errors", "zerotrain.train.testhooks", "zerotrain.train.process_group")),
 ]
 

@@ -91,6 +91,10 @@ class Strategy:
             return family == "vision" and cuda
         return bool(want)
 
+    def check_frozen_copy(self, what: str) -> None:
+        """Refuses `what` (DPO's reference of full fine-tuning) where the backend cannot copy the
+        model whole and frozen."""
+
     def build_accelerator(self, batch, timeout_s: int):
         raise NotImplementedError
 
@@ -193,8 +197,11 @@ class Strategy:
         return measure(model, raw_optimizer)
 
     @property
-    def malloc_key(self):
-        """The key of this backend in train/launch/host_settings.py's measured tables."""
+    def malloc_figures(self) -> tuple[float, float]:
+        """(glibc growth, compact cost) of this backend on a CPU, what train/launch/host_settings.py
+        decides with: a rank's peak with glibc's default malloc over its peak with compact malloc,
+        and compact malloc's step time over glibc's (measured: BENCHMARKS.md "Host allocator on
+        CPU", fp32, 2 ranks, huge pages off)."""
         raise NotImplementedError
 
 

@@ -15,6 +15,9 @@ from zerotrain.train.errors import ConfigError
 from zerotrain.train.strategy.base import Strategy
 from zerotrain.train.strategy.option import DDP_BUCKET_CAP_MB, Option
 
+# Strategy.malloc_figures, from the cgroup peaks of BENCHMARKS.md "Host allocator on CPU".
+GLIBC_GROWTH, COMPACT_COST = 1.02, 1.01
+
 
 class DDPStrategy(Strategy):
     backend = "ddp"
@@ -87,8 +90,8 @@ class DDPStrategy(Strategy):
         return ReplicaHolder(raw_model, self.raw_optimizer, rank, world)
 
     @property
-    def malloc_key(self):
-        return "ddp"
+    def malloc_figures(self) -> tuple[float, float]:
+        return GLIBC_GROWTH, COMPACT_COST
 
 
 # ------------------------------------------------------------------ the registry entry

@@ -62,7 +62,8 @@ class Option:
         hidden size) fills the JSON's "auto" sizes as a run would. The backend whose block the
         file holds reads it (train/strategy/registry.py)."""
         import zerotrain.train.strategy.registry as registry
-        from zerotrain.train.strategy.ds_config import precision_of, read_ds_json
+        from zerotrain.train.strategy.ds_config import read_ds_json
+        from zerotrain.train.strategy.precision import precision_of
         ds = read_ds_json(path)
         prec = precision or precision_of(path, ds)
         return registry.for_json(ds).option(label, str(path), prec, ds, width)

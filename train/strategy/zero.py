@@ -19,6 +19,11 @@ from zerotrain.train.errors import ConfigError
 from zerotrain.train.strategy.base import Strategy
 from zerotrain.train.strategy.option import Option
 
+# Strategy.malloc_figures by stage, from the cgroup peaks of BENCHMARKS.md "Host allocator on CPU".
+# ZeRO-0/1 hold the same flat buffers as ZeRO-2.
+GLIBC_GROWTH = {0: 1.05, 1: 1.05, 2: 1.05, 3: 1.50}
+COMPACT_COST = {0: 0.11, 1: 0.11, 2: 0.11, 3: 0.62}
+
 
 class ZeroStrategy(Strategy):
     backend = "deepspeed"
@@ -48,6 +53,12 @@ class ZeroStrategy(Strategy):
                               f"contiguous buffers, which undoes the channels-last layout; use ds_configs/ddp.json "
                               f"or remove it")
         return False
+
+    def check_frozen_copy(self, what: str) -> None:
+        if self.partitions_parameters:
+            raise ConfigError(f"{what} needs a reference model; under ZeRO-3 full fine-tuning has no "
+                              f"frozen copy (its parameters are partitioned): add model.lora (the reference is then "
+                              f"the base, adapters off), use ZeRO-0/1/2 or DDP, or train.dpo.loss simpo")
 
     def build_accelerator(self, batch, timeout_s: int):
         from accelerate.utils import DeepSpeedPlugin
@@ -173,8 +184,8 @@ class ZeroStrategy(Strategy):
         return self.engine.optimizer
 
     @property
-    def malloc_key(self):
-        return self.stage
+    def malloc_figures(self) -> tuple[float, float]:
+        return GLIBC_GROWTH[self.stage], COMPACT_COST[self.stage]
 
 
 class ZeroInit(PartitionedInit):
