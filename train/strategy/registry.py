@@ -91,7 +91,8 @@ def get(name: str) -> Backend:
 
 
 def for_json(ds: dict) -> Backend:
-    """The backend whose block the strategy JSON `ds` holds (the default one when none)."""
+    """The backend whose block the strategy JSON `ds` holds (the default one when none; the first
+    registered when it holds two: DDP's parser refuses DeepSpeed's keys in its file itself)."""
     owners = [b for b in _BACKENDS.values() if b.block in ds]
     if owners:
         return owners[0]
