@@ -61,6 +61,16 @@ def _params(engine):
     return list(engine.module.parameters())
 
 
+# ---------------------------------------------------------------------------- communication
+
+def test_the_shm_all_reduce_probe_reads_an_attribute_deepspeeds_comm_backend_has(engines):
+    """train/launch/shm_buffers.py releases DeepSpeed's /dev/shm buffers where ZeroStrategy says the
+    op was set up (shm_comm_in_use): the attribute it reads must exist."""
+    import deepspeed.comm.comm as ds_comm
+    assert "shm_comm_op" in vars(ds_comm.cdb)
+    assert ds.shm_comm_in_use() == (ds_comm.cdb.shm_comm_op is not None)
+
+
 # ---------------------------------------------------------------------------- the engine
 
 @pytest.mark.parametrize("name", list(ENGINES))

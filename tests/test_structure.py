@@ -242,7 +242,8 @@ def test_the_backend_test_count_sees_code_not_text(tmp_path):
 # The training path outside train/strategy/ imports no backend library and not the strategy's
 # private-attribute module: a backend is its strategy (its registry entry, its hooks), so adding one
 # touches train/strategy/ only. Imports inside functions count, and so do importlib.import_module /
-# __import__ calls naming one. Tools about DeepSpeed itself (the importer of its checkpoints, the
+# __import__ calls naming one and lookups in sys.modules (reading a module someone else loaded).
+# Tools about DeepSpeed itself (the importer of its checkpoints, the
 # op prebuild command: train/commands/, not on the training path) may.
 BACKEND_MODULES = ("deepspeed", "torch.distributed.fsdp", "zerotrain.train.strategy.internals")
 TRAINING_PATH = ("zerotrain.train.training", "zerotrain.train.plan", "zerotrain.train.observe", "zerotrain.train.launch",
@@ -250,9 +251,30 @@ TRAINING_PATH = ("zerotrain.train.training", "zerotrain.train.plan", "zerotrain.
 MAY_IMPORT_BACKENDS = {"zerotrain.train.checkpoint.importer"}  # reads DeepSpeed's own checkpoints
 
 
+def _is_sys_modules(node) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "modules" and isinstance(node.value, ast.Name)
+            and node.value.id == "sys")
+
+
+def _named_module(node) -> str | None:
+    """The module a node imports by name without an import statement: importlib.import_module("m"),
+    __import__("m"), sys.modules["m"], sys.modules.get("m"), "m" in sys.modules."""
+    def text(n):
+        return n.value if isinstance(n, ast.Constant) and isinstance(n.value, str) else None
+    if isinstance(node, ast.Call) and node.args:
+        func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if func in ("import_module", "__import__") or (func == "get" and _is_sys_modules(node.func.value)):
+            return text(node.args[0])
+    if isinstance(node, ast.Subscript) and _is_sys_modules(node.value):
+        return text(node.slice)
+    if isinstance(node, ast.Compare) and any(_is_sys_modules(c) for c in node.comparators):
+        return text(node.left)
+    return None
+
+
 def _backend_imports(path: Path) -> list[str]:
-    """`line: module` for each import (statement or call) of a BACKEND_MODULES module, or of one
-    inside it, in `path`."""
+    """`line: module` for each import (statement, call or sys.modules lookup) of a
+    BACKEND_MODULES module, or of one inside it, in `path`."""
     def forbidden(name: str) -> bool:
         return any(name == m or name.startswith(m + ".") for m in BACKEND_MODULES)
     found = []
@@ -262,10 +284,8 @@ def _backend_imports(path: Path) -> list[str]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]  # `from torch.distributed import fsdp`
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
-            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            if func in ("import_module", "__import__") and isinstance(node.args[0].value, str):
-                names = [node.args[0].value]
+        elif _named_module(node):
+            names = [_named_module(node)]
         hits = [n for n in names if forbidden(n)]
         if hits:
             found.append(f"{node.lineno}: {hits[0]}")
@@ -286,7 +306,9 @@ def test_the_import_rule_fails_on_a_planted_import(tmp_path):
     plants = {"def build_model(": "    import deepspeed\n",
               "def prepare(": "    from torch.distributed.fsdp import fully_shard\n",
               "def build_model(cfg": "    import importlib; importlib.import_module('deepspeed.utils')\n",
-              "def prepare(rt": "    from zerotrain.train.strategy import internals\n"}
+              "def prepare(rt": "    from zerotrain.train.strategy import internals\n",
+              "def build_model(cfg: RunConfig": "    import sys; sys.modules['deepspeed.comm.comm'].cdb\n",
+              "def prepare(rt: Runtime": "    import sys; 'deepspeed.comm.comm' in sys.modules\n"}
     for anchor, line in plants.items():
         start = source.index(anchor)
         body = source.index('"""', source.index('"""', start) + 3) + 3   # after the docstring

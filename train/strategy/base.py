@@ -186,6 +186,12 @@ class Strategy:
         """The object that reads and writes this rank's parameters and optimizer moments."""
         raise NotImplementedError
 
+    def uses_shm_buffers(self) -> bool:
+        """Has this backend's communication mapped the /dev/shm buffers that
+        train/launch/shm_buffers.py releases (DeepSpeed's CPU all-reduce)? Asked once the engine
+        exists."""
+        return False
+
     def step_target(self):
         """The optimizer object whose step() the memory probe hooks."""
         return self.raw_optimizer

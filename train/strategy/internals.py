@@ -62,6 +62,17 @@ def _call(obj, name: str, *args):
     return _get(obj, name)(*args)
 
 
+# ---------------------------------------------------------------------------- communication
+
+def shm_comm_in_use() -> bool:
+    """Has DeepSpeed's CPU shared-memory all-reduce been set up in this process (its comm
+    backend's `shm_comm_op`, deepspeed/comm/torch.py)? A probe: False where DeepSpeed's comm was
+    never imported or initialised."""
+    import sys
+    ds_comm = sys.modules.get("deepspeed.comm.comm")
+    return ds_comm is not None and getattr(ds_comm.cdb, "shm_comm_op", None) is not None
+
+
 # ---------------------------------------------------------------------------- the engine
 
 # DeepSpeedEngine's step counters a checkpoint keeps (engine.global_steps, ...).

@@ -180,6 +180,9 @@ class ZeroStrategy(Strategy):
             return Zero3Holder(raw_model, opt, rank, world)
         return for_zero12(raw_model, opt, rank, world)
 
+    def uses_shm_buffers(self) -> bool:
+        return internals.shm_comm_in_use()
+
     def step_target(self):
         return self.engine.optimizer
 

@@ -277,7 +277,8 @@ def prepare(rt: Runtime, dist: Distributed, model: Model, loaders: Loaders) -> P
     train_loader, *val = strategy.prepare(dist.acc, workload.model, model.raw_optimizer, *loader_list)
     # The engine exists, so DeepSpeed's CPU shm all-reduce (if used) is set up on every rank:
     # each rank unlinks its /dev/shm buffer's name now (train/launch/shm_buffers.py).
-    released = shm_buffers.release_own_buffer(topo.rank, topo.world_size, barrier=torch.distributed.barrier)
+    released = shm_buffers.release_own_buffer(topo.rank, topo.world_size, strategy.uses_shm_buffers(),
+                                              barrier=torch.distributed.barrier)
     facts = dist.rank_facts
     if released is not None:
         facts["shm_buffer_released"] = str(released)
