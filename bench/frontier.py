@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memcap  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from zerotrain.train.launch.host_settings import GLIBC_GROWTH  # noqa: E402
+from zerotrain.train.strategy import ddp, zero  # noqa: E402
 from stages import BIN, REPO, free_port, machine, peaks  # noqa: E402
 
 OPTIONS = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
@@ -127,9 +127,9 @@ def outcome(run: dict) -> str:
     return f"failed (exit {run['rc']})"
 
 
-def _strategy_key(option: str):
-    """host_settings' key of a shipped option: "ddp" or the ZeRO stage."""
-    return "ddp" if option == "ddp" else int(option[4])
+def _glibc_growth(option: str) -> float:
+    """The glibc growth (Strategy.malloc_figures) of a shipped option: DDP's or its ZeRO stage's."""
+    return ddp.GLIBC_GROWTH if option == "ddp" else zero.GLIBC_GROWTH[int(option[4])]
 
 
 def markdown(rows: list[dict], auto: dict, meta: dict) -> str:
@@ -146,7 +146,7 @@ def markdown(rows: list[dict], auto: dict, meta: dict) -> str:
         pred, meas = r["free"].get("planned_peak_bytes"), max(r["free"]["peak_bytes_per_rank"] or [0])
         malloc = r["free"].get("host_malloc") or "?"
         # glibc keeps freed blocks: the memory check's host settings scale the plan by its growth.
-        expect = pred * (GLIBC_GROWTH[_strategy_key(r["config"])] if malloc == "glibc" else 1.0) if pred else None
+        expect = pred * (_glibc_growth(r["config"]) if malloc == "glibc" else 1.0) if pred else None
         err = f"{(expect - meas) / meas:+.1%}" if expect and meas else "-"
         checked, capped = outcome(r["checked"]), outcome(r["capped"])
         lines.append(f"| {r['label']} | {pred / GiB:.3f} | {malloc}, {expect / GiB:.3f} | {meas / GiB:.3f} | {err} | "

@@ -7,11 +7,12 @@ set (an nn.ModuleList of >= 2 modules of one class, or a module holding 3-D para
 per expert). Qwen3-MoE, Mixtral, OLMoE and DeepSeek-style blocks are written so in transformers
 5.x; no class name is listed here.
 
-Under ZeRO-3 each block is made a DeepSpeed leaf module (deepspeed.utils.set_z3_leaf_modules,
-what Accelerate's transformer_moe_cls_names does): its parameters are gathered as one unit when
-the block starts, so ranks whose tokens reach different experts still issue the same
-collectives. The build decides whether to (`ZEROTRAIN_MOE_LEAF=0`, a test hook, switches it
-off: it lets a test show what happens without it).
+Under ZeRO-3 each block is made a DeepSpeed leaf module (the strategy's make_leaf_modules:
+deepspeed.utils.set_z3_leaf_modules, what Accelerate's transformer_moe_cls_names does): its
+parameters are gathered as one unit when the block starts, so ranks whose tokens reach
+different experts still issue the same collectives. The build decides whether to
+(`ZEROTRAIN_MOE_LEAF=0`, a test hook, switches it off: it lets a test show what happens without
+it).
 
 The loss (MoEStats.loss): the LM loss as models/workload.py computes it, plus
 coef x the model's own aux loss (transformers' load_balancing_loss_func over the micro-batch's
@@ -76,7 +77,7 @@ class MoEInfo:
     aux_coef: float                        # the router aux loss coefficient used (model config or run file)
     expert_params: int                     # parameters inside the experts of every block
     largest_block_params: int              # one block's parameters: gathered whole under ZeRO-3
-    leaf: bool = False                     # made ZeRO-3 leaf modules (set by make_leaf)
+    leaf: bool = False                     # made ZeRO-3 leaf modules (Strategy.make_leaf_modules)
 
     @property
     def active_params_delta(self) -> int:
@@ -116,13 +117,6 @@ def detect(model: nn.Module, config, aux_coef: Optional[float] = None) -> Option
     largest = max(sum(_numel(p) for p in m.parameters()) for m, _ in found)
     return MoEInfo(block_classes=classes, blocks=len(found), num_experts=n_exp, top_k=int(top_k),
                    aux_coef=coef, expert_params=expert_params, largest_block_params=largest)
-
-
-def make_leaf(model: nn.Module, info: MoEInfo) -> None:
-    """Mark every sparse block a ZeRO-3 leaf (before the engine registers its hooks)."""
-    from deepspeed.utils import set_z3_leaf_modules
-    set_z3_leaf_modules(model, list(info.block_classes))
-    info.leaf = True
 
 
 @dataclass

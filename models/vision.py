@@ -10,10 +10,11 @@ found generically by building the architecture twice on the meta device, so load
 Under ZeRO-3 the model is built inside deepspeed.zero.Init, which partitions each leaf
 module as soon as its own __init__ returns. Torchvision initialises weights *afterwards*
 in the parent's __init__ (`for m in self.modules(): nn.init.kaiming_normal_(m.weight)`),
-which on an already-partitioned (empty) tensor is a silent no-op. `_gathering_inits`
+which on an already-partitioned (empty) tensor is a silent no-op. `gathering_inits`
 makes each such nn.init call gather that one parameter, initialise it on rank 0 and
 re-partition it, so the partitioned model gets exactly the weights an ordinary build
-would (bit-identical for the same seed in fp32).
+would (bit-identical for the same seed in fp32). What it gathers with is the strategy's hook
+(models/partitioned.py): models/ imports no backend.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+
+from zerotrain.models.partitioned import PartitionedInit, hook_of
 
 from zerotrain.models.config import VisionModel
 from zerotrain.models.errors import CheckpointError, ConfigError
@@ -195,8 +198,9 @@ def match_weights(sd: dict, info: ArchInfo, path: Path, name: str) -> tuple[dict
     return use, [k for k in info.head if k not in use]
 
 
-def load_into(model: nn.Module, weights: dict[str, torch.Tensor]):
-    """Copy `weights` into a model that may be ZeRO-3 partitioned (one module at a time)."""
+def load_into(model: nn.Module, weights: dict[str, torch.Tensor], partition: Optional[PartitionedInit] = None):
+    """Copy `weights` into a model that may be ZeRO-3 partitioned (one module at a time; `partition`:
+    the strategy's hook, models/partitioned.py, when it is)."""
     import torch.distributed as dist
     for prefix, module in model.named_modules():
         prefix = f"{prefix}." if prefix else ""
@@ -206,10 +210,9 @@ def load_into(model: nn.Module, weights: dict[str, torch.Tensor]):
         params = [(n, p) for n, p in module.named_parameters(recurse=False) if prefix + n in weights]
         if not params:
             continue
-        partitioned = [p for _, p in params if hasattr(p, "ds_id")]
+        partitioned = partition.partitioned([p for _, p in params]) if partition is not None else []
         if partitioned:
-            import deepspeed
-            gather = deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0)
+            gather = partition.gathered(partitioned, modifier_rank=0)
         else:
             gather = contextlib.nullcontext()
         with gather, torch.no_grad():
@@ -220,32 +223,30 @@ def load_into(model: nn.Module, weights: dict[str, torch.Tensor]):
 
 # ----------------------------------------------------------------------------- ZeRO-3 construction
 
-def _is_partitioned(t) -> bool:
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-    return getattr(t, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE
-
-
-def _gathering(fn):
+def _gathering(fn, partition: PartitionedInit):
     @functools.wraps(fn)
     def init_whole(tensor, *args, **kwargs):
-        if not _is_partitioned(tensor):
+        if not partition.needs_gather(tensor):
             return fn(tensor, *args, **kwargs)
-        import deepspeed
         # Every rank runs `fn` (same RNG stream); rank 0's result is broadcast and re-partitioned.
-        with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
+        with partition.gathered([tensor], modifier_rank=0):
             fn(tensor, *args, **kwargs)
         return tensor
     return init_whole
 
 
 @contextlib.contextmanager
-def gathering_inits():
-    """Make torch.nn.init work on parameters that zero.Init already partitioned: in nn.init
-    itself and wherever torch.nn / torchvision imported the functions by name
-    (nn.MultiheadAttention does `from torch.nn.init import constant_`)."""
+def gathering_inits(partition: Optional[PartitionedInit]):
+    """Make torch.nn.init work on parameters that zero.Init already partitioned (`partition`: the
+    strategy's hook; None: nothing is partitioned, nothing to do): in nn.init itself and wherever
+    torch.nn / torchvision imported the functions by name (nn.MultiheadAttention does
+    `from torch.nn.init import constant_`)."""
+    if partition is None:
+        yield
+        return
     import sys
     originals = {id(getattr(nn.init, n)): getattr(nn.init, n) for n in _INIT_FUNCS if hasattr(nn.init, n)}
-    wrapped = {i: _gathering(fn) for i, fn in originals.items()}
+    wrapped = {i: _gathering(fn, partition) for i, fn in originals.items()}
     patched = []
     for mod_name, mod in list(sys.modules.items()):
         if mod is None or not (mod_name.startswith(("torch.nn", "torchvision"))):
@@ -312,13 +313,14 @@ def build_vision(cfg: VisionModel, data, init_context):
     elif cfg.freeze_backbone:
         raise ConfigError("model.freeze_backbone needs model.pretrained (a frozen random backbone learns nothing)")
 
-    with init_context(), gathering_inits():
+    partition = hook_of(init_context)
+    with init_context(), gathering_inits(partition):
         model = construct(name, num_classes, image_size)
     if init_context is not contextlib.nullcontext:
         # zero.Init made the BatchNorm statistics bf16; the file's (or fresh) fp32 values go in next.
             restore_buffers(model, reference_build(name, num_classes, image_size))
     if weights is not None:
-        load_into(model, weights)
+        load_into(model, weights, partition)
     if cfg.freeze_backbone:
         trainable = set(info.head)
         for n, p in model.named_parameters():

@@ -61,6 +61,16 @@ def _params(engine):
     return list(engine.module.parameters())
 
 
+# ---------------------------------------------------------------------------- communication
+
+def test_the_shm_all_reduce_probe_reads_an_attribute_deepspeeds_comm_backend_has(engines):
+    """train/launch/shm_buffers.py releases DeepSpeed's /dev/shm buffers where ZeroStrategy says the
+    op was set up (shm_comm_in_use): the attribute it reads must exist."""
+    import deepspeed.comm.comm as ds_comm
+    assert "shm_comm_op" in vars(ds_comm.cdb)
+    assert ds.shm_comm_in_use() == (ds_comm.cdb.shm_comm_op is not None)
+
+
 # ---------------------------------------------------------------------------- the engine
 
 @pytest.mark.parametrize("name", list(ENGINES))
@@ -160,7 +170,7 @@ def test_partitions_of_zero3(engines):
 # ---------------------------------------------------------------------------- the memory probe
 
 def test_memory_probe_finds_what_each_class_keeps(engines):
-    """train/observe/memory.py's measure() asks each ZeRO optimizer for what it keeps: every name it
+    """train/strategy/state_bytes.py's measure() asks each ZeRO optimizer for what it keeps: every name it
     lists is found on the class that keeps it (the others: offload, fp16 and BF16_Optimizer, which
     a CPU cannot build)."""
     found = {name: {n for n in (*ds.PARAM_FLATS, ds.LP_PARTITIONS, *ds.GRAD_STORES, ds.GRAD_PARTITION_BUFFER,

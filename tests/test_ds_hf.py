@@ -23,7 +23,8 @@ import pytest
 from helpers import REPO, TINY, run_train, train_losses
 from zerotrain.train.config import load_config
 from zerotrain.train.errors import ConfigError
-from zerotrain.train.strategy.ds_config import COMPANION_SIZES, load_ds_setup, resolve_precision
+from zerotrain.train.strategy.ds_config import COMPANION_SIZES, load_ds_setup
+from zerotrain.train.strategy.precision import resolve_precision
 
 HF_DIR = REPO / "tests" / "data" / "hf_deepspeed"
 SHIPPED = sorted((REPO / "ds_configs").glob("*.json"))

@@ -307,7 +307,7 @@ def test_the_check_and_auto_measure_the_budget_once_at_the_same_point(monkeypatc
     device = est.Device("cpu", 300 * 2 ** 20)
     ddp, z3 = (est.estimate(shape, Option.from_json(n, est.paths.DS_CONFIGS / f"{n}.json", "fp32"), 2,
                             BatchShape(1, None), device=device) for n in ("ddp", "zero3"))
-    assert ddp.runtime == device.runtime + cost.STARTUP["ddp"] and z3.runtime == device.runtime + cost.STARTUP["deepspeed"]
+    assert ddp.runtime == device.runtime + cost.DDP_STARTUP and z3.runtime == device.runtime + cost.DEEPSPEED_STARTUP
     cfg.distributed.memory_check = False
     assert memory_check.measure(cfg, "ds_configs/zero3.json") is None   # neither path runs: nothing measured
 

@@ -19,8 +19,9 @@ GiB = 2 ** 30
 
 
 def _ds(stage):
-    """The key host_settings reads of a Strategy (train/strategy/): "ddp" or the ZeRO stage."""
-    return SimpleNamespace(malloc_key="ddp" if stage is None else stage)
+    """The Strategy host_settings reads (its malloc_figures): plain DDP (None) or a ZeRO stage."""
+    from zerotrain.train.strategy import DDPStrategy, ZeroStrategy
+    return DDPStrategy(None) if stage is None else ZeroStrategy(SimpleNamespace(stage=stage))
 
 
 def _budget(n):

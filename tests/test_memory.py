@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from helpers import TINY, assert_zero3_planned_to_the_byte, metrics, rank_infos, run_train
-from zerotrain.train.observe.memory import StepProbe, measure
+from zerotrain.train.observe.memory import StepProbe
+from zerotrain.train.strategy.state_bytes import measure
 
 
 def _adam_step(model, opt):
@@ -42,7 +43,7 @@ def test_probe_fires_once_before_the_optimizer_step():
     model = torch.nn.Linear(10, 10)
     opt = torch.optim.AdamW(model.parameters())
     _adam_step(model, opt)
-    probe = StepProbe(model, opt, step_target=opt)
+    probe = StepProbe(model, opt, step_target=opt, measure=measure)
     probe.arm()
     _adam_step(model, opt)
     assert not probe.armed and probe.result.device["grads"] == 110 * 4 and probe.result.optimizer_state_ready

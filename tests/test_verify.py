@@ -78,11 +78,13 @@ def test_verify_names_the_first_divergence_of_a_planted_bug(tmp_path, bug, base,
 def test_matrix_rows_vary_accumulation_and_sp_and_keep_the_run_files_own_settings():
     """The combination list in process: every shipped strategy on 1 and 2 processes, an accumulation
     row per strategy, SP rows for a GPT, the run file's LoRA named in every row."""
-    from zerotrain.train.commands.verify import MATRIX, combinations
+    from zerotrain.train.commands.verify import combinations, matrix_strategies
     from zerotrain.train.config import load_config
+    shipped = ["ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"]  # the registry's options, in order
+    assert [s for s, _ in matrix_strategies()] == shipped
     rows = combinations(load_config(DEFAULT, []), 2)
     names = [c.name for c in rows]
-    assert names == [n for s in MATRIX for n in (f"{s}_w1", f"{s}_w2", f"{s}_w2_accum2")] + ["zero2_w2_sp2", "zero3_w2_sp2"]
+    assert names == [n for s in shipped for n in (f"{s}_w1", f"{s}_w2", f"{s}_w2_accum2")] + ["zero2_w2_sp2", "zero3_w2_sp2"]
     lora = combinations(load_config(str(REPO / "examples" / "lora.yaml"), []), 2)
     assert lora and all(c.note == " (lora)" for c in lora) and not any(c.sp for c in lora)  # an hf model: no SP rows
 

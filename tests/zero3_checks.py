@@ -31,6 +31,7 @@ from zerotrain.models.vision import gathering_inits  # noqa: E402
 from zerotrain.train.config import ModelConfig, load_config  # noqa: E402
 from zerotrain.train.data import DataBundle  # noqa: E402
 from zerotrain.train.strategy.ds_config import load_ds_setup  # noqa: E402
+from zerotrain.train.strategy.zero import ZeroInit  # noqa: E402
 
 deepspeed.init_distributed(dist_backend="gloo")
 RANK, WORLD = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -45,7 +46,7 @@ report = {}
 
 
 def zero_init(ds):
-    return lambda: deepspeed.zero.Init(config_dict_or_path=ds)
+    return ZeroInit(ds)  # what ZeroStrategy.init_context gives the model builders
 
 
 def gathered_state(model) -> dict:
@@ -64,7 +65,8 @@ def tiny_vit():
 
 def vit_partitioned():
     # nn.MultiheadAttention initialises its out_proj bias after that Linear was partitioned
-    with zero_init(FP32)(), gathering_inits():
+    init = zero_init(FP32)
+    with init(), gathering_inits(init):
         return tiny_vit()
 
 

@@ -94,7 +94,12 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-2}  # bf16, fp16: docs/troub
 FLOOR_FACTOR = 4
 CHECKSUM = "debug/param_checksum"
 MAIN = Path(__file__).resolve().parent.parent / "main.py"  # the training program: train/main.py
-MATRIX = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+
+def matrix_strategies() -> tuple[tuple[str, bool], ...]:
+    """(ds_configs file name without .json, splits sequences) of every registered backend's
+    planner options, fastest first (train/strategy/registry.py): the matrix's strategies."""
+    import zerotrain.train.strategy.registry as registry
+    return tuple((o.name, registry.for_option_file(o.file).splits_sequences) for o in registry.planner_options())
 
 
 @dataclass
@@ -324,10 +329,10 @@ def combinations(cfg, nproc: int) -> list[Combination]:
     worlds = sorted({1, nproc})
     accum = nproc > 1 and cfg.train.micro_batch_size % 2 == 0
     out = []
-    for name in MATRIX:
-        sp_run = cfg.distributed.sequence_parallel > 1
-        out += [Combination(name, w, note=note) for w in worlds if not (sp_run and name == "ddp" and w > 1)]
-        if accum and not (sp_run and name == "ddp"):  # sequence parallelism needs a ZeRO JSON
+    for name, splits in matrix_strategies():
+        refused = cfg.distributed.sequence_parallel > 1 and not splits  # sequence parallelism needs a ZeRO JSON
+        out += [Combination(name, w, note=note) for w in worlds if not (refused and w > 1)]
+        if accum and not refused:
             out.append(Combination(name, nproc, 2, note=note))
     from zerotrain.models.config import GptModel
     if isinstance(cfg.model, GptModel) and nproc % 2 == 0 and cfg.distributed.sequence_parallel == 1:

@@ -10,7 +10,8 @@ import torch
 
 from zerotrain.train import paths
 from zerotrain.train.errors import ConfigError
-from zerotrain.train.strategy.ds_config import machine_precision, read_ds_json
+from zerotrain.train.strategy.ds_config import read_ds_json
+from zerotrain.train.strategy.precision import machine_precision
 
 
 def resolve_ds_config_path(cli_or_file: str | None, launcher: str) -> str:
@@ -35,7 +36,7 @@ def resolve_ds_config_path(cli_or_file: str | None, launcher: str) -> str:
 
 def default_ds_config() -> tuple[str, str]:
     """(file in ds_configs/, why) when the run names none: ZeRO-2 in the fastest precision this
-    hardware has (train/strategy/ds_config.py machine_precision, also what "enabled": "auto" means)."""
+    hardware has (train/strategy/precision.py machine_precision, also what "enabled": "auto" means)."""
     precision, why = machine_precision(torch.cuda.is_available())
     name, label = {"bf16": ("zero2.json", "bf16"), "fp16": ("zero2_fp16.json", "fp16 with loss scaling"),
                    "fp32": ("zero2_fp32.json", "fp32")}[precision]

@@ -8,7 +8,8 @@ allocator on CPU"):
 * compact malloc (hardware.host_malloc, train/launch/device_memory.compact_host_malloc: freed
   blocks of 1 MiB or more go back to the OS at once). "auto" turns it on only where the run would
   not fit without it: the memory check's plan (which predicts memory that follows live tensors)
-  times what glibc's default keeps of freed blocks (GLIBC_GROWTH) leaves less than
+  times what glibc's default keeps of freed blocks (the strategy's measured glibc growth,
+  Strategy.malloc_figures) leaves less than
   distributed.memory_margin of the budget free, while the plan itself fits. "compact" / "glibc"
   force either. Never on a GPU (the device's memory is not malloc's).
 
@@ -20,13 +21,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-# A rank's peak with glibc's default over its peak with compact malloc, from the cgroup peaks of
-# BENCHMARKS.md "Host allocator on CPU" (fp32, 2 ranks, huge pages off). ZeRO-0/1 hold the same
-# flat buffers as ZeRO-2.
-GLIBC_GROWTH = {"ddp": 1.02, 0: 1.05, 1: 1.05, 2: 1.05, 3: 1.50}
-# Compact malloc's step time over glibc's, same measurement (the banner quotes it).
-COMPACT_COST = {"ddp": 1.01, 0: 0.11, 1: 0.11, 2: 0.11, 3: 0.62}
 
 
 @dataclass
@@ -59,7 +53,7 @@ def decide(cfg, strategy, cuda: bool, planned=None, budget=None) -> HostSettings
         return _settings(choice, f"hardware.host_malloc {choice}", strategy, thp)
     if planned is None or budget is None:
         return HostSettings("glibc", "hardware.host_malloc auto without a memory check", thp)
-    growth = GLIBC_GROWTH[strategy.malloc_key]
+    growth = strategy.malloc_figures[0]
     grown = planned.device_total * growth
     room = (1 - cfg.distributed.memory_margin) * budget.bytes
     if grown <= room:
@@ -71,7 +65,7 @@ def decide(cfg, strategy, cuda: bool, planned=None, budget=None) -> HostSettings
 
 
 def _settings(malloc: str, why: str, strategy, thp) -> HostSettings:
-    return HostSettings(malloc, why, thp, COMPACT_COST[strategy.malloc_key] if malloc == "compact" else None)
+    return HostSettings(malloc, why, thp, strategy.malloc_figures[1] if malloc == "compact" else None)
 
 
 def apply(settings: HostSettings) -> HostSettings:

@@ -97,21 +97,18 @@ def own_buffer(rank: int, env=os.environ, shm_dir: Path = SHM_DIR) -> Optional[P
     return None
 
 
-def in_use(world: int) -> bool:
-    """Whether DeepSpeed's CPU shm all-reduce was initialised in this process (the same answer
+def in_use(world: int, comm_op: bool) -> bool:
+    """Whether DeepSpeed's CPU shm all-reduce was initialised in this process (`comm_op`: the
+    strategy's word, Strategy.uses_shm_buffers) with every rank on this machine (the same answer
     on every rank of a job: the same launcher environment and code path)."""
-    import sys
-    if world < 2 or os.environ.get("LOCAL_SIZE") != str(world) or "deepspeed.comm.comm" not in sys.modules:
-        return False
-    ds_comm = sys.modules["deepspeed.comm.comm"]
-    return getattr(ds_comm.cdb, "shm_comm_op", None) is not None
+    return comm_op and world >= 2 and os.environ.get("LOCAL_SIZE") == str(world)
 
 
-def release_own_buffer(rank: int, world: int, barrier=None) -> Optional[Path]:
+def release_own_buffer(rank: int, world: int, comm_op: bool, barrier=None) -> Optional[Path]:
     """Unlink this rank's buffer once every rank has mapped every peer's (see the module doc).
-    `barrier` is called first (collective: every rank of the job must call this); returns the
-    path unlinked, or None (no DeepSpeed buffer in this process)."""
-    if not in_use(world):
+    `comm_op` as for in_use. `barrier` is called first (collective: every rank of the job must
+    call this); returns the path unlinked, or None (no DeepSpeed buffer in this process)."""
+    if not in_use(world, comm_op):
         return None
     _state.update(rank=rank, world=world)
     if barrier is not None:

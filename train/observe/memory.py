@@ -15,6 +15,10 @@ fully reduced into whatever DeepSpeed keeps them in, the lazily created Adam mom
 the moment the ZeRO paper's model-state accounting describes, and what the planner's cost model
 (train/strategy/cost.py) estimates.
 
+The counting (Counter, ModelStateBytes) is here; what to count, read from the engine, is the
+strategy's (train/strategy/state_bytes.py `measure`, through Strategy.measure_model_states):
+nothing here knows a backend.
+
 "Host" bytes are those of offloaded structures (optimizer / parameter offload). On a GPU
 machine that is also any tensor found on the CPU; on a CPU-only machine everything is on
 the CPU, so the engine's own offload flags decide.
@@ -58,7 +62,7 @@ class ModelStateBytes:
         return d
 
 
-class _Counter:
+class Counter:
     def __init__(self, accelerator_is_cpu: bool):
         self.seen: set = set()
         self.out = ModelStateBytes()
@@ -96,68 +100,12 @@ def _tensors(obj, depth: int = 0):
         yield from _tensors(obj.buffer, depth + 1)
 
 
-def _grads(tensors):
+def grads_of(tensors):
     return [t.grad for t in _tensors(tensors) if t.grad is not None]
 
 
-def _unwrap(model):
+def unwrap(model):
     return getattr(model, "module", model)
-
-
-def measure(model, raw_optimizer, accelerator_is_cpu: bool | None = None) -> ModelStateBytes:
-    """Bytes this rank holds now. `model` is what accelerate.prepare returned (a DeepSpeed
-    engine, a DDP wrapper or a bare module); `raw_optimizer` is the torch optimizer built
-    by train/optim/optimizer.py (DeepSpeed's inner "basic" optimizer)."""
-    if accelerator_is_cpu is None:
-        accelerator_is_cpu = not torch.cuda.is_available()
-    c = _Counter(accelerator_is_cpu)
-    import zerotrain.train.strategy.internals as internals  # every DeepSpeed attribute read, named there
-    zero = internals.zero_optimizer(model)
-    # Which structures DeepSpeed placed on its offload device (CPU/NVMe).
-    off_opt, off_param = internals.offloads(zero)
-    params = [p for p in _unwrap(model).parameters()]
-    parted = [p for p in params if internals.has_local_partition(p)]
-
-    # -- parameters: the working copy forward uses (whole, a flat buffer, or a ZeRO-3 partition)
-    c.add("params", "zero3.ds_tensor", [internals.local_partition(p) for p in parted], off_param)
-    # A partitioned ZeRO-3 parameter whole at this moment is a transient working copy, not a model
-    # state: from step 2 on (its trace recorded) DeepSpeed's pre-forward hook on the model prefetches
-    # the first modules' parameters (partitioned_param_coordinator.py, _fetch_sub_module_impl), so
-    # the embedding is gathered (INFLIGHT) when the probe's own pre-forward hook runs. The planner
-    # counts gathered parameters in the backward's working set, not in the parameters.
-    c.add("gathered", "zero3.gathered", [p.data for p in parted if not internals.is_persistent(p)])
-    c.add("params", "module.parameters", [p.data for p in params])  # whole: DDP, ZeRO-0/1/2, ZeRO-3 persistent
-    for name in internals.PARAM_FLATS:
-        c.add("params", name, internals.probe(zero, name))
-    c.add("params", internals.LP_PARTITIONS, internals.probe(zero, internals.LP_PARTITIONS), off_param)
-
-    # -- gradients: wherever the engine keeps them between backward and step
-    c.add("grads", "param.grad", [p.grad for p in params if p.grad is not None])
-    c.add("grads", "param.grad_accum", [internals.grad_accumulator(p) for p in params])
-    for name in internals.GRAD_STORES:
-        c.add("grads", name, internals.probe(zero, name))
-    c.add("grads", internals.GRAD_PARTITION_BUFFER, internals.probe(zero, internals.GRAD_PARTITION_BUFFER), off_opt)
-    masters = [internals.probe(zero, n) for n in internals.MASTER_FLATS]
-    c.add("grads", "fp32_master.grad", _grads(masters), off_opt)
-    c.add("grads", internals.CPU_GRADS, internals.probe(zero, internals.CPU_GRADS), off_opt)
-
-    # -- optimizer states: fp32 master weights (ZeRO paper: part of the 12 bytes/param) + moments
-    master_params = [p for g in raw_optimizer.param_groups for p in g["params"]]
-    c.add("optimizer", "fp32_master", master_params, off_opt)
-    c.add("optimizer", "fp32_master", masters, off_opt)
-    c.add("optimizer", "optimizer.state", list(raw_optimizer.state.values()), off_opt)
-    inner = getattr(raw_optimizer, "optimizer", None)  # an accelerate wrapper, if one was passed
-    if inner is not None and hasattr(inner, "state"):
-        c.add("optimizer", "optimizer.state", list(inner.state.values()), off_opt)
-    c.out.optimizer_state_ready = any(len(s) for s in raw_optimizer.state.values())
-
-    # -- buffers: everything else the ZeRO optimizer object holds (reduce buckets, staging)
-    if zero is not None:
-        for name, value in sorted(vars(zero).items()):
-            if name in internals.NOT_BUFFERS:
-                continue
-            c.add("buffers", f"zero.{name}", value, off_opt and "cpu" in name)
-    return c.out
 
 
 class StepProbe:
@@ -167,10 +115,13 @@ class StepProbe:
     right before the optimizer step (everything reduced, Adam moments present). Arm it at
     the start of a step after the first, so that the moments exist; it disarms itself."""
 
-    def __init__(self, model, raw_optimizer, step_target):
+    def __init__(self, model, raw_optimizer, step_target, measure: Callable):
         """`step_target`: the optimizer object whose step() ends the step (the strategy's
-        Strategy.step_target: DeepSpeed's ZeRO optimizer, or the torch optimizer)."""
+        Strategy.step_target: DeepSpeed's ZeRO optimizer, or the torch optimizer); `measure`:
+        (model, raw_optimizer) -> ModelStateBytes, the strategy's (Strategy.measure_model_states:
+        it knows where its engine keeps what)."""
         self.model, self.raw_optimizer, self.step_target = model, raw_optimizer, step_target
+        self.measure = measure
         self.result: ModelStateBytes | None = None
         self._handles = []
 
@@ -179,12 +130,12 @@ class StepProbe:
         return bool(self._handles)
 
     def _take(self):
-        snap = measure(self.model, self.raw_optimizer)
+        snap = self.measure(self.model, self.raw_optimizer)
         if self.result is None or snap.model_states > self.result.model_states:
             self.result = snap
 
     def arm(self):
-        module = _unwrap(self.model)
+        module = unwrap(self.model)
         self._handles.append(module.register_forward_pre_hook(lambda mod, args: self._take()))
         target = self.step_target
         if isinstance(target, torch.optim.Optimizer):
@@ -227,16 +178,16 @@ class MemoryReport:
     FIELDS = ("params", "grads", "optimizer", "buffers", "gathered", "model_states", "host", "plan_model_states",
               "plan_host")
 
-    def __init__(self, *, acc, model, raw_optimizer, step_target, start_step: int, max_steps: int,
+    def __init__(self, *, acc, model, raw_optimizer, step_target, measure, start_step: int, max_steps: int,
                  plan, log: Callable[[dict, int], None]):
-        """`model`/`raw_optimizer` as for StepProbe; `plan`: this rank's estimate in the run's one
+        """`model`/`raw_optimizer`/`step_target`/`measure` as for StepProbe; `plan`: this rank's estimate in the run's one
         memory plan (train/plan/memory_plan.py MemoryPlan.estimate, made before the model existed),
         logged as plan/* next to the measurement, None when there is none; read by attribute, as the
         planner sits above this module. `log`: the metrics sink."""
         self.acc, self.plan, self.log = acc, plan, log
         # Step `start_step` from scratch creates the moments; measure the one after it if there is one.
         self.at = start_step + 1 if start_step == 0 and max_steps > 1 else start_step
-        self.probe = StepProbe(model, raw_optimizer, step_target)
+        self.probe = StepProbe(model, raw_optimizer, step_target, measure)
 
     def before_step(self, step: int):
         if step == self.at:

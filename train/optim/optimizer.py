@@ -30,7 +30,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def _groups_and_args(model: torch.nn.Module, cfg: OptimConfig):
+def groups_and_args(model: torch.nn.Module, cfg: OptimConfig):
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         from zerotrain.train.errors import ConfigError
@@ -40,15 +40,8 @@ def _groups_and_args(model: torch.nn.Module, cfg: OptimConfig):
 
 def adamw(model: torch.nn.Module, cfg: OptimConfig, fused: bool | None):
     """torch AdamW over the decay / no-decay groups; `fused` as torch takes it (None: its default)."""
-    groups, kw = _groups_and_args(model, cfg)
+    groups, kw = groups_and_args(model, cfg)
     return torch.optim.AdamW(groups, fused=fused, **kw)
-
-
-def cpu_adamw(model: torch.nn.Module, cfg: OptimConfig):
-    """DeepSpeedCPUAdam in AdamW mode: the optimizer ZeRO offload steps on the host."""
-    groups, kw = _groups_and_args(model, cfg)
-    from deepspeed.ops.adam import DeepSpeedCPUAdam  # JIT-builds once (`make ops` ahead: docs/machine_notes.md)
-    return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
 
 
 def set_lr(optimizer, lr: float):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import zerotrain.train.strategy.registry as registry
 from zerotrain.train import paths
 from zerotrain.train.plan.activations import activation_bytes, sp_exchange_bytes
 from zerotrain.train.plan.shapes import BatchShape, ModelShape
@@ -37,9 +38,9 @@ from zerotrain.train.strategy.option import Option
 GiB = 2 ** 30
 MiB = 2 ** 20
 
-# Fastest first: same communication as DDP, then more communication, then PCIe traffic.
-OPTIONS = (("DDP", "ddp.json"), ("ZeRO-1", "zero1.json"), ("ZeRO-2", "zero2.json"), ("ZeRO-3", "zero3.json"),
-           ("ZeRO-2 + opt offload", "zero2_offload.json"), ("ZeRO-3 + param/opt offload", "zero3_offload.json"))
+# (label, shipped file) of every registered backend's options, fastest first: same communication
+# as DDP, then more communication, then PCIe traffic (train/strategy/registry.py).
+OPTIONS = tuple((o.label, o.file) for o in registry.planner_options())
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -50,7 +51,7 @@ class Device:
     free memory); "cpu": resident bytes of a process whose device is host RAM. runtime: bytes
     the process owns before its process group and Accelerator exist (CPU: the libraries'
     memory, train/launch/device_memory.py; CUDA: 0); on a CPU the estimate adds the option's
-    own start-up (train/strategy/cost.py STARTUP)."""
+    own start-up (train/strategy/cost.py startup)."""
 
     kind: str = "cuda"
     runtime: int = 0

@@ -15,7 +15,7 @@ agrees on (train/launch/device_memory.py: the tightest over all ranks).
 
 The two agree by construction: the budget is measured once per rank at the same point (before
 the process group and the Accelerator exist; each option's own start-up growth is the
-planner's, train/strategy/cost.py STARTUP), so an option gets one estimate whichever path asks;
+planner's, train/strategy/cost.py startup), so an option gets one estimate whichever path asks;
 an option "fits" for both only with the margin (`fits`), and every message that applies the
 margin states it; the check's advice is the option auto would choose among the same JSONs
 (`advise`), so it never points to one that auto then refuses.

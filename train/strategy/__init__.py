@@ -1,9 +1,12 @@
 """The training backends: one Strategy object per backend owns everything that differs between
-plain DDP and DeepSpeed ZeRO (base.py says what). `for_setup` picks it from the run's resolved
-DeepSpeed JSON (ds_config.py)."""
+plain DDP and DeepSpeed ZeRO (base.py says what). Each backend module registers itself
+(registry.py); `for_setup` makes the Strategy of the backend a run's resolved strategy JSON
+names (ds_config.py). Importing the package imports every backend module, so the registry is
+complete whenever any module of it is loaded."""
 
 from __future__ import annotations
 
+import zerotrain.train.strategy.registry as registry
 from zerotrain.train.strategy.base import Strategy
 from zerotrain.train.strategy.ddp import DDPStrategy
 from zerotrain.train.strategy.ds_config import DSSetup
@@ -13,5 +16,5 @@ __all__ = ["Strategy", "DDPStrategy", "ZeroStrategy", "for_setup"]
 
 
 def for_setup(ds: DSSetup) -> Strategy:
-    """The Strategy of a resolved DeepSpeed JSON: a "ddp" block is plain DDP, anything else ZeRO."""
-    return DDPStrategy(ds) if ds.backend == "ddp" else ZeroStrategy(ds)
+    """The Strategy of a resolved strategy JSON: its backend's (DSSetup.backend, the registry's name)."""
+    return registry.get(ds.backend).strategy(ds)

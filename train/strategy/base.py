@@ -91,8 +91,18 @@ class Strategy:
             return family == "vision" and cuda
         return bool(want)
 
+    def check_frozen_copy(self, what: str) -> None:
+        """Refuses `what` (DPO's reference of full fine-tuning) where the backend cannot copy the
+        model whole and frozen."""
+
     def build_accelerator(self, batch, timeout_s: int):
         raise NotImplementedError
+
+    def make_leaf_modules(self, model: torch.nn.Module, classes) -> bool:
+        """Makes the modules of `classes` (sparse-MoE blocks: models/moe.py MoEInfo) units the
+        backend gathers whole, before the engine hooks the model; True where it did. Only a
+        backend that partitions parameters has anything to do."""
+        return False
 
     def init_context(self):
         """A zero-argument callable giving the context the model is constructed in."""
@@ -176,13 +186,28 @@ class Strategy:
         """The object that reads and writes this rank's parameters and optimizer moments."""
         raise NotImplementedError
 
+    def uses_shm_buffers(self) -> bool:
+        """Has this backend's communication mapped the /dev/shm buffers that
+        train/launch/shm_buffers.py releases (DeepSpeed's CPU all-reduce)? Asked once the engine
+        exists."""
+        return False
+
     def step_target(self):
         """The optimizer object whose step() the memory probe hooks."""
         return self.raw_optimizer
 
+    def measure_model_states(self, model, raw_optimizer):
+        """The model-state bytes this rank holds now (train/observe/memory.py ModelStateBytes):
+        the memory probe's measurement. state_bytes.py reads every engine DDP and DeepSpeed give."""
+        from zerotrain.train.strategy.state_bytes import measure
+        return measure(model, raw_optimizer)
+
     @property
-    def malloc_key(self):
-        """The key of this backend in train/launch/host_settings.py's measured tables."""
+    def malloc_figures(self) -> tuple[float, float]:
+        """(glibc growth, compact cost) of this backend on a CPU, what train/launch/host_settings.py
+        decides with: a rank's peak with glibc's default malloc over its peak with compact malloc,
+        and compact malloc's step time over glibc's (measured: BENCHMARKS.md "Host allocator on
+        CPU", fp32, 2 ranks, huge pages off)."""
         raise NotImplementedError
 
 

@@ -25,9 +25,11 @@ ALLREDUCE_BUCKET = 5e8        # engine.allreduce_gradients' flatten size under Z
 # 2 x 32 MiB per rank (+ small-message buffers), charged to the rank that creates it.
 DS_CPU_COMM_WORKSPACE = 64 * MiB
 # What a CPU rank's owned memory grows by while its Accelerator starts, on top of Device.runtime
-# (measured before the process group exists): DeepSpeed's communication backend and comm op, or
-# DDP's (measured: docs/machine_notes.md "DeepSpeed and Accelerate on CPU").
-STARTUP = {"deepspeed": 48 * MiB, "ddp": 4 * MiB}
+# (measured before the process group exists), each backend's `startup` in its registry entry:
+# DeepSpeed's communication backend and comm op, or DDP's (measured: docs/machine_notes.md
+# "DeepSpeed and Accelerate on CPU").
+DEEPSPEED_STARTUP = 48 * MiB
+DDP_STARTUP = 4 * MiB
 
 
 def terms(shape, s: Option, world: int, batch, device, rank: Optional[int] = None) -> tuple[dict, list]:
@@ -35,20 +37,29 @@ def terms(shape, s: Option, world: int, batch, device, rank: Optional[int] = Non
     grads, optimizer, buffers, host, comm, pcie, backward_work and step_work in bytes, what
     train/plan/estimate.Estimate holds, and `master`: the fp32 master elements the rank holds (the
     ones its moments cover; on the host where `master_on_host`); the caveats of the arithmetic
-    for this model)."""
-    r = _Rank(shape, s, world, device)
-    if s.backend == "ddp":
-        return _ddp(r), []
-    if s.stage == 0:
-        return _zero0(r), []
-    if s.stage in (1, 2):
-        return _zero12(r, batch, rank), []
-    return _zero3(r, batch), ([] if shape.shapes_known else ["ZeRO-3 persistence not modelled (parameter count only)"])
+    for this model). The option's backend (train/strategy/registry.py) has the arithmetic."""
+    import zerotrain.train.strategy.registry as registry
+    return registry.get(s.backend).cost(_Rank(shape, s, world, device), batch, rank)
 
 
 def startup(s: Option) -> int:
-    """What a CPU rank's memory grows by while the option's Accelerator starts (STARTUP)."""
-    return STARTUP[s.backend]
+    """What a CPU rank's memory grows by while the option's Accelerator starts (its backend's)."""
+    import zerotrain.train.strategy.registry as registry
+    return registry.get(s.backend).startup
+
+
+def ddp(r, batch, rank: Optional[int] = None) -> tuple[dict, list]:
+    """Plain DDP's terms and caveats (its registry entry's cost)."""
+    return _ddp(r), []
+
+
+def zero(r, batch, rank: Optional[int] = None) -> tuple[dict, list]:
+    """DeepSpeed ZeRO's terms and caveats, by stage (its registry entry's cost)."""
+    if r.s.stage == 0:
+        return _zero0(r), []
+    if r.s.stage in (1, 2):
+        return _zero12(r, batch, rank), []
+    return _zero3(r, batch), ([] if r.shape.shapes_known else ["ZeRO-3 persistence not modelled (parameter count only)"])
 
 
 @dataclass(frozen=True)

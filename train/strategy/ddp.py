@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import torch
 
+import zerotrain.train.strategy.cost as cost
+import zerotrain.train.strategy.ds_config as ds_config
+import zerotrain.train.strategy.loss_scale as loss_scale
+import zerotrain.train.strategy.registry as registry
 from zerotrain.train import testhooks
 from zerotrain.train.errors import ConfigError
-from zerotrain.train.optim import loss_scale
 from zerotrain.train.strategy.base import Strategy
+from zerotrain.train.strategy.option import DDP_BUCKET_CAP_MB, Option
+
+# Strategy.malloc_figures, from the cgroup peaks of BENCHMARKS.md "Host allocator on CPU".
+GLIBC_GROWTH, COMPACT_COST = 1.02, 1.01
 
 
 class DDPStrategy(Strategy):
@@ -83,5 +90,23 @@ class DDPStrategy(Strategy):
         return ReplicaHolder(raw_model, self.raw_optimizer, rank, world)
 
     @property
-    def malloc_key(self):
-        return "ddp"
+    def malloc_figures(self) -> tuple[float, float]:
+        return GLIBC_GROWTH, COMPACT_COST
+
+
+# ------------------------------------------------------------------ the registry entry
+def _option(label: str, path, precision: str, ds: dict, width=None) -> Option:
+    """A "ddp" file as the planner prices it: the bucket settings."""
+    return Option(label, path, "ddp", None, precision,
+                  bucket_view=bool(ds["ddp"].get("gradient_as_bucket_view", False)),
+                  bucket_cap_mb=float(ds["ddp"].get("bucket_cap_mb", DDP_BUCKET_CAP_MB)))
+
+
+def _default_option(label: str, fname: str, precision: str) -> Option:
+    return Option(label, None, "ddp", None, precision)
+
+
+registry.register(registry.Backend(
+    name="ddp", block="ddp", strategy=DDPStrategy, setup=ds_config.ddp_setup, option=_option,
+    default_option=_default_option, options=(registry.PlannerOption(0, "DDP", "ddp.json"),),
+    cost=cost.ddp, startup=cost.DDP_STARTUP, splits_sequences=False))

@@ -13,7 +13,8 @@ AUTO_SIZES keys it leaves out sized the same way (COMPANION_SIZES).
 
 The same file serves Hugging Face's Trainer: "auto" appears in the shipped JSONs only where the
 Trainer fills it too (tests/test_ds_hf.py), and "bf16.enabled" / "fp16.enabled" may be "auto"
-(resolve_precision: accelerate's mixed_precision, else the machine's fastest precision).
+(train/strategy/precision.py resolve_precision: accelerate's mixed_precision, else the
+machine's fastest precision).
 
 zerotrain builds the optimizer (torch AdamW, or DeepSpeedCPUAdam when the optimizer is
 offloaded) and computes the LR itself every step, so both behave identically under DDP
@@ -25,13 +26,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerotrain.train import paths
 from zerotrain.train.config import Batch, RunConfig
 from zerotrain.train.errors import ConfigError, did_you_mean
+from zerotrain.train.strategy.precision import check_fp16_device, fill_precision, is_auto, resolve_precision
 
 DDP_KEYS = ("find_unused_parameters", "bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "broadcast_buffers")
 # DeepSpeed keys that mean nothing to plain DDP; in a ddp file they are a mistake.
@@ -80,7 +81,7 @@ OPTIMIZERS = ("adamw", "adam")
 def add_companion_sizes(zero: dict) -> list[str]:
     """Marks "auto" the COMPANION_SIZES keys a `zero_optimization` block leaves out when it has an
     "auto" HF_AUTO_SIZES key (in place); returns the keys added."""
-    if not any(_is_auto(zero.get(k)) for k in HF_AUTO_SIZES):
+    if not any(is_auto(zero.get(k)) for k in HF_AUTO_SIZES):
         return []
     added = [k for k in COMPANION_SIZES.get(zero.get("stage", 0), ()) if k not in zero]
     zero.update({k: "auto" for k in added})
@@ -141,100 +142,6 @@ def read_ds_json(path: str | Path) -> dict:
     return data
 
 
-def _is_auto(v) -> bool:
-    return isinstance(v, str) and v.lower() == "auto"
-
-
-HALF = ("bf16", "fp16")
-
-
-def machine_precision(cuda: bool) -> tuple[str, str]:
-    """(precision, why): the fastest this machine trains in; what a run without --ds-config
-    takes (train/launch/ds_config_choice.py default_ds_config) and what "enabled": "auto" becomes.
-    bf16 on GPUs that compute it (Ampere and newer), fp16 with loss scaling on older GPUs, fp32
-    on CPUs: without bf16 matmul units they emulate it, several times slower (measured:
-    BENCHMARKS.md "CPU: every stage, 2 processes")."""
-    if not cuda:
-        return "fp32", "no GPU here, and CPUs emulate bf16 ~7x slower"
-    import torch
-    if not torch.cuda.is_available():  # `zerotrain check --cuda` from a CPU machine
-        return "bf16", "a CUDA GPU (assumed to compute bf16, as Ampere and newer do)"
-    if torch.cuda.is_bf16_supported():
-        return "bf16", "this GPU computes bf16 natively"
-    return "fp16", "this GPU has no native bf16"
-
-
-def _enabled_states(path, ds: dict) -> dict:
-    """{"bf16": True | False | "auto", "fp16": ...} as the JSON says; an absent block is False."""
-    states = {}
-    for name in HALF:
-        block = ds.get(name, {})
-        if not isinstance(block, dict):
-            raise ConfigError(f'{path}: "{name}" must be an object like {{"enabled": true}}')
-        value = block.get("enabled", False)
-        if _is_auto(value):
-            value = "auto"
-        elif not isinstance(value, bool):
-            raise ConfigError(f'{path}: "{name}.enabled" must be true, false or "auto" (got {value!r})')
-        states[name] = value
-    if "amp" in ds and ds["amp"].get("enabled"):
-        raise ConfigError(f'{path}: "amp" (apex) is not supported; use "bf16" or "fp16"')
-    if states["bf16"] is True and states["fp16"] is True:
-        raise ConfigError(f'{path}: both "bf16.enabled" and "fp16.enabled" are true; enable one (bf16 recommended)')
-    return states
-
-
-def resolve_precision(path, ds: dict, cuda: bool | None = None,
-                      launcher_precision: str | None = None) -> tuple[str, str | None]:
-    """(precision, why) of a DeepSpeed JSON: "bf16", "fp16" or "fp32", and None when the JSON
-    fixes it, else how its "enabled": "auto" was resolved (the banner's clause).
-
-    "auto" (Hugging Face's Trainer fills it from --bf16/--fp16; zerotrain has no such flags):
-    1. a block that is true wins, and an "auto" beside it is false;
-    2. else accelerate's mixed_precision (`accelerate launch --mixed_precision` or the YAML's,
-       `launcher_precision`), when it is bf16 or fp16 and the JSON allows it;
-    3. else the machine's fastest precision (machine_precision) among those the JSON allows
-       ("auto" or true): bf16, then fp16 on GPUs; fp32 on CPUs, and when neither is allowed.
-    `cuda` and `launcher_precision` default to this machine and process (ACCELERATE_MIXED_PRECISION)."""
-    states = _enabled_states(path, ds)
-    autos = [n for n in HALF if states[n] == "auto"]
-    fixed = next((n for n in HALF if states[n] is True), None)
-    if fixed or not autos:
-        return fixed or "fp32", None
-    if cuda is None:
-        import torch
-        cuda = torch.cuda.is_available()
-    if launcher_precision is None:
-        launcher_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    what = " and ".join(f"{n}.enabled" for n in autos) + ' "auto"'
-    if launcher_precision in HALF:
-        if launcher_precision not in autos:
-            raise ConfigError(f"{path}: accelerate's mixed_precision is {launcher_precision} but "
-                              f'"{launcher_precision}.enabled" is false in the JSON; set it to "auto" or true, or '
-                              f"change mixed_precision (accelerate launch --mixed_precision / the YAML)")
-        return launcher_precision, f"{what}: accelerate's mixed_precision {launcher_precision}"
-    best, why = machine_precision(cuda)
-    order = {"bf16": ["bf16", "fp16"], "fp16": ["fp16"], "fp32": []}[best]
-    choice = next((n for n in order if n in autos), "fp32")
-    if choice != best:
-        why += f"; {best} is disabled in the JSON"
-    return choice, f"{what}: {why}"
-
-
-def precision_of(path, ds: dict, cuda: bool | None = None, launcher_precision: str | None = None) -> str:
-    """"bf16", "fp16" or "fp32": what a DeepSpeed JSON (`ds`, read from `path`) trains in
-    (its "auto" resolved as resolve_precision does)."""
-    return resolve_precision(path, ds, cuda, launcher_precision)[0]
-
-
-def _fill_precision(ds: dict, precision: str):
-    """The JSON's "enabled": "auto" replaced by what `precision` means (DeepSpeed takes booleans)."""
-    for name in HALF:
-        block = ds.get(name)
-        if isinstance(block, dict) and _is_auto(block.get("enabled")):
-            block["enabled"] = name == precision
-
-
 # DeepSpeed's fp16 block as torch's GradScaler (what DDP uses): the keys that have a meaning there.
 GRAD_SCALER_KEYS = {"initial_scale_power": "init_scale = 2**initial_scale_power",
                     "loss_scale_window": "growth_interval"}
@@ -271,7 +178,7 @@ def grad_scaler_args(path, fp16: dict) -> dict:
 def _match(path, ds: dict, key: str, want, what: str):
     """Fill ds[key] if "auto"/absent; else it must equal `want` (the run config's value)."""
     have = ds.get(key, "auto")
-    if _is_auto(have):
+    if is_auto(have):
         ds[key] = want
         return
     same = (abs(float(have) - float(want)) <= 1e-12 * max(1.0, abs(float(want)))
@@ -292,7 +199,7 @@ def _check_block(path, block: dict, name: str, checks: dict):
             raise ConfigError(f'{path}: "{name}.params.{k}" is not supported by zerotrain{did_you_mean(k, checks)}; '
                               f"supported: {', '.join(checks)}")
         want, what = checks[k]
-        if _is_auto(v):
+        if is_auto(v):
             continue
         ok = (list(v) == list(want)) if isinstance(want, (list, tuple)) else (
             isinstance(v, (int, float)) and abs(float(v) - float(want)) <= 1e-12 * max(1.0, abs(float(want))))
@@ -310,25 +217,15 @@ def load_ds_setup(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda:
     mixed_precision, for an "enabled": "auto" (default: ACCELERATE_MIXED_PRECISION)."""
     ds = copy.deepcopy(read_ds_json(path))
     precision, why = resolve_precision(path, ds, cuda, launcher_precision)
-    _check_fp16_device(path, precision, cuda)
-    _fill_precision(ds, precision)
+    check_fp16_device(path, precision, cuda)
+    fill_precision(ds, precision)
     _match_batch(path, ds, cfg, batch)
     _check_optimizer(path, ds, cfg.optim)
     _check_scheduler(path, ds, cfg.optim, max_steps)
-    if "ddp" in ds:
-        setup = _ddp_setup(path, ds, precision)
-    else:
-        setup = _deepspeed_setup(path, ds, precision, hidden_size, sizes_later)
+    import zerotrain.train.strategy.registry as registry
+    setup = registry.for_json(ds).setup(path, ds, precision, hidden_size, sizes_later)
     setup.precision_why = why
     return setup
-
-
-def _check_fp16_device(path, precision: str, cuda: bool):
-    if precision == "fp16" and not cuda:
-        raise ConfigError(
-            f'{path}: fp16 needs a CUDA GPU (DeepSpeed refuses it on CPU: "Type fp16 is not supported on your '
-            f'device"); on this machine use bf16: set "bf16": {{"enabled": true}} and "fp16": {{"enabled": false}} '
-            f"(as in ds_configs/zero2.json)")
 
 
 def _match_batch(path, ds: dict, cfg: RunConfig, batch: Batch):
@@ -381,8 +278,9 @@ def _check_scheduler(path, ds: dict, o, max_steps: int):
                                             "warmup_min_lr": (0.0, "warmup start (0)")})
 
 
-def _ddp_setup(path, ds: dict, precision: str) -> DSSetup:
-    """A "ddp" file: plain DDP with the block's options (and no DeepSpeed key)."""
+def ddp_setup(path, ds: dict, precision: str, hidden_size: int | None = None, sizes_later: bool = False) -> DSSetup:
+    """A "ddp" file: plain DDP with the block's options (and no DeepSpeed key). `hidden_size` and
+    `sizes_later` are the registry's setup arguments (DDP has no "auto" sizes)."""
     stray = [k for k in DEEPSPEED_ONLY if k in ds]
     if stray:
         raise ConfigError(f'{path}: a "ddp" file (plain DDP) cannot also set {", ".join(stray)}; '
@@ -399,7 +297,7 @@ def _ddp_setup(path, ds: dict, precision: str) -> DSSetup:
                    grad_scaler=grad_scaler_args(path, ds["fp16"]) if precision == "fp16" else None)
 
 
-def _deepspeed_setup(path, ds: dict, precision: str, hidden_size: int | None, sizes_later: bool) -> DSSetup:
+def deepspeed_setup(path, ds: dict, precision: str, hidden_size: int | None, sizes_later: bool) -> DSSetup:
     """A "zero_optimization" file (or neither block: ZeRO-0): checked, its "auto" sizes filled."""
     zero = _zero_block(path, ds)
     stage = zero.get("stage", 0)
@@ -452,7 +350,7 @@ def _fill_auto_sizes(path, zero: dict, hidden_size: int | None, sizes_later: boo
     (AUTO_SIZES); left as they are with `sizes_later`."""
     add_companion_sizes(zero)
     for k, rule in AUTO_SIZES.items():
-        if _is_auto(zero.get(k)):
+        if is_auto(zero.get(k)):
             if hidden_size is None and sizes_later:
                 continue
             if hidden_size is None:
@@ -506,6 +404,6 @@ def _find_auto(d, prefix="") -> list[str]:
     for k, v in d.items():
         if isinstance(v, dict):
             out += _find_auto(v, f"{prefix}{k}.")
-        elif _is_auto(v):
+        elif is_auto(v):
             out.append(prefix + k)
     return out

@@ -8,8 +8,8 @@ raises DeepSpeedInternalsError, one line naming the attribute, the class and the
 DeepSpeed version, when it is gone. A *probe* (`has_*`, the memory probe's lists) asks what this
 class keeps and answers False / None for what it lacks: the classes differ by stage and precision.
 
-This module imports nothing from zerotrain, so components below the strategy layer
-(train/optim/loss_scale.py, train/observe/memory.py) use it too (tests/test_structure.py's LAYERS).
+Only train/strategy/ reads it (tests/test_structure.py's import rule: nothing else on the
+training path imports it, nor DeepSpeed); it imports nothing from zerotrain.
 """
 
 from __future__ import annotations
@@ -60,6 +60,17 @@ def _first(obj, *names: str):
 
 def _call(obj, name: str, *args):
     return _get(obj, name)(*args)
+
+
+# ---------------------------------------------------------------------------- communication
+
+def shm_comm_in_use() -> bool:
+    """Has DeepSpeed's CPU shared-memory all-reduce been set up in this process (its comm
+    backend's `shm_comm_op`, deepspeed/comm/torch.py)? A probe: False where DeepSpeed's comm was
+    never imported or initialised."""
+    import sys
+    ds_comm = sys.modules.get("deepspeed.comm.comm")
+    return ds_comm is not None and getattr(ds_comm.cdb, "shm_comm_op", None) is not None
 
 
 # ---------------------------------------------------------------------------- the engine
@@ -256,7 +267,7 @@ def refresh_lp_partitions(opt) -> None:
 
 # ---------------------------------------------------------------------------- the memory probe
 
-# What the ZeRO optimizer classes keep, by role (train/observe/memory.py's measure()); a class
+# What the ZeRO optimizer classes keep, by role (train/strategy/state_bytes.py's measure()); a class
 # keeps some of them, so these are probes: a missing one is None, not an error.
 PARAM_FLATS = ("bit16_groups_flat", "fp16_groups_flat")
 LP_PARTITIONS = "fp16_partitioned_groups_flat"

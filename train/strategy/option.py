@@ -44,9 +44,10 @@ class Option:
     # ------------------------------------------------------------------ what the planner asks
     @property
     def splits_sequences(self) -> bool:
-        """Can a run under this option use sequence parallelism? Plain DDP refuses it
-        (DDPStrategy.check_sequence_parallel); every ZeRO stage splits sequences."""
-        return self.backend != "ddp"
+        """Can a run under this option use sequence parallelism? Its backend says
+        (train/strategy/registry.py; plain DDP refuses it: DDPStrategy.check_sequence_parallel)."""
+        import zerotrain.train.strategy.registry as registry
+        return registry.get(self.backend).splits_sequences
 
     @property
     def elem_bytes(self) -> int:
@@ -57,61 +58,25 @@ class Option:
     @classmethod
     def from_json(cls, label: str, path: Path, precision: Optional[str] = None,
                   width: Optional[int] = None) -> Option:
-        """From a DeepSpeed JSON file, in its own precision or `precision`; `width` (the model's
-        hidden size) fills the JSON's "auto" ZeRO sizes as a run would."""
-        from zerotrain.train.strategy.ds_config import precision_of, read_ds_json
+        """From a strategy JSON file, in its own precision or `precision`; `width` (the model's
+        hidden size) fills the JSON's "auto" sizes as a run would. The backend whose block the
+        file holds reads it (train/strategy/registry.py)."""
+        import zerotrain.train.strategy.registry as registry
+        from zerotrain.train.strategy.ds_config import read_ds_json
+        from zerotrain.train.strategy.precision import precision_of
         ds = read_ds_json(path)
         prec = precision or precision_of(path, ds)
-        if "ddp" in ds:
-            return cls(label, str(path), "ddp", None, prec,
-                       bucket_view=bool(ds["ddp"].get("gradient_as_bucket_view", False)),
-                       bucket_cap_mb=float(ds["ddp"].get("bucket_cap_mb", DDP_BUCKET_CAP_MB)))
-        zero = dict(ds.get("zero_optimization") or {"stage": 0})
-        return _zero(label, str(path), prec, zero, ds.get("data_types"), width)
+        return registry.for_json(ds).option(label, str(path), prec, ds, width)
 
     @classmethod
     def from_setup(cls, ds) -> Option:
         """From train.strategy.ds_config.DSSetup (the trainer's resolved JSON: no "auto" left)."""
-        if not ds.is_deepspeed:
-            return cls(ds.describe(), ds.path, "ddp", None, ds.precision,
-                       bucket_view=bool(ds.ddp_kwargs.get("gradient_as_bucket_view", False)),
-                       bucket_cap_mb=float(ds.ddp_kwargs.get("bucket_cap_mb", DDP_BUCKET_CAP_MB)))
-        return _zero(ds.describe(), ds.path, ds.precision, dict(ds.resolved.get("zero_optimization", {})),
-                     ds.resolved.get("data_types"))
+        import zerotrain.train.strategy.registry as registry
+        return registry.get(ds.backend).option(ds.describe(), ds.path, ds.precision, ds.resolved, None)
 
     @classmethod
     def default(cls, label: str, fname: str, precision: str) -> Option:
-        """DeepSpeed's defaults for a shipped JSON's name (ddp.json, zero2_offload.json, ...) when
-        ds_configs/ is not next to the package."""
-        if fname == "ddp.json":
-            return cls(label, None, "ddp", None, precision)
-        stage = int(fname[4])
-        zero = {"stage": stage}
-        if "offload" in fname:
-            zero["offload_optimizer"] = {"device": "cpu"}
-            if stage == 3:
-                zero["offload_param"] = {"device": "cpu"}
-        return _zero(label, None, precision, zero)
-
-
-def _zero(label, path, precision, zero, data_types=None, width=None) -> Option:
-    from zerotrain.train.strategy.ds_config import ACCUM_DTYPES, AUTO_SIZES, add_companion_sizes
-
-    def on(block):
-        return (zero.get(block) or {}).get("device") not in (None, "none")
-    notes = []
-    add_companion_sizes(zero)  # as train/strategy/ds_config.py sizes them for a run
-    for k, v in list(zero.items()):
-        if isinstance(v, str) and v.lower() == "auto":
-            if width and k in AUTO_SIZES:
-                zero[k] = AUTO_SIZES[k](width)   # what train/strategy/ds_config.py fills for this model
-            else:
-                zero.pop(k)                      # no width known: DeepSpeed's default stands in
-                notes.append('"auto" ZeRO sizes need the model width: DeepSpeed\'s defaults shown '
-                             '(5e8-element buckets; a run sizes them from its model)')
-    stage = int(zero.get("stage", 0))
-    accum = (data_types or {}).get("grad_accum_dtype")
-    # train/strategy/ds_config.py fills fp32 accumulation for bf16 from stage 1 when the JSON is silent.
-    fp32_accum = (ACCUM_DTYPES.get(str(accum).lower()) == "fp32") if accum else (precision == "bf16" and stage >= 1)
-    return Option(label, path, "deepspeed", stage, precision, on("offload_optimizer"), on("offload_param"), zero,
-                  grad_accum_fp32=fp32_accum and precision != "fp32", notes=tuple(dict.fromkeys(notes)))
+        """The backend's defaults for a shipped file's name (ddp.json, zero2_offload.json, ...)
+        when ds_configs/ is not next to the package."""
+        import zerotrain.train.strategy.registry as registry
+        return registry.for_option_file(fname).default_option(label, fname, precision)

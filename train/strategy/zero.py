@@ -8,11 +8,21 @@ from typing import Optional
 
 import torch
 
+import zerotrain.train.strategy.cost as cost
+import zerotrain.train.strategy.ds_config as ds_config
 import zerotrain.train.strategy.internals as internals
+import zerotrain.train.strategy.loss_scale as loss_scale
+import zerotrain.train.strategy.registry as registry
+from zerotrain.models.partitioned import PartitionedInit
 from zerotrain.train import testhooks
 from zerotrain.train.errors import ConfigError
-from zerotrain.train.optim import loss_scale
 from zerotrain.train.strategy.base import Strategy
+from zerotrain.train.strategy.option import Option
+
+# Strategy.malloc_figures by stage, from the cgroup peaks of BENCHMARKS.md "Host allocator on CPU".
+# ZeRO-0/1 hold the same flat buffers as ZeRO-2.
+GLIBC_GROWTH = {0: 1.05, 1: 1.05, 2: 1.05, 3: 1.50}
+COMPACT_COST = {0: 0.11, 1: 0.11, 2: 0.11, 3: 0.62}
 
 
 class ZeroStrategy(Strategy):
@@ -44,6 +54,12 @@ class ZeroStrategy(Strategy):
                               f"or remove it")
         return False
 
+    def check_frozen_copy(self, what: str) -> None:
+        if self.partitions_parameters:
+            raise ConfigError(f"{what} needs a reference model; under ZeRO-3 full fine-tuning has no "
+                              f"frozen copy (its parameters are partitioned): add model.lora (the reference is then "
+                              f"the base, adapters off), use ZeRO-0/1/2 or DDP, or train.dpo.loss simpo")
+
     def build_accelerator(self, batch, timeout_s: int):
         from accelerate.utils import DeepSpeedPlugin
 
@@ -51,18 +67,31 @@ class ZeroStrategy(Strategy):
         plugin = DeepSpeedPlugin(hf_ds_config=self.ds.resolved, zero3_init_flag=self.partitions_parameters)
         return build_accelerator(self.ds.accelerate_mixed_precision, batch, timeout_s, deepspeed_plugin=plugin)
 
+    def make_leaf_modules(self, model, classes) -> bool:
+        """ZeRO-3 leaf modules (deepspeed.utils.set_z3_leaf_modules): a block's parameters are
+        gathered as one unit when it starts, so ranks whose tokens reach different experts still
+        issue the same collectives (models/moe.py)."""
+        if not self.partitions_parameters:
+            return False
+        from deepspeed.utils import set_z3_leaf_modules
+        set_z3_leaf_modules(model, list(classes))
+        return True
+
     def init_context(self):
         """Build the model already partitioned under ZeRO-3 (a model larger than one device's
         memory never exists whole); an ordinary construction otherwise."""
         if not self.partitions_parameters:
             return super().init_context()
-        import deepspeed  # deferred: a DDP run never imports DeepSpeed (start-up time)
-        return lambda: deepspeed.zero.Init(config_dict_or_path=self.ds.resolved)
+        return ZeroInit(self.ds.resolved)
 
     def build_optimizer(self, model, optim_cfg):
-        from zerotrain.train.optim.optimizer import adamw, cpu_adamw
+        from zerotrain.train.optim.optimizer import adamw, groups_and_args
         if self.ds.offload_optimizer:
-            return cpu_adamw(model, optim_cfg)
+            # DeepSpeedCPUAdam in AdamW mode, the optimizer ZeRO offload steps on the host, over
+            # the same groups and arguments. It JIT-builds once (`make ops` ahead: docs/machine_notes.md).
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            groups, kw = groups_and_args(model, optim_cfg)
+            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
         return adamw(model, optim_cfg, fused=None)  # DeepSpeed steps its own flat partitions: torch's default
 
     def after_prepare(self, workload) -> dict:
@@ -151,9 +180,84 @@ class ZeroStrategy(Strategy):
             return Zero3Holder(raw_model, opt, rank, world)
         return for_zero12(raw_model, opt, rank, world)
 
+    def uses_shm_buffers(self) -> bool:
+        return internals.shm_comm_in_use()
+
     def step_target(self):
         return self.engine.optimizer
 
     @property
-    def malloc_key(self):
-        return self.stage
+    def malloc_figures(self) -> tuple[float, float]:
+        return GLIBC_GROWTH[self.stage], COMPACT_COST[self.stage]
+
+
+class ZeroInit(PartitionedInit):
+    """ZeRO-3's construction for the model builders (models/partitioned.py): deepspeed.zero.Init
+    with the run's resolved JSON, DeepSpeed's gather, its parameters' status."""
+
+    def __init__(self, config: dict):
+        self.config = config
+
+    def __call__(self):
+        import deepspeed  # deferred: a DDP run never imports DeepSpeed (start-up time)
+        return deepspeed.zero.Init(config_dict_or_path=self.config)
+
+    def partitioned(self, params) -> list:
+        return [p for p in params if hasattr(p, "ds_id")]
+
+    def needs_gather(self, tensor) -> bool:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        return getattr(tensor, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE
+
+    def gathered(self, params, modifier_rank=None):
+        import deepspeed
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+
+
+# ------------------------------------------------------------------ the registry entry
+def _option(label: str, path, precision: str, ds: dict, width=None) -> Option:
+    """A DeepSpeed file as the planner prices it: its ZeRO block, sized as a run sizes it."""
+    return _zero_option(label, path, precision, dict(ds.get("zero_optimization") or {"stage": 0}),
+                        ds.get("data_types"), width)
+
+
+def _default_option(label: str, fname: str, precision: str) -> Option:
+    """DeepSpeed's defaults for a shipped file's name (zero2.json, zero3_offload.json, ...)."""
+    stage = int(fname[4])
+    zero = {"stage": stage}
+    if "offload" in fname:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
+    return _zero_option(label, None, precision, zero)
+
+
+def _zero_option(label, path, precision, zero, data_types=None, width=None) -> Option:
+    def on(block):
+        return (zero.get(block) or {}).get("device") not in (None, "none")
+    notes = []
+    ds_config.add_companion_sizes(zero)  # as train/strategy/ds_config.py sizes them for a run
+    for k, v in list(zero.items()):
+        if isinstance(v, str) and v.lower() == "auto":
+            if width and k in ds_config.AUTO_SIZES:
+                zero[k] = ds_config.AUTO_SIZES[k](width)   # what train/strategy/ds_config.py fills for this model
+            else:
+                zero.pop(k)                      # no width known: DeepSpeed's default stands in
+                notes.append('"auto" ZeRO sizes need the model width: DeepSpeed\'s defaults shown '
+                             '(5e8-element buckets; a run sizes them from its model)')
+    stage = int(zero.get("stage", 0))
+    accum = (data_types or {}).get("grad_accum_dtype")
+    # train/strategy/ds_config.py fills fp32 accumulation for bf16 from stage 1 when the JSON is silent.
+    fp32_accum = (ds_config.ACCUM_DTYPES.get(str(accum).lower()) == "fp32") if accum else (precision == "bf16" and stage >= 1)
+    return Option(label, path, "deepspeed", stage, precision, on("offload_optimizer"), on("offload_param"), zero,
+                  grad_accum_fp32=fp32_accum and precision != "fp32", notes=tuple(dict.fromkeys(notes)))
+
+
+# Fastest first, with DDP's (ddp.py): more communication than DDP, then PCIe traffic.
+registry.register(registry.Backend(
+    name="deepspeed", block="zero_optimization", strategy=ZeroStrategy, setup=ds_config.deepspeed_setup,
+    option=_option, default_option=_default_option, cost=cost.zero, startup=cost.DEEPSPEED_STARTUP, default=True,
+    options=(registry.PlannerOption(1, "ZeRO-1", "zero1.json"), registry.PlannerOption(2, "ZeRO-2", "zero2.json"),
+             registry.PlannerOption(3, "ZeRO-3", "zero3.json"),
+             registry.PlannerOption(4, "ZeRO-2 + opt offload", "zero2_offload.json"),
+             registry.PlannerOption(5, "ZeRO-3 + param/opt offload", "zero3_offload.json"))))

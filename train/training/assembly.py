@@ -17,7 +17,6 @@ from torch.utils.data import DataLoader
 
 from zerotrain.models import build_workload, hidden_size_of, partition_summary
 from zerotrain.models import resolve as resolve_model
-from zerotrain.models.moe import make_leaf
 from zerotrain.train import testhooks
 from zerotrain.train.checkpoint.manager import Checkpointer
 from zerotrain.train.checkpoint.state import TrainState
@@ -236,7 +235,7 @@ def build_model(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed) -
     moe = workload.moe_info  # sparse-MoE blocks (hf: or py: models): leaves of partitioned parameters
     if moe is not None:      # before the engine hooks them
         if partitioned and not testhooks.fire("no_moe_leaf"):
-            make_leaf(workload.model, moe)
+            moe.leaf = strategy.make_leaf_modules(workload.model, moe.block_classes)
         if acc.is_main_process:
             print(f"zerotrain: {moe.banner(aux=workload.moe is not None)}", flush=True)
     if cfg.train.objective == "dpo":
@@ -278,7 +277,8 @@ def prepare(rt: Runtime, dist: Distributed, model: Model, loaders: Loaders) -> P
     train_loader, *val = strategy.prepare(dist.acc, workload.model, model.raw_optimizer, *loader_list)
     # The engine exists, so DeepSpeed's CPU shm all-reduce (if used) is set up on every rank:
     # each rank unlinks its /dev/shm buffer's name now (train/launch/shm_buffers.py).
-    released = shm_buffers.release_own_buffer(topo.rank, topo.world_size, barrier=torch.distributed.barrier)
+    released = shm_buffers.release_own_buffer(topo.rank, topo.world_size, strategy.uses_shm_buffers(),
+                                              barrier=torch.distributed.barrier)
     facts = dist.rank_facts
     if released is not None:
         facts["shm_buffer_released"] = str(released)

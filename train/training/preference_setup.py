@@ -48,10 +48,7 @@ def preference(cfg: RunConfig, workload: Workload, strategy: Strategy, device):
     if d.loss != "simpo" and d.reference == "precomputed":  # read with the data (load_data): no copy
         return Preference(d.loss, d.beta, d.gamma, precomputed=True)
     if d.loss != "simpo" and not lora:
-        if strategy.partitions_parameters:
-            raise ConfigError(f"train.dpo.loss {d.loss} needs a reference model; under ZeRO-3 full fine-tuning has no "
-                              f"frozen copy (its parameters are partitioned): add model.lora (the reference is then "
-                              f"the base, adapters off), use ZeRO-0/1/2 or DDP, or train.dpo.loss simpo")
+        strategy.check_frozen_copy(f"train.dpo.loss {d.loss}")
         if cfg.model.init_from:
             raise ConfigError("train.dpo: the reference of full fine-tuning is a copy of the model as built, before "
                               "model.init_from is loaded; export those weights as an hf: directory and name it in "

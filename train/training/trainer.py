@@ -174,7 +174,8 @@ class Trainer:
         window = Window(self.acc.device)
         # Measured model-state bytes of one early step (mem/* metrics), next to the plan's.
         report = MemoryReport(acc=self.acc, model=self.model, raw_optimizer=self.raw_optimizer,
-                              step_target=self.strategy.step_target(), start_step=self.state.step,
+                              step_target=self.strategy.step_target(), measure=self.strategy.measure_model_states,
+                              start_step=self.state.step,
                               max_steps=self.max_steps, log=self.loggers.log,
                               plan=self.memory_plan.estimate if self.memory_plan else None)
         self.log = components_.LogLine(

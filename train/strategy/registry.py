@@ -1,0 +1,109 @@
+"""The backends, one entry each: every backend module of this package registers itself at import
+(`register(Backend(...))` at its end: ddp.py, zero.py), and everything that lists or picks a
+backend asks here instead of naming one:
+
+  - `train.strategy.for_setup` makes the Strategy of the block a run's strategy JSON holds
+    (`for_json`);
+  - the planner's options (`planner_options`: train/plan/estimate.py OPTIONS, the candidates of
+    --ds-config auto and memory_check's advice, zerotrain check) and `zerotrain verify --matrix`
+    (its rows: one per option file) are the registered options, fastest first;
+  - the planner's cost of an option (train/strategy/cost.py `terms`) is its backend's `cost`.
+
+This module imports nothing of the project: the config layer (ds_config.py) reads it too, and
+the entries exist whenever any module of the package does (train/strategy/__init__.py imports
+every backend module).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class PlannerOption:
+    """One option the planner prices: a shipped strategy file (ds_configs/NAME) and its label.
+    `order` sorts every backend's options fastest first: the communication DDP has, then more
+    communication, then PCIe traffic (offload)."""
+
+    order: int
+    label: str
+    file: str
+
+    @property
+    def name(self) -> str:
+        """The file's name without ".json": a `zerotrain verify --matrix` row's strategy."""
+        return self.file.removesuffix(".json")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What zerotrain knows of one backend.
+
+    name       what a checkpoint and config.json record ("ddp", "deepspeed"), DSSetup.backend
+    block      the key of the strategy JSON block it owns ("ddp", "zero_optimization"); a JSON
+               without any registered block belongs to the entry with `default` True
+    strategy   the Strategy subclass (base.py) a run uses
+    setup      (path, json, precision, hidden_size, sizes_later) -> DSSetup: parses its block
+               (ds_config.py load_ds_setup, after the keys every file shares)
+    option     (label, path, precision, json, width) -> Option: the file reduced to what the
+               planner prices (option.py Option.from_json)
+    default_option (label, file, precision) -> Option: a shipped file's option without the file
+    options    the shipped files the planner offers (PlannerOption)
+    cost       (cost._Rank, batch, rank) -> (terms, caveats): the bytes a rank holds (cost.py)
+    startup    bytes a CPU rank grows by while its Accelerator starts (cost.py startup)
+    splits_sequences  can a run use sequence parallelism (the refusal a plan and the verify
+               matrix apply before a run would: Strategy.check_sequence_parallel)
+    """
+
+    name: str
+    block: str
+    strategy: type
+    setup: Callable
+    option: Callable
+    default_option: Callable
+    options: tuple = ()
+    cost: Optional[Callable] = None
+    startup: int = 0
+    splits_sequences: bool = True
+    default: bool = False
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Adds a backend; its name and its block are its own."""
+    for other in _BACKENDS.values():
+        if other.name != backend.name and (other.block == backend.block or (other.default and backend.default)):
+            raise ValueError(f"backend {backend.name!r} claims what {other.name!r} registered")
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def backends() -> list[Backend]:
+    return list(_BACKENDS.values())
+
+
+def get(name: str) -> Backend:
+    """The backend a DSSetup, an Option or a checkpoint names."""
+    return _BACKENDS[name]
+
+
+def for_json(ds: dict) -> Backend:
+    """The backend whose block the strategy JSON `ds` holds (the default one when none; the first
+    registered when it holds two: DDP's parser refuses DeepSpeed's keys in its file itself)."""
+    owners = [b for b in _BACKENDS.values() if b.block in ds]
+    if owners:
+        return owners[0]
+    return next(b for b in _BACKENDS.values() if b.default)
+
+
+def planner_options() -> list[PlannerOption]:
+    """Every registered backend's options, fastest first."""
+    return sorted((o for b in _BACKENDS.values() for o in b.options), key=lambda o: o.order)
+
+
+def for_option_file(fname: str) -> Backend:
+    """The backend that ships the option file `fname` (e.g. "zero2_offload.json")."""
+    return next(b for b in _BACKENDS.values() if any(o.file == fname for o in b.options))
