@@ -37,6 +37,10 @@ class EMA:
 
     # ------------------------------------------------------------------ the loop
     def before_step(self, step: int) -> None:
+        self._ready()
+
+    def _ready(self) -> None:
+        """The average and the (average, live) pairs the update walks, made once."""
         if self.average is None:  # a fresh run (or a checkpoint without one): the weights it starts from
             self.average = {s.name: self.holder.held(s).clone() for s in self.slots}
         if self._pairs is None:
@@ -55,7 +59,7 @@ class EMA:
     @contextlib.contextmanager
     def swapped(self):
         """The average in place of the live weights (every rank: the refresh is collective under ZeRO)."""
-        self.before_step(0)
+        self._ready()
         average, live = self._pairs
         kept = [t.clone() for t in live]
         self.holder.begin_load()
@@ -86,7 +90,7 @@ class EMA:
 
     def tensor(self, kind: str, slot: Slot) -> Optional[torch.Tensor]:
         """This rank's average of `slot` over slot.need (None: the slot has none)."""
-        self.before_step(0)
+        self._ready()
         return self.average.get(slot.name)
 
     def load_tensors(self, kind: str, read) -> None:

@@ -65,8 +65,8 @@ if TYPE_CHECKING:
     from zerotrain.train.plan.memory_plan import MemoryPlan
 
 
-def _nothing(step: int) -> None:
-    """A component without before_step."""
+def _nothing(_) -> None:
+    """An optional component hook (before_step, after_last) the component does not have."""
 
 
 @dataclass(eq=False, repr=False, kw_only=True)
