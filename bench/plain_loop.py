@@ -14,7 +14,8 @@ user would write around models/gpt.py, sharing nothing else with zerotrain.
   torch's default of every core per process); bench/stages.py runs it both ways and records the
   count each rank saw (`torch_threads`);
 - DeepSpeed: deepspeed.initialize with the config dict written out below from the same numbers
-  (no zerotrain config reader); DDP: a plain torch DistributedDataParallel loop;
+  (no zerotrain config reader); DDP: a plain torch DistributedDataParallel loop; FSDP2: torch's
+  fully_shard per block and root (`build_fsdp2`);
 - nothing set in the environment by this file (no huge pages, no allocator settings, no device
   override): bench/stages.py launches it in a clean environment.
 
@@ -44,7 +45,8 @@ from zerotrain.models.gpt import GPT, preset  # noqa: E402
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stage", required=True, choices=("ddp", "0", "1", "2", "3"))
+    p.add_argument("--stage", required=True, choices=("ddp", "0", "1", "2", "3", "fsdp2", "fsdp2_keep"),
+                   help="ddp, a ZeRO stage, or FSDP2 (fsdp2_keep: reshard_after_forward false)")
     p.add_argument("--offload", action="store_true", help="ZeRO optimizer offload to CPU (DeepSpeedCPUAdam)")
     p.add_argument("--data", required=True, help="the corpus bytes (byte-level tokens)")
     p.add_argument("--model", default="gpt-small-cpu")
@@ -173,11 +175,36 @@ def build_ddp(a, gcfg):
     return step
 
 
+def build_fsdp2(a, gcfg):
+    """torch's own FSDP2 recipe (torchtitan's): fully_shard each block, then the root; AdamW over
+    the DTensor shards; clip by the global norm (a DTensor reduction); no_sync-free accumulation."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(a.seed)
+    model = GPT(gcfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=a.stage == "fsdp2")
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    opt = optimizer(model, a)
+
+    def step(micro_batches):
+        for x, y in micro_batches:
+            (loss_of(model, x, y) / len(micro_batches)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
 def main(argv=None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     gcfg = preset(a.model, d_model=a.d_model, n_layer=a.n_layer, seq_len=a.seq_len, vocab_size=256)
-    step = build_ddp(a, gcfg) if a.stage == "ddp" else build_deepspeed(a, gcfg, world)
+    step = (build_ddp(a, gcfg) if a.stage == "ddp" else build_fsdp2(a, gcfg) if a.stage.startswith("fsdp2")
+            else build_deepspeed(a, gcfg, world))
     it = batches(a.data, a.seq_len, a.micro_batch, rank, world, a.seed)
     tokens_per_step = a.micro_batch * a.grad_accum * world * a.seq_len
     window_s, bounds = [], [time.time()]

@@ -248,6 +248,8 @@ def plain_args(a, ds: Path, data: Path, out: Path) -> list[str]:
     js = json.loads(ds.read_text())
     zero = js.get("zero_optimization", {})
     stage = "ddp" if "ddp" in js or "zero_optimization" not in js else str(zero.get("stage", 0))
+    if "fsdp" in js:
+        stage = "fsdp2" if js["fsdp"].get("reshard_after_forward", True) else "fsdp2_keep"
     offload = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
     return ["--stage", stage, *(["--offload"] if offload else []), "--data", str(data), "--model", a.model,
             "--d-model", str(a.d_model), "--n-layer", str(a.n_layer), "--seq-len", str(a.seq_len),

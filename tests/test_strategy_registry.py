@@ -25,8 +25,10 @@ def test_the_planner_auto_and_the_verify_matrix_list_the_registered_options_fast
     from zerotrain.train.plan.estimate import OPTIONS
     assert [(o.label, o.file) for o in registry.planner_options()] == SHIPPED
     assert list(OPTIONS) == SHIPPED
-    assert matrix_strategies() == tuple((f.removesuffix(".json"), f != "ddp.json") for _, f in SHIPPED)
-    assert {b.name for b in registry.backends()} == {"ddp", "deepspeed"}
+    # The matrix adds the options no auto choice takes: FSDP2's two (no sequence parallelism).
+    assert matrix_strategies() == tuple((f.removesuffix(".json"), f != "ddp.json") for _, f in SHIPPED) + (
+        ("fsdp2_keep", False), ("fsdp2", False))
+    assert {b.name for b in registry.backends()} == {"ddp", "deepspeed", "fsdp2"}
 
 
 @pytest.mark.parametrize("label,fname", SHIPPED)

@@ -1,4 +1,4 @@
-"""The training program's flags: --config, --ds-config, --resume, --debug and dotted overrides
+"""The training program's flags: --config, --strategy (alias --ds-config), --resume, --debug and dotted overrides
 (train/main.py, `zerotrain train`); `--help` lists every option with its
 attribute docstring."""
 
@@ -14,15 +14,16 @@ from zerotrain.train.cli_args import ArgumentParser, Value
 from zerotrain.train.config import RunConfig
 from zerotrain.train.errors import ConfigError
 
-TRAIN_USAGE = """usage: train/main.py [--config RUN.yaml|json] [--ds-config DS.json] [--resume auto|none|PATH]
+TRAIN_USAGE = """usage: train/main.py [--config RUN.yaml|json] [--strategy FILE.json] [--resume auto|none|PATH]
                      [--debug] [--<section>.<key> VALUE ...]
 
 Train with the run file's settings, overridden by dotted options, e.g.
   --optim.lr 3e-4 --train.micro_batch_size 16 --model.name gpt2-124m --train.run_dir runs/x
 data: has the keys of its data.kind, model: those of the family its model.name names (one
 group each below); --data.kind and --model.name apply before the other options.
-The DeepSpeed JSON (ZeRO stage, offload, precision) comes from --ds-config, the run
-file's distributed.ds_config, the accelerate YAML, or ds_configs/zero2.json.
+The strategy file (ds_configs/*.json: the backend, DDP, DeepSpeed ZeRO 0-3 with offload or
+FSDP2, and the precision) comes from --strategy (--ds-config is the same flag), the run file's
+distributed.ds_config, the accelerate YAML, or ds_configs/zero2.json.
 --local_rank (appended by the deepspeed launcher) is accepted and ignored.
 
 Options (default):
@@ -104,7 +105,7 @@ SHORTHANDS = {"--resume": "checkpoint.resume", "--peak-flops": "logging.peak_flo
 def _parser() -> ArgumentParser:
     p = ArgumentParser("train/main.py", lambda: TRAIN_USAGE + options_help())
     p.add_argument("--config", "-c", action=Value)
-    p.add_argument("--ds-config", action=Value)
+    p.add_argument("--strategy", "--ds-config", dest="ds_config", action=Value)
     p.add_argument("--debug", action="store_true")
     # The deepspeed launcher's; LOCAL_RANK is in the environment too.
     p.add_argument("--local_rank", "--local-rank", action=Value)
@@ -124,7 +125,7 @@ def parse_overrides(rest: list[str]) -> list[tuple[str, str]]:
         flag, eq, value = rest[i].partition("=")
         key = SHORTHANDS.get(flag) or (flag[2:] if flag.startswith("--") and "." in flag else None)
         if key is None:
-            raise ConfigError(f"unknown argument {rest[i]!r}; options are --config, --ds-config, --resume, --debug "
+            raise ConfigError(f"unknown argument {rest[i]!r}; options are --config, --strategy (--ds-config), --resume, --debug "
                               f"and dotted keys like --optim.lr 3e-4 (see --help)")
         if not eq:
             # The next argument is the value unless it is another flag; a negative number is a value.

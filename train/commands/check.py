@@ -110,7 +110,8 @@ def run_checks(args) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="zerotrain check", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="run file (YAML/JSON)")
-    p.add_argument("--ds-config", help="DeepSpeed JSON")
+    p.add_argument("--strategy", "--ds-config", dest="ds_config", help="the strategy file (ds_configs/*.json: DDP, "
+                   "DeepSpeed ZeRO or FSDP2); --ds-config is the same flag")
     p.add_argument("--hostfile", help="DeepSpeed hostfile; every host is also ssh-probed as deepspeed --hostfile "
                    "will use it (in parallel, 5 s connect timeout), and pdsh looked for if there are several")
     p.add_argument("--ssh-port", "--ssh_port", type=int, metavar="N",

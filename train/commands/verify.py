@@ -28,7 +28,7 @@ to the run, against the fp32 reference). A model whose first AdamW steps amplify
 thing, while a real bug, a factor on the gradient or the update from the step where it starts,
 stays far above a floor of rounding. A run within the band costs no extra launch.
 
---matrix checks every shipped strategy (ds_configs/: DDP, ZeRO-1/2/3, offload) in fp32 on 1 and
+--matrix checks every shipped strategy (ds_configs/: DDP, ZeRO-1/2/3, offload, FSDP2) in fp32 on 1 and
 N processes, and on N processes with the accumulation doubled at the same global batch, against
 one reference, a row per combination (combinations() lists them). What the run file itself uses
 (LoRA, packing, sequence parallelism) stays on in every row and is named in it; a GPT run file
@@ -53,7 +53,7 @@ from zerotrain.train.args import parse_overrides
 from zerotrain.train.cli_args import ArgumentParser, Value
 from zerotrain.train.errors import ConfigError, UserError, user_errors
 
-USAGE = """usage: zerotrain verify RUN_FILE [--ds-config F] [--nproc N] [--steps K] [--matrix] [--keep DIR]
+USAGE = """usage: zerotrain verify RUN_FILE [--strategy F] [--nproc N] [--steps K] [--matrix] [--keep DIR]
                         [--section.key VALUE ...]
 
 Runs RUN_FILE's model, data, batch and optimizer settings for K optimizer steps twice: as a
@@ -62,10 +62,11 @@ the run file's distributed.ds_config) on N processes. After each step it compare
 the global gradient norm and a checksum of the updated parameters, prints a table and the
 first step and quantity that differ beyond the tolerance, and exits 0 (agree) or 1 (differ).
 
-  --ds-config F   the strategy to check (a ds_configs JSON; ds_configs/ddp.json = plain DDP)
+  --strategy F    the strategy file to check (a ds_configs JSON: ddp.json plain DDP, zero*.json
+                  DeepSpeed, fsdp2*.json FSDP2); --ds-config F is the same flag
   --nproc N       processes of the run checked (default 2)
   --steps K       optimizer steps (default 3)
-  --matrix        instead: every shipped strategy (DDP, ZeRO-1/2/3, offload) in fp32 on 1 and
+  --matrix        instead: every shipped strategy (DDP, ZeRO-1/2/3, offload, FSDP2) in fp32 on 1 and
                   N processes and on N with the accumulation doubled (same global batch), plus
                   sequence parallelism 2 (ZeRO-2, ZeRO-3) for a GPT model; the run file's own LoRA,
                   packing and SP stay on in every row. One row each (2 to 3 launches a strategy:
@@ -99,7 +100,7 @@ def matrix_strategies() -> tuple[tuple[str, bool], ...]:
     """(ds_configs file name without .json, splits sequences) of every registered backend's
     planner options, fastest first (train/strategy/registry.py): the matrix's strategies."""
     import zerotrain.train.strategy.registry as registry
-    return tuple((o.name, registry.for_option_file(o.file).splits_sequences) for o in registry.planner_options())
+    return tuple((o.name, registry.for_option_file(o.file).splits_sequences) for o in registry.planner_options(every=True))
 
 
 @dataclass
@@ -131,7 +132,7 @@ class Result:
 def parse(argv: list[str]) -> Options:
     p = ArgumentParser("zerotrain verify", USAGE)
     p.add_argument("run_file", nargs="?")
-    p.add_argument("--ds-config", action=Value)
+    p.add_argument("--strategy", "--ds-config", dest="ds_config", action=Value)
     p.add_argument("--nproc", action=Value, convert=int, default=2)
     p.add_argument("--steps", action=Value, convert=int, default=3)
     p.add_argument("--keep", action=Value)

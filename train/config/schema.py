@@ -395,11 +395,12 @@ class LoggingConfig:
 @dataclass
 class DistributedConfig:
     ds_config: Optional[str] = None
-    """DeepSpeed JSON: ZeRO stage, offload and precision (ds_configs/ddp.json = plain DDP).
+    """The strategy file: backend, ZeRO stage, offload and precision (ds_configs/ddp.json = plain
+    DDP, zero*.json = DeepSpeed, fsdp2*.json = FSDP2).
     None = the accelerate YAML's deepspeed_config_file under `accelerate launch`, else
     ds_configs/zero2.json. "auto": the fastest of ds_configs/{ddp,zero1,zero2,zero3,...}.json
-    that fits this device's memory ("auto:DIR": the same file names in DIR). --ds-config on the
-    command line sets it too."""
+    that fits this device's memory ("auto:DIR": the same file names in DIR; FSDP2 files are not
+    candidates). --strategy (or --ds-config) on the command line sets it too."""
     timeout_s: int = 1800
     """Collective timeout: a rank waiting longer on a dead peer exits with an error."""
     memory_check: bool = True

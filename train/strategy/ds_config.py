@@ -102,6 +102,7 @@ class DSSetup:
     grad_scaler: dict | None = None   # DDP fp16: torch GradScaler arguments from the "fp16" block
     precision_why: str | None = None  # how an "auto" bf16/fp16.enabled was resolved (banner); None: the JSON says
     resolved: dict = field(default_factory=dict)   # what DeepSpeed receives, no "auto" left
+    settings: dict = field(default_factory=dict)   # a backend's own block as its parser read it (FSDP2's)
 
     @property
     def is_deepspeed(self) -> bool:
@@ -113,6 +114,10 @@ class DSSetup:
         return self.is_deepspeed and self.stage == 3
 
     def describe(self) -> str:
+        import zerotrain.train.strategy.registry as registry
+        own = registry.get(self.backend).describe if self.backend in {b.name for b in registry.backends()} else None
+        if own is not None:
+            return own(self)
         if not self.is_deepspeed:
             return f"DDP ({self.precision})"
         parts = [f"ZeRO-{self.stage}"]
@@ -223,7 +228,7 @@ def load_ds_setup(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda:
     _check_optimizer(path, ds, cfg.optim)
     _check_scheduler(path, ds, cfg.optim, max_steps)
     import zerotrain.train.strategy.registry as registry
-    setup = registry.for_json(ds).setup(path, ds, precision, hidden_size, sizes_later)
+    setup = registry.for_json(ds, path).setup(path, ds, precision, hidden_size, sizes_later)
     setup.precision_why = why
     return setup
 

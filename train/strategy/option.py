@@ -23,7 +23,7 @@ class Option:
 
     label: str
     path: Optional[str]
-    backend: str                # "ddp" | "deepspeed"
+    backend: str                # the registry's name: "ddp" | "deepspeed" | "fsdp2"
     stage: Optional[int]
     precision: str              # "bf16" | "fp16" | "fp32"
     offload_optimizer: bool = False
@@ -32,6 +32,7 @@ class Option:
     bucket_view: bool = True    # DDP gradient_as_bucket_view
     bucket_cap_mb: float = DDP_BUCKET_CAP_MB
     grad_accum_fp32: bool = False  # 16-bit training accumulating gradients in fp32 (data_types)
+    reshard_after_forward: bool = True  # FSDP2: a unit's gathered parameters freed after its forward
     notes: tuple = ()
 
     def z(self, key):
@@ -66,7 +67,7 @@ class Option:
         from zerotrain.train.strategy.precision import precision_of
         ds = read_ds_json(path)
         prec = precision or precision_of(path, ds)
-        return registry.for_json(ds).option(label, str(path), prec, ds, width)
+        return registry.for_json(ds, path).option(label, str(path), prec, ds, width)
 
     @classmethod
     def from_setup(cls, ds) -> Option:

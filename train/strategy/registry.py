@@ -29,6 +29,9 @@ class PlannerOption:
     order: int
     label: str
     file: str
+    #: a candidate of --ds-config auto and of the plan's recommendation (and so of memory_check's
+    #: advice); False: priced when a run names the file, and a `zerotrain verify --matrix` row
+    auto: bool = True
 
     @property
     def name(self) -> str:
@@ -54,6 +57,7 @@ class Backend:
     startup    bytes a CPU rank grows by while its Accelerator starts (cost.py startup)
     splits_sequences  can a run use sequence parallelism (the refusal a plan and the verify
                matrix apply before a run would: Strategy.check_sequence_parallel)
+    describe   (DSSetup) -> the phrase banners and errors name the resolved file by, e.g. "DDP (fp32)"
     """
 
     name: str
@@ -67,6 +71,7 @@ class Backend:
     startup: int = 0
     splits_sequences: bool = True
     default: bool = False
+    describe: Optional[Callable] = None
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -90,18 +95,25 @@ def get(name: str) -> Backend:
     return _BACKENDS[name]
 
 
-def for_json(ds: dict) -> Backend:
-    """The backend whose block the strategy JSON `ds` holds (the default one when none; the first
-    registered when it holds two: DDP's parser refuses DeepSpeed's keys in its file itself)."""
+def for_json(ds: dict, path=None) -> Backend:
+    """The backend whose block the strategy JSON `ds` (read from `path`) holds: the default one
+    when none. A file with the blocks of two backends is refused (errors.ConfigError) where the
+    pair of blocks DDP's parser names itself (DDP's and DeepSpeed's: "ddp" and "zero_optimization")."""
     owners = [b for b in _BACKENDS.values() if b.block in ds]
+    if len(owners) > 1 and {owners[0].name, owners[1].name} != {"ddp", "deepspeed"}:
+        from zerotrain.train.errors import ConfigError
+        raise ConfigError(f'{path or "the strategy file"}: "{owners[0].block}" ({owners[0].name}) and '
+                          f'"{owners[1].block}" ({owners[1].name}) in one file: a file selects one backend; '
+                          f"remove one of the blocks")
     if owners:
         return owners[0]
     return next(b for b in _BACKENDS.values() if b.default)
 
 
-def planner_options() -> list[PlannerOption]:
-    """Every registered backend's options, fastest first."""
-    return sorted((o for b in _BACKENDS.values() for o in b.options), key=lambda o: o.order)
+def planner_options(every: bool = False) -> list[PlannerOption]:
+    """The registered backends' options, fastest first: the candidates of --ds-config auto and of
+    the plan's recommendation, or with `every` all of them (the rows of `zerotrain verify --matrix`)."""
+    return sorted((o for b in _BACKENDS.values() for o in b.options if every or o.auto), key=lambda o: o.order)
 
 
 def for_option_file(fname: str) -> Backend:
