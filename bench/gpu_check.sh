@@ -18,7 +18,7 @@
 #               Accelerate's GradScaler for DDP): the scale changes, an overflowing step is
 #               skipped (skipped_steps > 0; the JSON starts at 2^24 so the first steps overflow),
 #               the loss falls.
-#      bf16_{ddp,zero0,...,zero3}, bf16_agree  the same small model, data and seed under each:
+#      bf16_{ddp,zero0,...,zero3,fsdp2}, bf16_agree  the same small model, data and seed under each:
 #               every run's loss falls, and the logged losses agree within 2% at every logged
 #               step (bench/gpu_checks.py BF16_RTOL says why 2%).
 #      (all ten small runs at once on the one GPU: correctness, not speed)
@@ -35,8 +35,8 @@
 #               token file, bf16, DDP, one GPU: the trainer's own MFU (metrics.jsonl) >= 50%;
 #      mfu_independent[_compiled]  bench/gpu_mfu.py: the same model timed without the trainer.
 #               (_compiled: hardware.compile / torch.compile; ZT_GPU_MFU_COMPILE=0 leaves them out.)
-#   3. stage_<cfg>, plan_<cfg>  bench/stages.py --nproc 1 per config: trainer vs the minimal
-#               deepspeed loop (tokens/s ratio >= 0.97: the ≤ 3% overhead target), peak memory
+#   3. stage_<cfg>, plan_<cfg>  bench/stages.py --nproc 1 per config (ddp zero2 zero3 fsdp2 zero0
+#               zero1): trainer vs the minimal deepspeed (FSDP2: fully_shard) loop (tokens/s ratio >= 0.97: the ≤ 3% overhead target), peak memory
 #               vs the planner's peak.
 #
 # Overrides: ZT_GPU_BF16 / ZT_GPU_STAGES (config lists), ZT_GPU_SITE, ZT_GPU_DATA, PYTHON.
@@ -156,7 +156,7 @@ fi
 QUIET=(--train.eval_every 0 --train.eval_batches 1 --train.sample_tokens 0 --logging.progress false
        --checkpoint.save_at_end false --checkpoint.export false)
 FP16_CFGS="ddp zero0 zero1 zero2 zero3"
-BF16_CFGS=${ZT_GPU_BF16:-"ddp zero0 zero1 zero2 zero3"}
+BF16_CFGS=${ZT_GPU_BF16:-"ddp zero0 zero1 zero2 zero3 fsdp2"}
 [ $DRY = 1 ] && BF16_CFGS=${ZT_GPU_BF16:-"ddp zero0 zero3"}
 
 check_fp16() { $CHK fp16 "$1" "$RUNS/$1"; }
@@ -286,7 +286,7 @@ if [ $DRY = 0 ]; then
   # GPT-2-124M's shape on byte-level text (vocab 256: 85M parameters), 1024-token sequences.
   STAGE_ARGS=(--model gpt2-124m --d-model 768 --n-layer 12 --seq-len 1024 --micro-batch 16 --max-bytes 4000000
               --steps 40 --warmup 10 --window 10 --precision json --plain-threads default)
-  STAGE_CFGS=${ZT_GPU_STAGES:-"ddp zero2 zero3 zero0 zero1"} MIN_RATIO=0.97 STAGE_NOTE=""  # zero1 last: first cut
+  STAGE_CFGS=${ZT_GPU_STAGES:-"ddp zero2 zero3 fsdp2 zero0 zero1"} MIN_RATIO=0.97 STAGE_NOTE=""  # zero1 last: first cut
 else
   STAGE_ARGS=(--quick --precision fp32 --plain-threads default)
   STAGE_CFGS=${ZT_GPU_STAGES:-"zero2"} MIN_RATIO=0.5 STAGE_NOTE="dry run: 2 shared CPU cores, ratio floor 0.5"

@@ -181,10 +181,14 @@ def build_fsdp2(a, gcfg):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     torch.manual_seed(a.seed)
-    model = GPT(gcfg)
+    model = GPT(gcfg).to(device)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=a.stage == "fsdp2")
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
@@ -192,7 +196,7 @@ def build_fsdp2(a, gcfg):
 
     def step(micro_batches):
         for x, y in micro_batches:
-            (loss_of(model, x, y) / len(micro_batches)).backward()
+            (loss_of(model, x.to(device), y.to(device)) / len(micro_batches)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -146,6 +146,20 @@ def test_zero3_losses_equal_ddp_aux_loss_included(zero3, ddp):
 
 
 @pytest.mark.multiproc
+def test_fsdp2_trains_experts_no_token_of_a_rank_reaches(moe, zero3, tmp_path_factory):
+    """FSDP2 with each rank's tokens routed to disjoint experts: the experts a rank did not use
+    still join their block's reduce-scatter (zeros), so the run neither hangs nor differs from
+    ZeRO-3's."""
+    run = launch(moe, "fsdp2", ds_variant(tmp_path_factory.mktemp("ds"), "fsdp2", "fsdp2_fp32",
+                                          bf16={"enabled": False}, fp16={"enabled": False}), timeout=NO_LEAF_TIMEOUT)
+    assert len(run.rows) == len(zero3.rows) == STEPS
+    for a, b in zip(run.rows, zero3.rows):
+        for k in ("loss", "loss/lm", "loss/aux"):
+            assert abs(a[k] - b[k]) < 1e-5, (k, a, b)
+        assert a["moe/expert_tokens"] == b["moe/expert_tokens"], (a, b)
+
+
+@pytest.mark.multiproc
 def test_aux_loss_and_expert_load_are_logged_per_interval(zero3):
     tokens_per_step = 2 * MICRO * ACCUM * SEQ
     for r in zero3.rows:

@@ -80,7 +80,8 @@ def test_matrix_rows_vary_accumulation_and_sp_and_keep_the_run_files_own_setting
     row per strategy, SP rows for a GPT, the run file's LoRA named in every row."""
     from zerotrain.train.commands.verify import combinations, matrix_strategies
     from zerotrain.train.config import load_config
-    shipped = ["ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"]  # the registry's options, in order
+    shipped = ["ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",  # the registry's options, in order
+               "fsdp2_keep", "fsdp2"]
     assert [s for s, _ in matrix_strategies()] == shipped
     rows = combinations(load_config(DEFAULT, []), 2)
     names = [c.name for c in rows]
@@ -90,9 +91,10 @@ def test_matrix_rows_vary_accumulation_and_sp_and_keep_the_run_files_own_setting
 
 
 def test_matrix_accumulation_and_sp_rows_agree_with_the_reference(tmp_path):
-    """Two real rows (--only): ZeRO-2 with the micro-batch split into twice the accumulation, and
-    ZeRO-3 with sequence parallelism 2, each against the 1-process reference."""
-    for only in ("zero2_w2_accum2", "zero3_w2_sp2"):
+    """Three real rows (--only): ZeRO-2 with the micro-batch split into twice the accumulation,
+    ZeRO-3 with sequence parallelism 2, and FSDP2 with twice the accumulation, each against the
+    1-process reference."""
+    for only in ("zero2_w2_accum2", "zero3_w2_sp2", "fsdp2_w2_accum2"):
         cmd = [sys.executable, "-m", "zerotrain.train.cli", "verify", DEFAULT, "--matrix", "--only", only,
                "--steps", "2", "--keep", str(tmp_path / only)]
         proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env({}), capture_output=True, text=True, timeout=600)

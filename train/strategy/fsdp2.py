@@ -224,6 +224,9 @@ def shard(model: torch.nn.Module, device, reshard_after_forward: bool, precision
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     # The root keeps its own parameters (embeddings, head) gathered after forward: its backward comes last.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    # A parameter without a gradient on one rank (a sparse-MoE expert its tokens did not reach)
+    # joins its unit's reduce-scatter with zeros, so every rank reduces the same tensors.
+    model.set_reduce_scatter_unused_params(True)
 
 
 # ------------------------------------------------------------------ checkpoints
