@@ -57,6 +57,8 @@ QUICK_TIER = {
     "test_checkpoint.py::test_zero3_resume_is_bit_identical": "exact resume, partitioned ZeRO-3 checkpoint (2)",
     "test_checkpoint.py::test_zero3_export_equals_checkpoint": "partitioned ZeRO-3 export, live = offline",
     "test_checkpoint.py::test_init_from_exported_weights": "a new run from the export (1 process)",
+    "test_fsdp2.py::test_zero3_checkpoint_resumes_under_fsdp2_on_one_process": "FSDP2, the third backend: a "
+                                                                               "ZeRO-3 checkpoint resumed under it (2)",
     "test_checkpoint.py::test_one_process_checkpoint_resumes_on_two": "resume onto another world size and stage",
     "test_lora.py::test_lora_round_trip_under_partitioned_zero3": "LoRA under ZeRO-3: save, resume, PEFT (3)",
     "test_multinode.py::test_torchrun_two_nodes_c10d_rendezvous": "one two-node launch (the ssh rig)",

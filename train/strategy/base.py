@@ -1,5 +1,5 @@
 """What a training backend is to the rest of zerotrain: one object per backend (plain DDP,
-DeepSpeed ZeRO 0-3 with offload) owns everything that differs between them, so no other module
+DeepSpeed ZeRO 0-3 with offload, FSDP2) owns everything that differs between them, so no other module
 asks which one runs (tests/test_structure.py counts the places that still do).
 
 A Strategy is made from the run's resolved DeepSpeed JSON (train/strategy/ds_config.py
@@ -34,10 +34,10 @@ if TYPE_CHECKING:
 
 
 class Strategy:
-    """The interface, with what both backends share. Subclasses: DDPStrategy (ddp.py) and
-    ZeroStrategy (zero.py)."""
+    """The interface, with what the backends share. Subclasses: DDPStrategy (ddp.py), ZeroStrategy
+    (zero.py) and FSDP2Strategy (fsdp2.py)."""
 
-    #: "ddp" | "deepspeed": the name a checkpoint and config.json record
+    #: "ddp" | "deepspeed" | "fsdp2": the name a checkpoint and config.json record
     backend: str = ""
 
     def __init__(self, ds: DSSetup):

@@ -92,6 +92,8 @@ def describe(ds) -> str:
 # ------------------------------------------------------------------ the strategy
 class FSDP2Strategy(Strategy):
     backend = "fsdp2"
+    #: where the model is sharded (the Accelerator's device: build_accelerator sets it)
+    device = torch.device("cpu")
 
     @property
     def reshard_after_forward(self) -> bool:
