@@ -30,7 +30,7 @@ import zerotrain.train.strategy.ds_config as ds_config
 import zerotrain.train.strategy.registry as registry
 from zerotrain.train.errors import ConfigError, did_you_mean
 from zerotrain.train.strategy.base import Strategy, param_projection
-from zerotrain.train.strategy.holders import Holder, Slot, named_unique_params, new_adam_state
+from zerotrain.train.strategy.holders import Slot, TorchOptimizerHolder, named_unique_params
 from zerotrain.train.strategy.option import Option
 
 BLOCK = "fsdp"
@@ -232,7 +232,7 @@ def shard(model: torch.nn.Module, device, reshard_after_forward: bool, precision
 
 
 # ------------------------------------------------------------------ checkpoints
-class ShardHolder(Holder):
+class ShardHolder(TorchOptimizerHolder):
     """FSDP2: parameter p of R rows is split like torch.chunk, rank r owning rows
     [min(R, r*ceil(R/W)), min(R, (r+1)*ceil(R/W))): a contiguous element range of the flattened
     parameter, held as the DTensor's local tensor (the optimizer's moments are sharded alike)."""
@@ -268,14 +268,6 @@ class ShardHolder(Holder):
     def write(self, slot, kind, values):
         with torch.no_grad():
             self._flat(slot, kind).copy_(values)
-
-    def _state(self, slot):
-        return self.optimizer.state.get(slot.param)
-
-    def prepare_moments(self):
-        for s in self.slots:
-            if s.trainable and not self.optimizer.state.get(s.param):
-                self.optimizer.state[s.param] = new_adam_state(self.optimizer, s.param)
 
     def full_param(self, slot):
         p = slot.param

@@ -141,7 +141,22 @@ class Holder:
         raise NotImplementedError
 
 
-class ReplicaHolder(Holder):
+class TorchOptimizerHolder(Holder):
+    """A holder whose torch optimizer steps the model's own parameters (keyed by them in its
+    state): ReplicaHolder here, FSDP2's ShardHolder (fsdp2.py)."""
+
+    optimizer = None
+
+    def _state(self, slot):
+        return self.optimizer.state.get(slot.param)
+
+    def prepare_moments(self):
+        for s in self.slots:
+            if s.trainable and not self.optimizer.state.get(s.param):
+                self.optimizer.state[s.param] = new_adam_state(self.optimizer, s.param)
+
+
+class ReplicaHolder(TorchOptimizerHolder):
     """Every rank holds the whole model and optimizer: rank r writes 1/W of each tensor."""
 
     name = "replica"
@@ -168,14 +183,6 @@ class ReplicaHolder(Holder):
         a, b = slot.need
         target = slot.param.data if kind == "param" else self.optimizer.state[slot.param][kind]
         target.view(-1)[a:b].copy_(values)
-
-    def _state(self, slot):
-        return self.optimizer.state.get(slot.param)
-
-    def prepare_moments(self):
-        for s in self.slots:
-            if s.trainable and not self.optimizer.state.get(s.param):
-                self.optimizer.state[s.param] = new_adam_state(self.optimizer, s.param)
 
     def full_param(self, slot):
         return slot.param.detach().float().cpu().reshape(slot.shape)
