@@ -79,6 +79,16 @@ class Workload:
             return F.cross_entropy(out, batch["labels"])
         return F.mse_loss(out, batch["y"].float())
 
+    def positions(self, batch) -> int:
+        """Token positions the model's training forward ran on for this micro-batch: the batch as
+        built, padding included (a fixed-length row, a row padded to its batch's longest
+        record, preference pairs as rows or packed into rows). Shapes only: no device read.
+        0 for a batch without token rows (images, regression)."""
+        if self.preference is not None:
+            return self.preference.positions(batch)
+        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+        return ids.numel() if ids is not None else 0
+
     @torch.no_grad()
     def eval_stats(self, model, batch) -> dict[str, torch.Tensor]:
         """Per-sample statistics (shape [B]) so that gather_for_metrics can drop padding exactly.

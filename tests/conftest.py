@@ -132,6 +132,15 @@ def clean_env(monkeypatch):
     os.environ.update(saved)
 
 
+@pytest.fixture
+def fresh_accelerate():
+    """Accelerate's process-wide state forgotten after an in-process main() (the next in-process
+    run starts its own, as a launched one does)."""
+    yield
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """Text -> a local BPE tokenizer -> token files (train + sibling val) via `zerotrain prepare`."""
