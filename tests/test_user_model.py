@@ -73,6 +73,45 @@ def test_a_bad_factory_stops_in_one_line_with_exit_2(capsys, tmp_path, name, kwa
     assert says in lines[0] and name in lines[0], lines[0]
 
 
+@pytest.mark.parametrize("ds", ["zero2_fp32", "ddp"])
+def test_a_factory_that_raises_stops_with_its_own_exception_in_one_line(capsys, tmp_path, ds, fresh_accelerate):
+    """The factory's own error (its type and message, with model.name), before the model is built:
+    under ZeRO-2's "auto" bucket sizes it was a line about a missing hidden size, under DDP a traceback."""
+    name = "py:user_models.bad:raises"
+    code, err = run_main(capsys, [*TINY, "--model.name", name, "--ds-config", str(REPO / "ds_configs" / f"{ds}.json"),
+                                  "--train.max_steps", "1", "--train.run_dir", str(tmp_path / "run")])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert f'model.name "{name}": the factory raised ValueError: d=32 must be a multiple of 64' in lines[0], lines[0]
+
+
+def test_a_factory_that_fails_only_on_the_meta_device_trains_unchecked_with_a_note(capsys, tmp_path, clean_env,
+                                                                                    fresh_accelerate):
+    """The documented promise: built once on the CPU for the ZeRO-2 "auto" sizes' width, then the
+    run trains, and says that the memory check could not size it."""
+    from zerotrain.train.main import main
+    name = "py:user_models.bad:meta_hostile"
+    assert main([*TINY, "--model.name", name, "--ds-config", str(REPO / "ds_configs" / "zero2_fp32.json"),
+                 "--train.max_steps", "2", "--train.eval_every", "0", "--logging.trackers", "jsonl",
+                 "--train.run_dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert f'the factory of model.name "{name}" cannot build on the meta device' in out and "trains unchecked" in out, out
+    assert len([r for r in metrics(tmp_path / "run") if "loss" in r]) == 2
+
+
+def test_lm_logits_of_the_wrong_shape_stop_in_one_line_naming_the_contract(capsys, tmp_path, fresh_accelerate):
+    """model.loss lm with a forward that returns (B, V): one line naming model.name and the
+    (B, T, V) contract, instead of a traceback from inside the loss at step 1."""
+    name = "py:user_models.bad:flat_logits"
+    code, err = run_main(capsys, [*TINY, "--model.name", name, "--model.loss", "lm", "--ds-config",
+                                  str(REPO / "ds_configs" / "ddp.json"), "--train.max_steps", "1",
+                                  "--logging.trackers", "jsonl", "--train.run_dir", str(tmp_path / "run")])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert f'model.name "{name}" with model.loss lm' in lines[0] and "returned shape (4, 256)" in lines[0], lines[0]
+    assert "(B, T, V) = (4, 64, vocab)" in lines[0], lines[0]
+
+
 @pytest.mark.parametrize("override,says", [
     (["--model.kwargs", "{d: 1}"], "model.kwargs is not a key of model family gpt (its keys: name, "),
     (["--model.loss", "lm"], "model.loss is not a key of model family gpt"),
