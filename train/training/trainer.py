@@ -308,9 +308,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ start / finish / close
     def start(self):
-        # After build() restored the checkpoint state: a resumed run continues its W&B run.
-        self.wandb, self.tracker_lines, self.state.wandb_run_id = trackers.start(
-            self.acc, self.cfg, self.loggers, self.state.wandb_run_id, self.run_dir, self.resolved_config)
+        # After build() restored the checkpoint state: a resumed run continues its W&B and MLflow runs.
+        self.wandb, self.tracker_lines, self.state.wandb_run_id, self.state.mlflow_run_id = trackers.start(
+            self.acc, self.cfg, self.loggers, self.state.wandb_run_id, self.run_dir, self.resolved_config,
+            self.state.mlflow_run_id)
         if self.elastic:
             self.elastic.note_wandb(self.state.wandb_run_id)
         self._t_start = time.perf_counter()
