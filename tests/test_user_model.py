@@ -54,6 +54,24 @@ def user_moe(tmp_path_factory):
     return SimpleNamespace(tokens=tokens, **runs)
 
 
+@pytest.mark.multiproc
+def test_user_moe_with_idle_experts_trains_under_the_shipped_ddp_options(tmp_path):
+    """The shipped ddp.json (find_unused_parameters false), 2 ranks whose tokens reach disjoint
+    experts: each rank leaves two experts idle every step. Detected from the model before the
+    first step: find_unused_parameters is set and the start-up lines say so (DDP otherwise
+    fails at step 2, waiting for the idle experts' gradients)."""
+    from helpers import fp32
+    tokens = banded_tokens(tmp_path / "banded.bin", SEED)
+    ds = fp32(tmp_path, "ddp")
+    assert json.loads(Path(ds).read_text())["ddp"]["find_unused_parameters"] is False
+    proc = run_train("torchrun", 2, [*moe_args(tokens, tmp_path / "run", ds), "--train.max_steps", "3",
+                                     "--checkpoint.export", "false"], env=USER_ENV, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "zerotrain: ddp.find_unused_parameters set to true: this model's 4 experts per sparse layer can get no " \
+           "tokens on a rank" in proc.stdout, proc.stdout[-3000:]
+    assert len([r for r in metrics(tmp_path / "run") if "loss" in r]) == 3
+
+
 # ----------------------------------------------------------------------------- in process
 
 @pytest.mark.parametrize("name,kwargs,says", [
