@@ -72,6 +72,45 @@ def test_user_moe_with_idle_experts_trains_under_the_shipped_ddp_options(tmp_pat
     assert len([r for r in metrics(tmp_path / "run") if "loss" in r]) == 3
 
 
+@pytest.mark.multiproc
+def test_a_py_model_resumes_on_another_world_size_and_starts_a_run_from_its_export(tmp_path):
+    """tests/user_models/tiny_lm.py through the lifecycle: 4 steps on 2 ranks under ZeRO-2 with a
+    checkpoint at step 2 and the export at the end; resumed from step 2 on 1 process under DDP it
+    continues with the same losses and parameters; a new run with model.init_from the export
+    starts from the exported weights (its first step, at a negligible LR, leaves the parameters'
+    checksum where the first run ended)."""
+    from helpers import fp32
+    name = "py:user_models.tiny_lm:build"
+    base = [*TINY, "--model.name", name, "--model.kwargs", '{"d": 32}', "--data.seq_len", "32",
+            "--train.global_batch_size", "8", "--train.eval_every", "0", "--optim.schedule", "constant",
+            "--debug.param_checksum", "true", "--logging.trackers", "jsonl"]
+    first, resumed, started = tmp_path / "first", tmp_path / "resumed", tmp_path / "started"
+    run_train("torchrun", 2, [*base, "--ds-config", fp32(tmp_path, "zero2"), "--train.max_steps", "4",
+                              "--checkpoint.every_steps", "2", "--checkpoint.export", "true",
+                              "--checkpoint.export_dtype", "fp32", "--train.run_dir", str(first)], env=USER_ENV)
+    run_train("python", 1, [*base, "--ds-config", fp32(tmp_path, "ddp"), "--train.max_steps", "4",
+                            "--resume", str(first / "checkpoints" / "step_00000002"), "--train.run_dir", str(resumed)],
+              env=USER_ENV)
+    def per_step(run_dir):  # the step's log line and its checksum row, merged
+        out: dict = {}
+        for r in metrics(run_dir):
+            if "step" in r and ("loss" in r or "debug/param_checksum" in r):
+                out.setdefault(r["step"], {}).update(r)
+        return out
+    rows = {"first": per_step(first), "resumed": per_step(resumed)}
+    assert sorted(rows["resumed"]) == [3, 4]
+    for step in (3, 4):
+        for key in ("loss", "debug/param_checksum"):
+            assert rows["resumed"][step][key] == pytest.approx(rows["first"][step][key], rel=1e-5), (step, key)
+    assert json.loads((first / "export" / "config.json").read_text())["factory"] == "user_models.tiny_lm:build"
+    run_train("python", 1, [*base, "--ds-config", fp32(tmp_path, "ddp"), "--train.max_steps", "1", "--optim.lr",
+                            "1e-12", "--optim.min_lr", "0", "--optim.warmup_steps", "0", "--model.init_from", str(first / "export"),
+                            "--train.run_dir", str(started)], env=USER_ENV)
+    [row] = per_step(started).values()
+    assert row["debug/param_checksum"] == pytest.approx(rows["first"][4]["debug/param_checksum"], rel=1e-6)
+    assert row["debug/param_checksum"] != pytest.approx(rows["first"][1]["debug/param_checksum"], rel=1e-3)
+
+
 # ----------------------------------------------------------------------------- in process
 
 @pytest.mark.parametrize("name,kwargs,says", [
