@@ -135,6 +135,7 @@ class RunData:
 def load_data(cfg: RunConfig, rt: Runtime) -> RunData:
     """The data first: the model's vocabulary / classes / features come from it."""
     spec = resolve_model(cfg.model)  # the model checked and its config.json read, once for the whole build
+    hardware.check_attention(spec, rt.cuda)
     seq_len = resolve_seq_len(cfg, spec)
     # sft: data.tokenizer, else an hf:<dir> model's own tokenizer, else bytes (the GPT presets)
     tokenizer = cfg.data.tokenizer or (spec.name[3:] if spec.family == "hf" else None)
