@@ -134,10 +134,11 @@ def clean_env(monkeypatch):
 
 @pytest.fixture
 def fresh_accelerate():
-    """Accelerate's process-wide state forgotten after an in-process main() (the next in-process
-    run starts its own, as a launched one does)."""
-    yield
+    """Accelerate's process-wide state forgotten before and after an in-process main(), so the
+    run starts its own as a launched one does, whatever ran in this pytest process before."""
     from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
