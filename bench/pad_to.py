@@ -40,7 +40,7 @@ def run(path: Path, pad_to: str, a, run_dir: Path) -> dict:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if "step_time_s" in r and r["step"] > 5]
     return {"pad_to": pad_to, "step_time_s": statistics.median(r["step_time_s"] for r in rows),
-            "pad_fraction_of_seq_len": round(statistics.mean(r["data/pad_fraction"] for r in rows), 3),
+            "pad_fraction": round(statistics.mean(r["data/pad_fraction"] for r in rows), 3),  # of the batches as built
             "loss_last": rows[-1]["loss"]}
 
 

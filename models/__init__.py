@@ -74,10 +74,8 @@ def hidden_size_of(spec: ModelSpec, data=None) -> Optional[int]:
         from zerotrain.models import user
         try:
             return user.width(user.meta(spec))
-        except ConfigError:
-            raise
-        except Exception:  # noqa: BLE001 - a factory that cannot build on the meta device: the width stays unknown
-            return None
+        except user.MetaUnavailable as e:  # built on the CPU instead: its width
+            return e.width
     return None
 
 

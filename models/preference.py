@@ -145,6 +145,7 @@ class Preference:
         self.reference, self.lora = reference, lora  # a frozen copy (full fine-tuning) or None
         self.precomputed = precomputed               # the reference log-probs come with the batch
         self.sums: Optional[torch.Tensor] = None     # METRICS sums + the pair count, on the device
+        self.packed_positions = 0                    # positions of the last packed rows the policy ran on
 
     @property
     def needs_reference(self) -> bool:
@@ -192,6 +193,7 @@ class Preference:
         b = batch["chosen_input_ids"].size(0)
         if "chosen_length" in batch:  # data.packing: the 2B sequences packed into rows of seq_len
             rows = pack_sequences(ids, labels, torch.cat([batch["chosen_length"], batch["rejected_length"]]))
+            self.packed_positions = rows["input_ids"].numel()
         else:
             rows = {"input_ids": ids, "labels": labels}
         if not self.needs_reference:
@@ -206,6 +208,13 @@ class Preference:
         stats = torch.stack([rew_c, rew_r, rew_c - rew_r, (rew_c > rew_r).float(), logps[:b].detach(),
                              logps[b:].detach()], 1)  # (B, len(METRICS))
         return loss, stats
+
+    def positions(self, batch: dict) -> int:
+        """Token positions the policy's forward ran on for this micro-batch (after `loss`): the
+        2B padded rows, or with data.packing the rows pack_sequences built from them."""
+        if "chosen_length" in batch:
+            return self.packed_positions
+        return batch["chosen_input_ids"].numel() + batch["rejected_input_ids"].numel()
 
     def loss(self, workload, model, batch: dict) -> torch.Tensor:
         """The micro-batch's mean pair loss (fp32); its metrics are added to the interval's sums."""

@@ -97,18 +97,23 @@ def hf_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention-function interface (query (B, H, T/N, Hd) after RoPE, key/value
     (B, K, T/N, Hd)) around its own sdpa: the all-to-all, sdpa over the whole sequence for H/N and
     K/N heads (module.num_key_value_groups, H/K, is unchanged), the inverse all-to-all.
-    The model's mask was made for the local slice: unused. The whole row's mask is made here as
-    transformers makes it for the layer: causal, and on a sliding-window layer (`layer_window`)
-    banded, kv > q - window (masking_utils.sliding_window_causal_mask_function). Packed rows are
-    refused with SP for hf: models (train/launch/sequence_parallel.py)."""
+    The model's mask was made for the local slice: unused. The whole row is attended as
+    transformers masks the layer: causal (sdpa's is_causal, no mask), and on a sliding-window
+    layer (`layer_window`) banded, kv > q - window (masking_utils.sliding_window_causal_mask_function),
+    by `windowed_sdpa`: query blocks against the keys their window reaches, so neither the mask nor
+    the scores are T x T. Packed rows are refused with SP for hf: models
+    (train/launch/sequence_parallel.py)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     sp = _HF["sp"]
     window = kwargs.pop("sliding_window", None) or layer_window(getattr(module, "config", None),
                                                                 getattr(module, "layer_idx", None))
     q, k, v = (seq_to_heads(t.transpose(1, 2), sp).transpose(1, 2) for t in (query, key, value))
     kwargs.pop("is_causal", None)
-    mask = None if window is None else banded_causal_mask(q.size(2), window, q.device)
-    out, _ = sdpa_attention_forward(module, q, k, v, mask, is_causal=mask is None, **kwargs)  # (B, T, H/N, Hd)
+    if window is None:
+        out, _ = sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)   # (B, T, H/N, Hd)
+    else:
+        out = windowed_sdpa(lambda qb, kb, vb, m: sdpa_attention_forward(module, qb, kb, vb, m, is_causal=False,
+                                                                          **kwargs)[0], q, k, v, window)
     return heads_to_seq(out, sp), None                                                       # (B, T/N, H, Hd)
 
 
@@ -130,19 +135,33 @@ def layer_window(config, layer_idx) -> int | None:
     return window
 
 
-_MASKS: dict = {}
+def banded_causal_mask(q0: int, q1: int, k0: int, k1: int, window: int, device) -> torch.Tensor:
+    """(1, 1, q1 - q0, k1 - k0) bool, True where query q in [q0, q1) may attend key kv in [k0, k1):
+    kv <= q and kv > q - window."""
+    q = torch.arange(q0, q1, device=device)[:, None]
+    kv = torch.arange(k0, k1, device=device)[None, :]
+    return ((kv <= q) & (kv > q - window))[None, None]
 
 
-def banded_causal_mask(T: int, window: int, device) -> torch.Tensor:
-    """(1, 1, T, T) bool, True where query q may attend key kv: kv <= q and kv > q - window."""
-    key = (T, window, str(device))
-    if key not in _MASKS:
-        if len(_MASKS) > 8:
-            _MASKS.clear()
-        q = torch.arange(T, device=device)[:, None]
-        kv = torch.arange(T, device=device)[None, :]
-        _MASKS[key] = ((kv <= q) & (kv > q - window))[None, None]
-    return _MASKS[key]
+def windowed_sdpa(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                  block: int | None = None) -> torch.Tensor:
+    """Sliding-window causal attention in query blocks: `attend(q_blk, k_blk, v_blk, mask)` (an
+    sdpa over (B, H, t, Hd) queries and (B, K, s, Hd) keys/values returning (B, t, H, Hd)) is called
+    for each block of `block` queries (default max(window, 128)) with only the keys their window
+    reaches, [start - window + 1, end), and that block's banded mask. Each query sees exactly the
+    keys of the dense T x T banded mask, so the result is the same attention (to rounding); the
+    mask and the scores are block x (block + window) per call instead of T x T, so memory grows
+    as T x window, not T^2 (BENCHMARKS.md "Sequence parallelism with a sliding window").
+    Returns (B, T, H, Hd)."""
+    T = q.size(2)
+    step = block or max(window, 128)
+    outs = []
+    for s in range(0, T, step):
+        e = min(T, s + step)
+        k0 = max(0, s - window + 1)
+        mask = banded_causal_mask(s, e, k0, e, window, q.device)
+        outs.append(attend(q[:, :, s:e], k[:, :, k0:e], v[:, :, k0:e], mask))
+    return torch.cat(outs, dim=1)
 
 
 def _attach_hf(model, sp: SeqParallel | None) -> int:
@@ -178,4 +197,4 @@ def _modeling_source(model) -> str:
 
 
 __all__ = ["HF_NAME", "LAYER_TYPES", "SeqParallel", "attach", "banded_causal_mask", "heads_to_seq", "hf_attention",
-           "layer_window", "seq_to_heads"]
+           "layer_window", "seq_to_heads", "windowed_sdpa"]

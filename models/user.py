@@ -7,7 +7,10 @@ installed package; zerotrain adds nothing to it) and the factory is called with
 * for the run, inside the strategy's construction context, exactly where the built-in models are
   built (deepspeed.zero.Init under ZeRO-3: every parameter it creates is partitioned at once);
 * on the meta device, to size the model before it exists (the memory planner, the ZeRO-3 "auto"
-  bucket sizes): a factory that cannot run there leaves the run unchecked, with a note.
+  bucket sizes). A factory that cannot run there is called once more on the CPU: where it fails
+  there too, the failure is the factory's own and the run stops in one line naming model.name and
+  its exception (before the model is built); where it builds, its width is read from that module
+  (then dropped) and the run trains unchecked by the memory check, with a note.
 
 How it is trained, `model.loss`:
 
@@ -155,17 +158,64 @@ def width(model: nn.Module) -> Optional[int]:
     return max(1, math.isqrt(max(sizes))) if sizes else None
 
 
+class MetaUnavailable(Exception):
+    """The factory builds its module, but not on the meta device: the planner cannot size it (the
+    run trains unchecked, with this as the note); its width is known from a CPU build."""
+
+    def __init__(self, message: str, width: Optional[int]):
+        super().__init__(message)
+        self.width = width
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def factory_error(name: str, kwargs: dict, e: BaseException) -> ConfigError:
+    """The factory's own exception as the run's one line."""
+    return ConfigError(f'model.name "{name}": the factory raised {type(e).__name__}: {_first_line(e)} '
+                       f'(model.kwargs {json.dumps(kwargs)}); fix the factory or model.kwargs')
+
+
 _META: dict = {}
 
 
 def meta(spec: ModelSpec) -> nn.Module:
     """The factory's module with its parameters on the meta device (no memory), built once per
-    process for this name and kwargs: the planner and the ZeRO-3 sizes read it."""
+    process for this name and kwargs: the planner and the ZeRO-3 sizes read it. A factory that
+    fails there is called on the CPU (`_on_cpu`): ConfigError with its exception where it fails
+    again, else MetaUnavailable (remembered, with the width)."""
     key = (spec.name, json.dumps(spec.config.kwargs, sort_keys=True))
     if key not in _META:
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            _META[key] = call(spec.name, spec.config.kwargs)
+        try:
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                _META[key] = call(spec.name, spec.config.kwargs)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the meta device, or the factory itself: the CPU build tells
+            _META[key] = _on_cpu(spec, e)
+    if isinstance(_META[key], MetaUnavailable):
+        raise _META[key]
     return _META[key]
+
+
+def _on_cpu(spec: ModelSpec, meta_error: Exception) -> MetaUnavailable:
+    """The factory once on the CPU after it failed on the meta device: its own exception
+    (ConfigError) if it fails again, else what the note says, with the width of the module it
+    built (dropped at once: the run builds its own in the strategy's context)."""
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad():
+            model = call(spec.name, spec.config.kwargs)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's factory: its error in one line
+        raise factory_error(spec.name, spec.config.kwargs, e) from None
+    w = width(model)
+    del model
+    return MetaUnavailable(f'the factory of model.name "{spec.name}" cannot build on the meta device '
+                           f"({type(meta_error).__name__}: {_first_line(meta_error)}); it was built once on the "
+                           f"CPU for its width, and trains unchecked", w)
 
 
 def model_config(spec: ModelSpec, kind: str) -> dict:

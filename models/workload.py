@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from zerotrain.models.errors import ConfigError
 from zerotrain.models.losses import IGNORE_INDEX, cross_entropy, token_losses
 
 if TYPE_CHECKING:
@@ -72,12 +73,37 @@ class Workload:
             return self.moe.loss(out, lm)
         out = self.logits(model, batch)
         if self.task == "lm":
+            self._check_lm_logits(out, batch)
             return cross_entropy(out.reshape(-1, out.size(-1)), batch["labels"].reshape(-1), denominator=denominator)
         assert denominator is None, "token-count normalisation is for language models"
         out = out.float()  # classification / regression outputs are small
         if self.task == "classify":
             return F.cross_entropy(out, batch["labels"])
         return F.mse_loss(out, batch["y"].float())
+
+    def _check_lm_logits(self, out: torch.Tensor, batch) -> None:
+        """A py: model with model.loss lm must return (B, T, V) logits for (B, T) input_ids: one
+        row per position. Shapes only (no device read); anything else is the run's one line,
+        naming model.name and the contract, instead of a traceback from inside the loss."""
+        if self.family != "py":
+            return
+        ids = batch["input_ids"]
+        if out.dim() != 3 or tuple(out.shape[:2]) != tuple(ids.shape):
+            b, t = ids.shape
+            raise ConfigError(f'model.name "py:{self.model_config["factory"]}" with model.loss lm: forward(input_ids) '
+                              f"returned shape {tuple(out.shape)} for input_ids {(b, t)}; the contract is logits "
+                              f"(B, T, V) = ({b}, {t}, vocab), one row per position: return those, or set "
+                              f'model.loss "model" and return the loss from forward(**batch)')
+
+    def positions(self, batch) -> int:
+        """Token positions the model's training forward ran on for this micro-batch: the batch as
+        built, padding included (a fixed-length row, a row padded to its batch's longest
+        record, preference pairs as rows or packed into rows). Shapes only: no device read.
+        0 for a batch without token rows (images, regression)."""
+        if self.preference is not None:
+            return self.preference.positions(batch)
+        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+        return ids.numel() if ids is not None else 0
 
     @torch.no_grad()
     def eval_stats(self, model, batch) -> dict[str, torch.Tensor]:
@@ -90,6 +116,7 @@ class Workload:
             return {"loss": loss.expand(next(iter(batch.values())).size(0))}
         out = self.logits(model, batch)
         if self.task == "lm":
+            self._check_lm_logits(out, batch)
             labels = batch["labels"]
             per_tok = token_losses(out.reshape(-1, out.size(-1)), labels.reshape(-1)).view(labels.shape)  # (B, T)
             # Per sample: the mean over its labelled tokens and their number, so that the

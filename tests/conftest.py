@@ -134,6 +134,16 @@ def clean_env(monkeypatch):
     os.environ.update(saved)
 
 
+@pytest.fixture
+def fresh_accelerate():
+    """Accelerate's process-wide state forgotten before and after an in-process main(), so the
+    run starts its own as a launched one does, whatever ran in this pytest process before."""
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """Text -> a local BPE tokenizer -> token files (train + sibling val) via `zerotrain prepare`."""

@@ -55,3 +55,16 @@ def test_bench_rejects_unknown_configs(tmp_path):
                            "--out", str(tmp_path)], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode != 0 and "zero9" in proc.stderr and "zero2" in proc.stderr
+
+
+def test_sp_window_benchmark_reports_each_case(tmp_path):
+    """bench/sp_window.py at a short row: every case runs in its own process and reports a peak;
+    the dense (T, T) mask holds more than the blocked attention (no timing asserted)."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "sp_window.py"), "--seq", "2048", "--window", "64",
+                           "--out", str(tmp_path)], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["case"]: r for r in json.loads(next(tmp_path.glob("sp_window-*.json")).read_text())["rows"]}
+    assert set(rows) == {"causal", "window dense", "window blocked"} and all("peak_bytes" in r for r in rows.values())
+    assert rows["window dense"]["peak_bytes"] > rows["window blocked"]["peak_bytes"], rows
+    assert next(tmp_path.glob("sp_window-*.md")).read_text().count("| 2048 | 64 |") == 3

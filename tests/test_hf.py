@@ -155,6 +155,27 @@ def test_attn_implementation_of_config_json_is_honoured_overridden_and_recorded(
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("where", ["flag", "config.json"])
+def test_flex_attention_is_refused_on_the_cpu_in_one_line(tmp_path, capsys, where, fresh_accelerate):
+    """torch's FlexAttention has no backward on the CPU: a run asking for it there (by flag or by
+    the model's config.json) stopped at its first backward with torch's traceback. Now: one line
+    naming model.attn_implementation and the fix, exit 2, before the data and the model."""
+    from helpers import TINY, run_main
+    d = save_tiny("llama", tmp_path / "llama", 256)
+    if where == "config.json":
+        with_attention(d, "flex_attention")
+    flag = ["--model.attn_implementation", "flex_attention"] if where == "flag" else []
+    capsys.readouterr()  # save_tiny's progress bar
+    code, err = run_main(capsys, [*TINY, "--model.name", f"hf:{d}", *flag, "--train.max_steps", "1",
+                                  "--logging.trackers", "jsonl", "--ds-config", fp32(tmp_path, "ddp"),
+                                  "--train.run_dir", str(tmp_path / "run")])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert "model.attn_implementation flex_attention" in lines[0] and "cannot train on the CPU" in lines[0], lines[0]
+    assert "--model.attn_implementation sdpa" in lines[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 # ----------------------------------------------------------------------------- fine-tuning on 2 processes
 
 @pytest.mark.multiproc

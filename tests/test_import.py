@@ -116,6 +116,33 @@ def test_zero0_round_trip_without_a_launch(run_yaml, tmp_path, capsys):
     assert all(p["optimizer_step"] == 1 for p in meta["params"].values())
 
 
+PY_RUN_YAML = RUN_YAML.replace("model: {name: gpt-tiny}", 'model: {name: "py:user_models.tiny_lm:build", kwargs: {d: 32}}')
+
+
+def test_a_py_model_checkpoint_imports_and_resumes(tmp_path, capsys, clean_env, fresh_accelerate):
+    """A DeepSpeed checkpoint of a py: model (tests/user_models/tiny_lm.py) imports by parameter
+    name, records the factory, and a run resumes from it (in this process)."""
+    from helpers import fp32
+    run_yaml = tmp_path / "py.yaml"
+    run_yaml.write_text(PY_RUN_YAML)
+    src = _zero0_checkpoint(str(run_yaml), tmp_path / "ds")
+    code, _ = zt_import([str(src), "--out", str(tmp_path / "z"), "--config", str(run_yaml), "--trust-pickle"], capsys)
+    assert code == 0
+    module = torch.load(src / "global_step1" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    got = read_ckpt(tmp_path / "z")
+    assert sorted(module) == ["emb.weight", "head.bias", "head.weight", "mix.bias", "mix.weight"]
+    for name, t in module.items():
+        assert torch.equal(got[("param", name)], t), name
+    from zerotrain.train.checkpoint import files as io
+    meta = io.read_json(tmp_path / "z" / io.META, "meta")
+    assert meta["model"]["config"]["factory"] == "user_models.tiny_lm:build" and meta["train_state"]["step"] == 1
+    from zerotrain.train.main import main
+    run = tmp_path / "run"
+    assert main(["--config", str(run_yaml), "--resume", str(tmp_path / "z"), "--train.max_steps", "2",
+                 "--logging.trackers", "jsonl", "--train.run_dir", str(run), "--ds-config", fp32(tmp_path, "ddp")]) == 0
+    assert list(train_losses(run)) == [2]
+
+
 class _RunsCode:
     def __init__(self, marker):
         self.marker = marker

@@ -136,3 +136,19 @@ def test_longest_padding_trains_the_same_records_to_the_same_losses(tmp_path):
         # many micro-batches ran shorter than seq_len (a row of seq_len columns has a full-length crc)
         short = [c not in full for r in data_trace(runs["longest"][0], rank) for c in r["crc"]]
         assert sum(short) >= len(short) // 4, short
+    # tokens_per_s counts the real tokens of both ranks' rows, data/pad_fraction the rows as
+    # built (each micro-batch padded to its own longest record): summed over the ranks.
+    rows_T = {k: {c: T for T in (range(64, SEQ + 1, 64) if k == "longest" else [SEQ])
+                  for c in _crc_to_record(train, [T])} for k in runs}
+    for k, (d, _) in runs.items():
+        real, built = {}, {}
+        for rank in range(2):
+            for r in data_trace(d, rank):
+                step = r["step"] + 1
+                real[step] = real.get(step, 0) + sum(train.record(ids[k][c])["input_ids"].numel() for c in r["crc"])
+                built[step] = built.get(step, 0) + sum(rows_T[k][c] for c in r["crc"])
+        logged = [r for r in rows[k] if "loss" in r]
+        for r in logged:
+            assert r["tokens_per_s"] * r["step_time_s"] == pytest.approx(real[r["step"]], rel=1e-9), (k, r)
+            assert r["data/pad_fraction"] == pytest.approx(1 - real[r["step"]] / built[r["step"]], rel=1e-9), (k, r)
+        assert k == "seq_len" or any(built[s] < 8 * 2 * SEQ for s in built), built  # shorter than seq_len rows

@@ -359,6 +359,39 @@ def _qwen_window(layer_types, window=WINDOW):
     return Qwen2ForCausalLM(cfg)
 
 
+@pytest.mark.parametrize("T,window,block", [(300, 40, 64), (300, 40, None), (97, 200, 32), (256, 1, 50)])
+def test_windowed_sdpa_is_the_dense_banded_attention_without_a_t_by_t_mask(T, window, block):
+    """The SP sliding-window attention in query blocks (models/ulysses.py windowed_sdpa) against
+    sdpa with the dense (T, T) banded mask, through transformers' own sdpa function with GQA
+    (4 query heads on 2 kv heads): the same outputs and gradients (fp32, 1e-5), and no call sees
+    more than block x (block + window) positions."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from zerotrain.models.ulysses import windowed_sdpa
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    q = torch.randn(2, 4, T, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, T, 8, requires_grad=True) for _ in range(2))
+    pos = torch.arange(T)
+    dense = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window))[None, None]
+    want = sdpa_attention_forward(module, q, k, v, dense, is_causal=False)[0]
+    sizes = []
+
+    def attend(qb, kb, vb, mask):
+        sizes.append(mask.shape[-2] * mask.shape[-1])
+        return sdpa_attention_forward(module, qb, kb, vb, mask, is_causal=False)[0]
+    got = windowed_sdpa(attend, q, k, v, window, block)
+    assert got.shape == want.shape == (2, T, 4, 8)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(want)
+    grads = [torch.autograd.grad((out * g).sum(), (q, k, v)) for out in (want, got)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    step = block or max(window, 128)
+    assert max(sizes) <= step * (step + window - 1) and (T <= step or max(sizes) < T * T), sizes
+
+
 @pytest.fixture(scope="module")
 def hf_window(work):
     """A tiny random Qwen2 (sdpa) whose layers 0 and 2 attend over a 40-token sliding window and

@@ -81,6 +81,37 @@ def test_mlflow_tracker_holds_what_metrics_jsonl_holds(tmp_path, monkeypatch):
     assert run.data.params["model/name"] == "gpt-tiny"
 
 
+@pytest.mark.multiproc
+def test_a_resumed_run_continues_its_mlflow_run_tensorboard_dir_and_metrics_jsonl(tmp_path, monkeypatch):
+    """Trained 3 steps and saved, then resumed to 5 (--resume auto): one MLflow run (the same id,
+    reopened) and one TensorBoard directory hold steps 1-5 as metrics.jsonl does, once each."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("tensorboard")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # reading the file store back, as the run wrote it
+    import numpy as np
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run_dir = tmp_path / "run"
+    args = [*TINY, "--train.eval_every", "0", "--train.run_dir", str(run_dir),
+            "--logging.trackers", "jsonl,tensorboard,mlflow", "--checkpoint.save_at_end", "true"]
+    first = run_train("python", 1, [*args, "--train.max_steps", "3"], env={"MLFLOW_TRACKING_URI": ""}, timeout=300)
+    again = run_train("python", 1, [*args, "--train.max_steps", "5", "--resume", "auto"],
+                      env={"MLFLOW_TRACKING_URI": ""}, timeout=300)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    [exp] = [e for e in client.search_experiments() if e.name == "zerotrain"]
+    [run] = client.search_runs([exp.experiment_id])  # one run, continued
+    assert f"MLflow run   {run.info.run_id} in" in first.stdout
+    assert f"MLflow run   {run.info.run_id} in" in again.stdout and "(resumed)" in again.stdout
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")} == losses
+    assert run.info.status == "FINISHED"
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == \
+        [(s, float(np.float32(v))) for s, v in losses.items()]  # TensorBoard keeps float32
+
+
 # ---------------------------------------------------------------------------- the trackers' writer
 
 class _Recorder:

@@ -54,6 +54,63 @@ def user_moe(tmp_path_factory):
     return SimpleNamespace(tokens=tokens, **runs)
 
 
+@pytest.mark.multiproc
+def test_user_moe_with_idle_experts_trains_under_the_shipped_ddp_options(tmp_path):
+    """The shipped ddp.json (find_unused_parameters false), 2 ranks whose tokens reach disjoint
+    experts: each rank leaves two experts idle every step. Detected from the model before the
+    first step: find_unused_parameters is set and the start-up lines say so (DDP otherwise
+    fails at step 2, waiting for the idle experts' gradients)."""
+    from helpers import fp32
+    tokens = banded_tokens(tmp_path / "banded.bin", SEED)
+    ds = fp32(tmp_path, "ddp")
+    assert json.loads(Path(ds).read_text())["ddp"]["find_unused_parameters"] is False
+    proc = run_train("torchrun", 2, [*moe_args(tokens, tmp_path / "run", ds), "--train.max_steps", "3",
+                                     "--checkpoint.export", "false"], env=USER_ENV, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "zerotrain: ddp.find_unused_parameters set to true: this model's 4 experts per sparse layer can get no " \
+           "tokens on a rank" in proc.stdout, proc.stdout[-3000:]
+    assert len([r for r in metrics(tmp_path / "run") if "loss" in r]) == 3
+
+
+@pytest.mark.multiproc
+def test_a_py_model_resumes_on_another_world_size_and_starts_a_run_from_its_export(tmp_path):
+    """tests/user_models/tiny_lm.py through the lifecycle: 4 steps on 2 ranks under ZeRO-2 with a
+    checkpoint at step 2 and the export at the end; resumed from step 2 on 1 process under DDP it
+    continues with the same losses and parameters; a new run with model.init_from the export
+    starts from the exported weights (its first step, at a negligible LR, leaves the parameters'
+    checksum where the first run ended)."""
+    from helpers import fp32
+    name = "py:user_models.tiny_lm:build"
+    base = [*TINY, "--model.name", name, "--model.kwargs", '{"d": 32}', "--data.seq_len", "32",
+            "--train.global_batch_size", "8", "--train.eval_every", "0", "--optim.schedule", "constant",
+            "--debug.param_checksum", "true", "--logging.trackers", "jsonl"]
+    first, resumed, started = tmp_path / "first", tmp_path / "resumed", tmp_path / "started"
+    run_train("torchrun", 2, [*base, "--ds-config", fp32(tmp_path, "zero2"), "--train.max_steps", "4",
+                              "--checkpoint.every_steps", "2", "--checkpoint.export", "true",
+                              "--checkpoint.export_dtype", "fp32", "--train.run_dir", str(first)], env=USER_ENV)
+    run_train("python", 1, [*base, "--ds-config", fp32(tmp_path, "ddp"), "--train.max_steps", "4",
+                            "--resume", str(first / "checkpoints" / "step_00000002"), "--train.run_dir", str(resumed)],
+              env=USER_ENV)
+    def per_step(run_dir):  # the step's log line and its checksum row, merged
+        out: dict = {}
+        for r in metrics(run_dir):
+            if "step" in r and ("loss" in r or "debug/param_checksum" in r):
+                out.setdefault(r["step"], {}).update(r)
+        return out
+    rows = {"first": per_step(first), "resumed": per_step(resumed)}
+    assert sorted(rows["resumed"]) == [3, 4]
+    for step in (3, 4):
+        for key in ("loss", "debug/param_checksum"):
+            assert rows["resumed"][step][key] == pytest.approx(rows["first"][step][key], rel=1e-5), (step, key)
+    assert json.loads((first / "export" / "config.json").read_text())["factory"] == "user_models.tiny_lm:build"
+    run_train("python", 1, [*base, "--ds-config", fp32(tmp_path, "ddp"), "--train.max_steps", "1", "--optim.lr",
+                            "1e-12", "--optim.min_lr", "0", "--optim.warmup_steps", "0", "--model.init_from", str(first / "export"),
+                            "--train.run_dir", str(started)], env=USER_ENV)
+    [row] = per_step(started).values()
+    assert row["debug/param_checksum"] == pytest.approx(rows["first"][4]["debug/param_checksum"], rel=1e-6)
+    assert row["debug/param_checksum"] != pytest.approx(rows["first"][1]["debug/param_checksum"], rel=1e-3)
+
+
 # ----------------------------------------------------------------------------- in process
 
 @pytest.mark.parametrize("name,kwargs,says", [
@@ -71,6 +128,45 @@ def test_a_bad_factory_stops_in_one_line_with_exit_2(capsys, tmp_path, name, kwa
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1, err
     assert says in lines[0] and name in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("ds", ["zero2_fp32", "ddp"])
+def test_a_factory_that_raises_stops_with_its_own_exception_in_one_line(capsys, tmp_path, ds, fresh_accelerate):
+    """The factory's own error (its type and message, with model.name), before the model is built:
+    under ZeRO-2's "auto" bucket sizes it was a line about a missing hidden size, under DDP a traceback."""
+    name = "py:user_models.bad:raises"
+    code, err = run_main(capsys, [*TINY, "--model.name", name, "--ds-config", str(REPO / "ds_configs" / f"{ds}.json"),
+                                  "--train.max_steps", "1", "--train.run_dir", str(tmp_path / "run")])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert f'model.name "{name}": the factory raised ValueError: d=32 must be a multiple of 64' in lines[0], lines[0]
+
+
+def test_a_factory_that_fails_only_on_the_meta_device_trains_unchecked_with_a_note(capsys, tmp_path, clean_env,
+                                                                                    fresh_accelerate):
+    """The documented promise: built once on the CPU for the ZeRO-2 "auto" sizes' width, then the
+    run trains, and says that the memory check could not size it."""
+    from zerotrain.train.main import main
+    name = "py:user_models.bad:meta_hostile"
+    assert main([*TINY, "--model.name", name, "--ds-config", str(REPO / "ds_configs" / "zero2_fp32.json"),
+                 "--train.max_steps", "2", "--train.eval_every", "0", "--logging.trackers", "jsonl",
+                 "--train.run_dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert f'the factory of model.name "{name}" cannot build on the meta device' in out and "trains unchecked" in out, out
+    assert len([r for r in metrics(tmp_path / "run") if "loss" in r]) == 2
+
+
+def test_lm_logits_of_the_wrong_shape_stop_in_one_line_naming_the_contract(capsys, tmp_path, fresh_accelerate):
+    """model.loss lm with a forward that returns (B, V): one line naming model.name and the
+    (B, T, V) contract, instead of a traceback from inside the loss at step 1."""
+    name = "py:user_models.bad:flat_logits"
+    code, err = run_main(capsys, [*TINY, "--model.name", name, "--model.loss", "lm", "--ds-config",
+                                  str(REPO / "ds_configs" / "ddp.json"), "--train.max_steps", "1",
+                                  "--logging.trackers", "jsonl", "--train.run_dir", str(tmp_path / "run")])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert f'model.name "{name}" with model.loss lm' in lines[0] and "returned shape (4, 256)" in lines[0], lines[0]
+    assert "(B, T, V) = (4, 64, vocab)" in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("override,says", [

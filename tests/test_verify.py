@@ -43,6 +43,15 @@ def test_verify_passes_where_the_strategy_computes_the_same(tmp_path, base):
     assert all(r[4] == "-" for r in rows), rows
 
 
+def test_verify_runs_without_dropout_and_says_so(tmp_path):
+    """A run file with dropout on would part at step 1 for the masks alone (FAIL, and no word of
+    dropout): verify turns it off in every run, says so, and compares the strategy."""
+    proc = verify(tmp_path, fp32(tmp_path, "zero2"), "--model.dropout=0.2")
+    assert "verify: model.dropout 0.2 set to 0 in every run" in proc.stdout, proc.stdout[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "OK: loss, grad_norm and param_checksum agree at every step" in proc.stdout
+
+
 # (planted bug, strategy, extra flags, the step and quantity where it first shows)
 PLANTED = [
     # The gradient summed where it is averaged: the norm doubles at once (the AdamW step barely moves).

@@ -68,7 +68,6 @@ def check_resume(ckpt: Path, saved: dict | None, current: dict | None):
 def write_adapter(out_dir, lora: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                   is_writer: bool = True) -> Path:
     """PEFT's adapter directory from whole adapter tensors {our parameter name: tensor}."""
-    from safetensors.torch import save_file
     out = Path(out_dir)
     if not is_writer:
         return out
@@ -80,7 +79,7 @@ def write_adapter(out_dir, lora: dict, tensors: dict[str, torch.Tensor], dtype: 
     ckpt_files.remove_tree(tmp)
     tmp.mkdir(parents=True)
     state = {lora_names.adapter_key(n): t.to(dtype).contiguous() for n, t in tensors.items()}
-    save_file(state, str(tmp / lora_names.ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    ckpt_files.save_file(state, tmp / lora_names.ADAPTER_WEIGHTS, {"format": "pt"})
     ckpt_files.fsync_path(tmp / lora_names.ADAPTER_WEIGHTS)
     lora_names.write_adapter_config(lora, tmp)
     ckpt_files.replace_dir(tmp, out)

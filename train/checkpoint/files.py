@@ -24,6 +24,7 @@ import random
 import re
 import shutil
 from contextlib import ExitStack
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -113,13 +114,37 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     return file_record(path)
 
 
+@lru_cache(maxsize=1)
+def process_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (/proc/self/status),
+    else set and restored once (cached: the save threads never race on it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_file(tensors: dict[str, torch.Tensor], path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file with the file mode every other file of the run gets (0666 less
+    the process umask: 0644 under umask 022). safetensors writes a private temporary file
+    (mode 0600) and renames it into place, so without this another account on a shared
+    cluster could not resume, import or export from the checkpoint."""
+    from safetensors.torch import save_file as st_save_file
+    st_save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~process_umask())
+
+
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     """safetensors' save_file, with the same bytes for the same tensors and metadata. save_file
     writes the header's "__metadata__" in the order of a Rust HashMap, seeded afresh for every
     map: two exports of the same weights differed in that order alone. The header is rewritten
     in place with the metadata keys sorted (the same JSON, so the same length)."""
-    from safetensors.torch import save_file
-    save_file(tensors, str(path), metadata=metadata)
+    save_file(tensors, path, metadata)
     with open(path, "r+b") as f:
         size = int.from_bytes(f.read(8), "little")
         raw = f.read(size)

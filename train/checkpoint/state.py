@@ -18,6 +18,7 @@ class TrainState:
     tokens_seen: int = 0
     skipped_steps: int = 0   # non-finite or fp16-overflow steps not applied
     wandb_run_id: Optional[str] = None
+    mlflow_run_id: Optional[str] = None  # the MLflow run a resume continues (as W&B's run id)
     source_tokens: dict[str, int] = field(default_factory=dict)  # data.sources: tokens trained on per source name
     data_cursor: Optional[dict] = None  # data.kind stream: where to restart reading (train/data/stream.py)
 

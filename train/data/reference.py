@@ -60,12 +60,13 @@ WHAT = {"source_size": "the data file's size", "source_sha256": "the data file's
 def write(path: Path, lines: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, meta: dict[str, str]) -> None:
     """Atomically: a crash leaves the old file or none, never half a file."""
     import torch
-    from safetensors.torch import save_file
+
+    from zerotrain.train.checkpoint.files import save_file  # the run's file mode, not safetensors' 0600
     tmp = path.with_name(path.name + ".tmp")
     save_file({"lines": torch.from_numpy(np.ascontiguousarray(lines, dtype=np.int64)),
                "chosen_logps": torch.from_numpy(np.ascontiguousarray(chosen, dtype=np.float32)),
                "rejected_logps": torch.from_numpy(np.ascontiguousarray(rejected, dtype=np.float32))},
-              str(tmp), metadata=meta)
+              tmp, meta)
     tmp.replace(path)
 
 

@@ -200,22 +200,24 @@ def _vm_hwm() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def reduce_window(acc, loss_sum: torch.Tensor, micro: int, data_s: float) -> dict:
+def reduce_window(acc, loss_sum: torch.Tensor, micro: int, data_s: float, positions: int = 0) -> dict:
     """Two tiny all-reduces per logging interval, combined identically on every rank:
-    loss = mean over every micro-batch of every rank; data wait and peak memory = the worst
+    loss = mean over every micro-batch of every rank; `positions` (the token positions each
+    rank's forwards ran on) summed over the ranks; data wait and peak memory = the worst
     rank's (the slowest or fullest rank is the one that limits the step). `loss_sum` stays on
     the device until here: this is the interval's one host read of it. The peaks then restart."""
     peak, reserved = peak_memory()
     summed = torch.stack([loss_sum.detach().to(torch.float64).reshape(()),
-                          torch.tensor(float(micro), dtype=torch.float64, device=loss_sum.device)]).to(acc.device)
+                          torch.tensor(float(micro), dtype=torch.float64, device=loss_sum.device),
+                          torch.tensor(float(positions), dtype=torch.float64, device=loss_sum.device)]).to(acc.device)
     worst = torch.tensor([data_s, float(peak), float(reserved or 0)], dtype=torch.float64, device=acc.device)
     if acc.num_processes > 1 and process_group.exists():
         dist = torch.distributed
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    (loss, n), (wait, mem, res) = summed.tolist(), worst.tolist()
+    (loss, n, built), (wait, mem, res) = summed.tolist(), worst.tolist()
     reset_peak_memory()
-    out = {"loss": loss / n, "data_wait_s": wait, "peak_mem_bytes": int(mem)}
+    out = {"loss": loss / n, "data_wait_s": wait, "peak_mem_bytes": int(mem), "positions": int(built)}
     if reserved is not None:
         out["reserved_mem_bytes"] = int(res)
     return out

@@ -47,20 +47,29 @@ def mfu(model_flops_per_s: float, num_devices: int, peak_per_device: Optional[fl
 
 
 def throughput(*, samples: int, seconds: float, items_per_sample: int, flops_per_item: Optional[float],
-               world_size: int, peak_per_device: Optional[float], real_items: Optional[int] = None) -> dict:
+               world_size: int, peak_per_device: Optional[float], real_items: Optional[int] = None,
+               built_items: Optional[int] = None) -> dict:
     """Global rates over a window: `samples` trained by all ranks together in `seconds` of
-    training wall time. tokens_per_s only for LMs (items_per_sample = tokens per sample > 1);
-    mfu only when the model reports its FLOPs and the peak is known (GPU table or --peak-flops).
-    `real_items`: the window's non-pad tokens (padded data, sft): real_tokens_per_s and
-    data/pad_fraction, and MFU counts those tokens only (padding is not useful work)."""
+    training wall time. tokens_per_s only for LMs (items_per_sample = tokens per sample > 1):
+    the tokens that ran through the model, padding excluded, so that two runs of the same data
+    in another layout (padded to seq_len, per batch, packed) compare by it.
+    `real_items`: the window's non-pad tokens, where the data counts them (instruction and
+    preference data); `built_items`: the token positions the forwards ran on, summed over the
+    ranks (the batches as built: padded to seq_len or to each batch's longest record, pairs
+    packed or not). With both, data/pad_fraction = 1 - real / built. Without `real_items` every
+    position is a real token (built_items, else samples x items_per_sample). real_tokens_per_s
+    is tokens_per_s under its earlier name. mfu only when the model reports its FLOPs and the
+    peak is known (GPU table or --peak-flops), counting real tokens only (padding is not useful
+    work)."""
     out = {"samples_per_s": samples / seconds}
-    items_per_s = samples * items_per_sample / seconds
+    built = built_items if built_items else samples * items_per_sample
+    real = real_items if real_items is not None else built
+    items_per_s = real / seconds if items_per_sample > 1 else samples / seconds
     if items_per_sample > 1:
         out["tokens_per_s"] = items_per_s
     if real_items is not None:
         out["real_tokens_per_s"] = real_items / seconds
-        out["data/pad_fraction"] = 1.0 - real_items / max(1, samples * items_per_sample)
-        items_per_s = real_items / seconds
+        out["data/pad_fraction"] = 1.0 - real_items / max(1, built)
     if flops_per_item:
         util = mfu(flops_per_item * items_per_s, world_size, peak_per_device)
         if util is not None:

@@ -6,8 +6,12 @@
 - mlflow:      Accelerate's MLflowTracker, experiment logging.wandb.project, run named after the
                run directory, in $MLFLOW_TRACKING_URI or else a local file store <run_dir>/mlruns.
 
+A resume continues each: metrics.jsonl is appended to, TensorBoard writes a new event file in
+the same directory (its readers merge them; the steps continue), and W&B and MLflow reopen the
+run whose id the checkpoint's TrainState keeps.
+
 preflight() runs before the model is built and start() at Trainer.start (after the checkpoint
-restore, so W&B resumes the saved run id); each ends in one broadcast from rank 0, so a rank-0
+restore, so W&B and MLflow resume the saved run ids); each ends in one broadcast from rank 0, so a rank-0
 problem stops every rank with the same one-line error instead of leaving them in a collective.
 """
 
@@ -64,10 +68,12 @@ def jsonl(acc, cfg, run_dir: Path) -> Loggers:
     return Loggers([JsonlTracker(Path(run_dir) / "metrics.jsonl")] if want else [])
 
 
-def start(acc, cfg, loggers: Loggers, run_id: Optional[str], run_dir: Path, config: dict):
+def start(acc, cfg, loggers: Loggers, run_id: Optional[str], run_dir: Path, config: dict,
+          mlflow_id: Optional[str] = None):
     """Start the listed trackers but jsonl on rank 0 and add them to `loggers`. Returns (the W&B
-    tracker on rank 0 or None; rank 0's start-up lines; the W&B run id every rank keeps in its
-    TrainState, which checkpoints save)."""
+    tracker on rank 0 or None; rank 0's start-up lines; the W&B run id and the MLflow run id
+    every rank keeps in its TrainState, which checkpoints save). `run_id` / `mlflow_id`: the
+    saved ids of a resumed run, whose runs continue."""
     wandb, lines, problem = None, [], None
     names = cfg.logging.trackers
     if acc.is_main_process:
@@ -85,14 +91,15 @@ def start(acc, cfg, loggers: Loggers, run_id: Optional[str], run_dir: Path, conf
                 loggers.add(tb, lambda: _started(tb, flat))
                 lines.append(f"TensorBoard  {Path(run_dir) / 'tensorboard'}  (view: tensorboard --logdir {run_dir})")
             if "mlflow" in names:
-                lines.append(_mlflow(cfg, loggers, run_dir, flat))
+                line, mlflow_id = _mlflow(cfg, loggers, run_dir, flat, mlflow_id)
+                lines.append(line)
         except Exception as e:  # a tracker that cannot start: one line on every rank
             problem = str(e) if isinstance(e, ConfigError) else \
                 f"logging.trackers: a tracker could not start ({type(e).__name__}: {wandb_logger._oneline(e)})"
-    problem, run_id = _broadcast([problem, run_id])
+    problem, run_id, mlflow_id = _broadcast([problem, run_id, mlflow_id])
     if problem:
         raise ConfigError(problem)  # Trainer.close() still finishes what did start
-    return wandb, lines, run_id
+    return wandb, lines, run_id, mlflow_id
 
 
 def _started(tracker, config: dict):
@@ -107,9 +114,12 @@ class _MLflow(MLflowTracker):
         super().log({k: v for k, v in values.items() if isinstance(v, (int, float))}, step=step, **kwargs)
 
 
-def _mlflow(cfg, loggers: Loggers, run_dir: Path, config: dict) -> str:
+def _mlflow(cfg, loggers: Loggers, run_dir: Path, config: dict, run_id: Optional[str]) -> tuple[str, str]:
+    """(the banner's line, the run id). `run_id`: a resumed run's MLflow run, reopened (its
+    params stay those of its first start: MLflow refuses a param logged again with another
+    value, and a resume may change some, the world size among them)."""
     uri = os.environ.get("MLFLOW_TRACKING_URI") or (Path(run_dir) / "mlruns").resolve().as_uri()
-    tracker = _MLflow(experiment_name=cfg.logging.wandb.project, run_name=Path(run_dir).name)
+    tracker = _MLflow(experiment_name=cfg.logging.wandb.project, run_name=Path(run_dir).name, run_id=run_id)
 
     def start():
         import mlflow
@@ -117,9 +127,13 @@ def _mlflow(cfg, loggers: Loggers, run_dir: Path, config: dict) -> str:
             # MLflow 3.x refuses its file store (in maintenance) unless asked: the run dir is asking.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri(uri)
-        _started(tracker, config)
+        if run_id is None:
+            _started(tracker, config)
+        else:
+            tracker.start()
     loggers.add(tracker, start)  # on the writer thread: MLflow's active run belongs to the thread that started it
-    return f"MLflow run   {tracker.active_run.info.run_id} in {uri}"
+    got = tracker.active_run.info.run_id
+    return f"MLflow run   {got} in {uri}" + (" (resumed)" if run_id else ""), got
 
 
 def _flat(config: dict, prefix: str = "") -> dict:

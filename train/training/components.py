@@ -80,13 +80,13 @@ class LogLine:
 
     def write(self, tick: Tick) -> dict:
         w, st = self.window, tick.state
-        red = reduce_window(self.acc, w.loss, w.micro, w.data_s)
+        red = reduce_window(self.acc, w.loss, w.micro, w.data_s, w.positions)
         steps, elapsed = w.steps, w.train_s
         m = {"loss": red["loss"], "lr": tick.out.lr, "epoch": st.epoch,
              **throughput(samples=self.global_batch * steps, seconds=elapsed,
                           items_per_sample=self.data.items_per_sample, flops_per_item=self.workload.flops_per_item,
                           world_size=self.world_size, peak_per_device=self.peak_flops or device_peak_flops(),
-                          real_items=w.real),
+                          real_items=w.real, built_items=red["positions"] or None),
              "step_time_s": elapsed / steps, "data_wait_s": red["data_wait_s"] / steps,
              "compute_s": (elapsed - red["data_wait_s"]) / steps,
              "samples_seen": st.samples_seen, "tokens_seen": st.tokens_seen,

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from zerotrain.train.config import DataSection, RunConfig
+from zerotrain.train.errors import ConfigError
 from zerotrain.train.launch import device_env
 
 
@@ -36,6 +37,17 @@ def use_channels_last(cfg: RunConfig, strategy, family: str, cuda: bool) -> bool
     the strategy keeps the layout."""
     want = cfg.model.channels_last if family == "vision" else None
     return strategy.check_channels_last(cfg, want, family, cuda)
+
+
+def check_attention(spec, cuda: bool) -> None:
+    """flex_attention (model.attn_implementation, or an hf: model's config.json) trains only on a
+    GPU: torch's FlexAttention has no backward on the CPU, so a CPU run would stop in its first
+    backward with torch's NotImplementedError. Refused here, before the data and the model."""
+    impl = (spec.hf_config or {}).get("attn_implementation") if spec.family == "hf" else None
+    if impl == "flex_attention" and not cuda:
+        raise ConfigError(f"model.attn_implementation flex_attention ({spec.name}) cannot train on the CPU: torch's "
+                          f"FlexAttention has no backward there; use --model.attn_implementation sdpa (the same "
+                          f"attention) on a CPU, flex_attention on a GPU")
 
 
 def cores_per_rank(local_world: int) -> int:

@@ -232,6 +232,7 @@ class Trainer:
         # its device values only at logging intervals (tests/test_sync_free.py counts).
         loss_sum = self._zero()
         grad_norm = None
+        positions = 0  # token positions this rank's forwards run on (the batches as built)
         prefetched, denominator = [], None
         token_count = self.data.masked_labels or self.seq_parallel is not None
         if token_count or self.cfg.debug.reverse_micro_batches:
@@ -250,6 +251,7 @@ class Trainer:
             t_data += time.perf_counter() - t0
             with acc.accumulate(model):
                 loss = self.workload.loss(model, batch, denominator)
+                positions += self.workload.positions(batch)
                 if testhooks.fire("nan_loss", step=self.state.step + 1, rank=self.topo.rank):
                     loss = loss * float("nan")
                 self.strategy.backward(loss)
@@ -264,7 +266,7 @@ class Trainer:
         moved, real = self.position.advance(self.state)
         self.state = replace(moved, step=moved.step + 1)
         self.health.record(self.state.step, grad_norm)
-        return StepResult(loss_sum, lr, t_data, real)
+        return StepResult(loss_sum, lr, t_data, real, positions)
 
     def _zero(self) -> torch.Tensor:
         """A loss accumulator on the device (read at log lines only)."""
@@ -306,9 +308,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ start / finish / close
     def start(self):
-        # After build() restored the checkpoint state: a resumed run continues its W&B run.
-        self.wandb, self.tracker_lines, self.state.wandb_run_id = trackers.start(
-            self.acc, self.cfg, self.loggers, self.state.wandb_run_id, self.run_dir, self.resolved_config)
+        # After build() restored the checkpoint state: a resumed run continues its W&B and MLflow runs.
+        self.wandb, self.tracker_lines, self.state.wandb_run_id, self.state.mlflow_run_id = trackers.start(
+            self.acc, self.cfg, self.loggers, self.state.wandb_run_id, self.run_dir, self.resolved_config,
+            self.state.mlflow_run_id)
         if self.elastic:
             self.elastic.note_wandb(self.state.wandb_run_id)
         self._t_start = time.perf_counter()

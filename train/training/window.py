@@ -14,6 +14,7 @@ class StepResult(NamedTuple):
     lr: float
     data_s: float                  # waiting for batches
     real_tokens: Optional[int]     # non-pad tokens of the global batch, where the data counts them
+    positions: int = 0             # token positions this rank's forwards ran on (padding included)
 
 
 @dataclass(eq=False)
@@ -29,6 +30,7 @@ class Window:
     train_s: float = 0.0
     steps: int = 0
     real: Optional[int] = None               # non-pad tokens, where the data counts them
+    positions: int = 0                       # this rank's token positions as built (padding included)
 
     def __post_init__(self):
         self.reset()
@@ -39,9 +41,10 @@ class Window:
         self.data_s += step.data_s
         self.train_s += seconds
         self.steps += 1
+        self.positions += step.positions
         if step.real_tokens is not None:
             self.real = (self.real or 0) + step.real_tokens
 
     def reset(self):
         self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.micro, self.data_s, self.train_s, self.steps, self.real = 0, 0.0, 0.0, 0, None
+        self.micro, self.data_s, self.train_s, self.steps, self.real, self.positions = 0, 0.0, 0.0, 0, None, 0
