@@ -104,6 +104,13 @@ class Strategy:
         backend that partitions parameters has anything to do."""
         return False
 
+    def expect_unused_parameters(self, why: str) -> Optional[str]:
+        """Prepares the backend for parameters that get no gradient on some rank in a step (`why`:
+        a sparse MoE's experts its tokens did not reach), before the model is prepared; returns a
+        start-up line saying what changed, or None. ZeRO reduces every partition and FSDP2 every
+        unit whatever their gradients: nothing to do there."""
+        return None
+
     def init_context(self):
         """A zero-argument callable giving the context the model is constructed in."""
         return contextlib.nullcontext

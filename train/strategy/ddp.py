@@ -31,11 +31,21 @@ class DDPStrategy(Strategy):
         from accelerate.utils import DistributedDataParallelKwargs, GradScalerKwargs
 
         from zerotrain.train.launch.distributed import build_accelerator
-        handlers = [DistributedDataParallelKwargs(**self.ds.ddp_kwargs)]
+        self.ddp_handler = DistributedDataParallelKwargs(**self.ds.ddp_kwargs)
+        handlers = [self.ddp_handler]
         if self.ds.grad_scaler:  # fp16: the JSON's loss-scale settings (train/strategy/ds_config.grad_scaler_args)
             handlers.append(GradScalerKwargs(**self.ds.grad_scaler))
         return build_accelerator(self.ds.accelerate_mixed_precision, batch, timeout_s, tuple(handlers),
                                  cpu=not torch.cuda.is_available())
+
+    def expect_unused_parameters(self, why: str):
+        """DDP waits for every parameter's gradient and fails mid-run when one never comes, unless
+        find_unused_parameters is on: set here (Accelerate reads its DDP options at prepare). It
+        costs DDP one walk of the autograd graph per step."""
+        if self.ddp_handler.find_unused_parameters:
+            return None
+        self.ddp_handler.find_unused_parameters = True
+        return f"ddp.find_unused_parameters set to true: {why}, and DDP would wait for their gradients"
 
     def build_optimizer(self, model, optim_cfg):
         from zerotrain.train.optim.optimizer import adamw

@@ -239,7 +239,10 @@ def build_model(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed) -
             moe.leaf = strategy.make_leaf_modules(workload.model, moe.block_classes)
         if acc.is_main_process:
             print(f"zerotrain: {moe.banner(aux=workload.moe is not None)}", flush=True)
-        _idle_experts(acc, moe)
+        note = strategy.expect_unused_parameters(f"this model's {moe.num_experts} experts per sparse layer can get "
+                                                 f"no tokens on a rank")
+        if note and acc.is_main_process:
+            print(f"zerotrain: {note}", flush=True)
     if cfg.train.objective == "dpo":
         workload.preference = preference(cfg, workload, strategy, acc.device)
     channels_last = hardware.use_channels_last(cfg, strategy, workload.family, rt.cuda)
@@ -250,21 +253,6 @@ def build_model(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed) -
     raw_optimizer = strategy.build_optimizer(workload.model, cfg.optim)
     set_seed(cfg.train.seed + dist.topo.rank)
     return Model(workload=workload, raw_optimizer=raw_optimizer, channels_last=channels_last)
-
-
-def _idle_experts(acc, moe) -> None:
-    """A sparse MoE's experts can get no tokens on a rank in a step (the router sends that rank's
-    tokens elsewhere): DDP then waits for gradients that never come and fails mid-run, unless
-    find_unused_parameters is on. Accelerate's DDP options (the JSON's "ddp" block; None under
-    every other backend) are read at prepare, so it is set here, before, and the start-up lines
-    say so. It costs DDP one walk of the autograd graph per step."""
-    handler = getattr(acc, "ddp_handler", None)
-    if handler is None or handler.find_unused_parameters:
-        return
-    handler.find_unused_parameters = True
-    if acc.is_main_process:
-        print(f"zerotrain: ddp.find_unused_parameters set to true: this model's {moe.num_experts} experts per sparse "
-              f"layer can get no tokens on a rank, and DDP would wait for their gradients", flush=True)
 
 
 # ---------------------------------------------------------------------------- loaders
