@@ -341,8 +341,39 @@ class StreamData(DataSection):
         _check_document_mask(self)
 
 
+@dataclass
+class PyData(DataSection):
+    """your own map-style torch Dataset from a factory, "module:function" (train/data/user.py)."""
+    KIND: ClassVar[str] = "py"
+    kind: str = "py"
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
+    factory: Optional[str] = None
+    """"module:function", imported by its dotted name (PYTHONPATH, an installed package or the
+    directory you launch from) and called with data.kwargs. It returns a map-style Dataset
+    (__len__ and __getitem__, samples that are dicts of tensors), or a mapping {"train": Dataset,
+    "val": Dataset or None, "collate_fn": a function from a list of samples to a dict batch, or
+    None}. The samples go through the same global-batch sampler as every kind: the same order for
+    any world size and accumulation, and exact resume."""
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments passed to the factory (a mapping; on the command line YAML or JSON, e.g.
+    --data.kwargs '{n: 1000}')."""
+    num_workers: Optional[int] = None
+    """DataLoader worker processes per rank. None = 0: samples are made in the training process."""
+
+    def __post_init__(self):
+        self._check()
+        if not self.factory:
+            raise ConfigError('data.kind py needs data.factory: "module:function" returning a map-style Dataset')
+        module, _, function = self.factory.rpartition(":")
+        if not module or not function or not all(p.isidentifier() for p in module.split(".")) \
+                or not function.isidentifier():
+            raise ConfigError(f'data.factory "{self.factory}" is not "module:function"; write the dotted module name, '
+                              f'a colon and the function that returns the Dataset, e.g. "my_pkg.data:build"')
+
+
 DATA_KINDS: dict[str, type] = {c.KIND: c for c in (TextData, TokensData, SftData, PreferenceData, ImageFolderData, RegressionData,
-                                                   StreamData)}
+                                                   StreamData, PyData)}
 
 
 def DataConfig(kind: str = "text", **keys) -> DataSection:  # noqa: N802 - reads like the section it makes

@@ -42,6 +42,9 @@ def build_data(cfg: DataSection, seq_len: Optional[int], seed: int, tokenizer: O
     if cfg.kind == "stream":
         from zerotrain.train.data.stream import build_stream
         return build_stream(cfg, seq_len, seed, tokenizer)
+    if cfg.kind == "py":
+        from zerotrain.train.data.user import build_user_data
+        return build_user_data(cfg)
     if cfg.kind == "imagefolder":
         from zerotrain.train.data.imagefolder import build_imagefolder
         return build_imagefolder(cfg, seed)
