@@ -1,7 +1,7 @@
 """The run file's data: section and its mixture entries (SourceConfig).
 
 The section is a union tagged by `data.kind`: one dataclass per kind (TextData, TokensData,
-SftData, ImageFolderData, RegressionData, StreamData), each holding only the keys that kind
+SftData, PreferenceData, ImageFolderData, RegressionData, StreamData, PyData), each holding only the keys that kind
 reads, so a key of another kind is an unknown key naming the kind (train/config/loader.py).
 DataConfig(kind=..., **keys) makes the variant of a kind in code."""
 
@@ -101,10 +101,12 @@ class TextData(DataSection):
     """byte-level language modelling on text (default corpus: this Python's standard library sources)."""
     KIND: ClassVar[str] = "text"
     kind: str = "text"
-    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
-    keys (--help lists each kind's)."""
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
     path: Optional[str] = None
-    """A file or directory of text (None = the embedded default corpus)."""
+    """A file or directory of text, or a .parquet/.arrow file, a glob of them or a `save_to_disk`
+    directory whose "text" column is the text (rows joined by newlines); None = the embedded
+    default corpus."""
     seq_len: Optional[int] = None
     """LM sequence length; None = the model's context length."""
     val_fraction: float = 0.05
@@ -123,8 +125,8 @@ class TokensData(DataSection):
     """flat uint16/uint32 token files or shard directories from `zerotrain prepare`, or a weighted mixture of them."""
     KIND: ClassVar[str] = "tokens"
     kind: str = "tokens"
-    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
-    keys (--help lists each kind's)."""
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
     path: Optional[str] = None
     """The .bin file (a sibling .val.bin is the validation split if present), or a shard
     directory from `zerotrain prepare --out DIR` (or its manifest.json; val shards if listed)."""
@@ -181,15 +183,20 @@ class TokensData(DataSection):
 
 @dataclass
 class SftData(DataSection):
-    """instruction JSONL ({"prompt", "response"} or chat {"messages": [{"role", "content"}, ...]}
-    records), loss on the responses only."""
+    """instruction records (JSONL, parquet, arrow, save_to_disk) in TRL's formats (messages,
+    prompt-completion, text) or {"prompt", "response"}; loss on the responses only (text: all)."""
     KIND: ClassVar[str] = "sft"
     kind: str = "sft"
-    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
-    keys (--help lists each kind's)."""
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
     path: Optional[str] = None
-    """The .jsonl file (a sibling .val.jsonl is the validation split if present), or a .bin set
-    made from it by `zerotrain prepare --sft` (tokenized once, memory-mapped; sibling .val.bin)."""
+    """The records: a .jsonl file (a sibling .val.jsonl is the validation split if present), a
+    .parquet or .arrow file (sibling .val.parquet / .val.arrow), a glob of such files, or a
+    `save_to_disk` directory (a DatasetDict: its "train" split, "validation" or else "test" for
+    validation), read through `datasets`, memory-mapped; or a .bin set made from a .jsonl by
+    `zerotrain prepare --sft` (tokenized once, memory-mapped; sibling .val.bin). The format is
+    found from the columns, by TRL's names: {"messages"}, {"prompt", "completion"} (strings or
+    message lists), {"text"} (every token trained), or zerotrain's {"prompt", "response"}."""
     seq_len: Optional[int] = None
     """Each record is truncated to it (seq_len + 1 tokens) and right-padded; None = the model's
     context length."""
@@ -226,16 +233,20 @@ class SftData(DataSection):
 
 @dataclass
 class PreferenceData(DataSection):
-    """preference pairs JSONL ({"prompt", "chosen", "rejected"}: strings, or chat messages through
-    the tokenizer's template), for train.objective dpo; the loss on the response tokens only."""
+    """preference pairs (JSONL, parquet, arrow, save_to_disk) in TRL's formats (explicit or implicit
+    prompt; strings, or chat messages through the tokenizer's template), for train.objective dpo;
+    the loss on the response tokens only."""
     KIND: ClassVar[str] = "preference"
     kind: str = "preference"
-    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
-    keys (--help lists each kind's)."""
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
     path: Optional[str] = None
-    """The .jsonl file of {"prompt", "chosen", "rejected"} records (a sibling .val.jsonl is the
-    validation split if present). prompt: a string or a list of {"role", "content"} messages;
-    chosen / rejected: a string or a list of assistant messages."""
+    """The records: a .jsonl file (a sibling .val.jsonl is the validation split if present), a
+    .parquet or .arrow file, a glob of them or a `save_to_disk` directory (as data.kind sft's).
+    {"prompt", "chosen", "rejected"} (explicit prompt) or {"chosen", "rejected"} (implicit
+    prompt: the shared prefix is the prompt, found as TRL's extract_prompt finds it). prompt: a
+    string or a list of {"role", "content"} messages; chosen / rejected: a string or a list of
+    assistant messages."""
     seq_len: Optional[int] = None
     """Each of a record's two sequences (prompt + chosen, prompt + rejected) is at most seq_len + 1
     tokens: the prompt is kept whole, each response is cut at its end (docs/workloads.md); a
@@ -264,8 +275,8 @@ class ImageFolderData(DataSection):
     """images in root/train/<class>/*, root/val/<class>/*."""
     KIND: ClassVar[str] = "imagefolder"
     kind: str = "imagefolder"
-    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
-    keys (--help lists each kind's)."""
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
     path: Optional[str] = None
     """The root holding train/ and val/."""
     image_size: int = 224
@@ -287,8 +298,8 @@ class RegressionData(DataSection):
     """synthetic linear data (for model "linear")."""
     KIND: ClassVar[str] = "regression"
     kind: str = "regression"
-    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
-    keys (--help lists each kind's)."""
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
     num_samples: int = 4096
     """Dataset size."""
     num_features: int = 10
@@ -307,8 +318,8 @@ class StreamData(DataSection):
     """local parquet/arrow/jsonl files tokenized while training, no prepare step."""
     KIND: ClassVar[str] = "stream"
     kind: str = "stream"
-    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
-    keys (--help lists each kind's)."""
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
     path: Optional[str] = None
     """A .parquet/.arrow/.jsonl file or a directory of them (found as `zerotrain prepare` finds them)."""
     seq_len: Optional[int] = None

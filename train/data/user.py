@@ -70,7 +70,8 @@ def _map_style(value, name: str, what: str):
     if value is None:
         return None
     if isinstance(value, IterableDataset) or not (hasattr(value, "__len__") and hasattr(value, "__getitem__")):
-        kind = "an IterableDataset" if isinstance(value, IterableDataset) else f"a {type(value).__name__}"
+        t = type(value).__name__
+        kind = "an IterableDataset" if isinstance(value, IterableDataset) else f"{'an' if t[0] in 'aeiouAEIOU' else 'a'} {t}"
         raise DataError(f'data.factory "{name}" returned {kind} as {what}, not a map-style Dataset; return '
                         f'{RETURNS} (the sampler needs indices for the same order on any world size and resume)')
     return value
