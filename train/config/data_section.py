@@ -203,7 +203,8 @@ class SftData(DataSection):
     val_fraction: float = 0.05
     """Without a separate validation file: the fraction of records held out (the last ones)."""
     tokenizer: Optional[str] = None
-    """Local Hugging Face tokenizer directory; None = the hf:<dir> model's own directory, or bytes
+    """Local Hugging Face tokenizer directory, or a Hub id org/name[@revision] (through the
+    cache, as model.name hf:); None = the hf: model's own directory, or bytes
     (vocab 256, NUL ends a response) for zerotrain's GPT presets."""
     chat_template: bool = True
     """Render records with the tokenizer's chat template when it has one; false (or no
@@ -254,7 +255,8 @@ class PreferenceData(DataSection):
     val_fraction: float = 0.05
     """Without a separate validation file: the fraction of records held out (the last ones)."""
     tokenizer: Optional[str] = None
-    """Local Hugging Face tokenizer directory; None = the hf:<dir> model's own directory, or bytes
+    """Local Hugging Face tokenizer directory, or a Hub id org/name[@revision] (through the
+    cache, as model.name hf:); None = the hf: model's own directory, or bytes
     (vocab 256, NUL ends a response) for zerotrain's GPT presets."""
     chat_template: bool = True
     """Render records with the tokenizer's chat template when it has one (as data.kind sft)."""
@@ -327,7 +329,8 @@ class StreamData(DataSection):
     val_fraction: float = 0.05
     """Fraction of the stream's tokens held out for validation."""
     tokenizer: Optional[str] = None
-    """Local Hugging Face tokenizer directory; None = the hf:<dir> model's own directory, or bytes
+    """Local Hugging Face tokenizer directory, or a Hub id org/name[@revision] (through the
+    cache, as model.name hf:); None = the hf: model's own directory, or bytes
     (vocab 256, newline ends a document) for zerotrain's GPT presets."""
     text_field: str = "text"
     """The record field holding the text; as `zerotrain prepare --text-field`."""

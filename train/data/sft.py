@@ -77,9 +77,12 @@ def byte_encoder() -> Encoder:
 
 
 def hf_encoder(directory: str, use_template: bool) -> Encoder:
-    d = Path(directory).expanduser()
+    """`directory`: a local tokenizer directory or a Hub id (models/hub.py: its cached snapshot)."""
+    import zerotrain.models.hub as hub
+    d = hub.local_path(directory, "data.tokenizer")
     if not d.is_dir():
-        raise DataError(f"data.tokenizer {d} is not a directory; give a local Hugging Face tokenizer directory")
+        raise DataError(f"data.tokenizer {d} is not a directory; give a local Hugging Face tokenizer directory or a "
+                        f"Hub id org/name[@revision]")
     from transformers import AutoTokenizer  # late: only sft runs with a Hugging Face tokenizer need it
     try:
         tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
