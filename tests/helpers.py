@@ -430,9 +430,11 @@ class FakeHub:
         self.refs: dict = {}       # (repo, branch or tag) -> commit
         self.downloads = Counter()
 
-    def add(self, repo: str, directory: Path, tags=()) -> str:
-        """Every file of `directory` as one commit of `repo` (on main and `tags`); its hash."""
+    def add(self, repo: str, directory: Path, tags=(), repo_type: str = "model") -> str:
+        """Every file of `directory` as one commit of `repo` (on main and `tags`); its hash. A
+        dataset repository is kept as "datasets/<repo>", as its URLs name it."""
         import hashlib
+        repo = repo if repo_type == "model" else f"datasets/{repo}"
         files = {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
         commit = hashlib.sha1(json.dumps(sorted((k, hashlib.sha1(v).hexdigest()) for k, v in files.items()))
                               .encode()).hexdigest()
@@ -471,10 +473,14 @@ class FakeHub:
 
             def _answer(self, head: bool):
                 parts = [urllib.parse.unquote(p) for p in urllib.parse.urlparse(self.path).path.strip("/").split("/")]
+                prefix = ""
+                if parts[:2] == ["api", "datasets"] or parts[:1] == ["datasets"]:  # a dataset repository's URLs
+                    prefix = "datasets/"
+                    parts = ["api", "models", *parts[2:]] if parts[0] == "api" else parts[1:]
                 api = parts[:2] == ["api", "models"] and len(parts) >= 6
                 if not api and not (len(parts) >= 5 and parts[2] == "resolve"):
                     return self._error("NotFound", head)
-                repo = "/".join(parts[2:4] if api else parts[:2])
+                repo = prefix + "/".join(parts[2:4] if api else parts[:2])
                 if repo not in hub.repos:
                     return self._error("RepoNotFound", head)
                 commit = hub._commit(repo, parts[5] if api else parts[3])
@@ -482,7 +488,7 @@ class FakeHub:
                     return self._error("RevisionNotFound", head)
                 files = hub.repos[repo][commit]
                 if api and parts[4] == "revision":
-                    body = {"id": repo, "sha": commit, "siblings": [{"rfilename": f} for f in files]}
+                    body = {"id": repo.removeprefix("datasets/"), "sha": commit, "siblings": [{"rfilename": f} for f in files]}
                     return self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"}, head)
                 if api:  # the tree
                     body = [{"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}

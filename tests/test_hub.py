@@ -41,19 +41,20 @@ def fake_hub(tmp_path_factory):
     model = save_tiny("llama", d / "tiny-llama", vocab, tokenizer_dir=d / "tok")
     h = FakeHub()
     commit = h.add("org/tiny-llama", model, tags=("v1",))
+    # a dataset as the Hub keeps TRL's: parquet files named by split under data/
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    (d / "sft-data" / "data").mkdir(parents=True)
+    for split, n, seed in (("train", 24, 0), ("test", 6, 100)):
+        recs = [{"prompt": random_text(40, seed + i), "completion": random_text(30, seed + i + 50)} for i in range(n)]
+        pq.write_table(pa.Table.from_pylist(recs), str(d / "sft-data" / "data" / f"{split}-00000-of-00001.parquet"))
+    h.add("org/sft-data", d / "sft-data", repo_type="dataset")
     return h, h.serve(), commit, d
 
 
 def _env(url: str, cache: Path, **extra) -> dict:
     return {"HF_ENDPOINT": url, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
             "HF_HUB_DISABLE_PROGRESS_BARS": "1", **extra}
-
-
-def _sft_parquet(path: Path) -> Path:
-    import datasets
-    recs = [{"prompt": random_text(40, i), "completion": random_text(30, i + 50)} for i in range(24)]
-    datasets.Dataset.from_list(recs).to_parquet(str(path))
-    return path
 
 
 ARGS = ["--data.kind", "sft", "--data.seq_len", "32", "--train.micro_batch_size", "2", "--train.max_steps", "2",
@@ -66,15 +67,17 @@ def test_a_hub_id_trains_under_zero3_on_2_processes_downloading_each_file_once(f
     h, url, commit, d = fake_hub
     h.downloads.clear()
     cache, run_dir = tmp_path / "hf_cache", tmp_path / "run"
-    data = _sft_parquet(tmp_path / "sft.parquet")
     p = run_train("torchrun", 2, [*ARGS, "--model.name", "hf:org/tiny-llama@v1", "--data.tokenizer",
-                                  "org/tiny-llama@v1", "--data.path", str(data), "--ds-config", fp32(tmp_path, "zero3"),
+                                  "org/tiny-llama@v1", "--data.path", "org/sft-data", "--ds-config",
+                                  fp32(tmp_path, "zero3"),
                                   "--train.run_dir", str(run_dir)],
                   env=_env(url, cache, HF_DATASETS_CACHE=str(tmp_path / "ds_cache")))
     files = set(h.repos["org/tiny-llama"][commit])
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
-    # one node: every file the snapshot holds came over the wire exactly once, for both ranks
-    assert {name for (_, name) in h.downloads} == files
+    # one node: every file of the model and of the dataset came over the wire exactly once, for both ranks
+    assert {name for (repo, name) in h.downloads if repo == "org/tiny-llama"} == files
+    assert {name for (repo, name) in h.downloads if repo == "datasets/org/sft-data"} == \
+        {"data/train-00000-of-00001.parquet", "data/test-00000-of-00001.parquet"}
     assert set(h.downloads.values()) == {1}, dict(h.downloads)
     snapshot = cache / "models--org--tiny-llama" / "snapshots" / commit
     assert sorted(f.name for f in snapshot.iterdir()) == sorted(files)
@@ -83,32 +86,46 @@ def test_a_hub_id_trains_under_zero3_on_2_processes_downloading_each_file_once(f
     assert "model built partitioned by deepspeed.zero.Init" in p.stdout
     record = json.loads((run_dir / "config.json").read_text())
     assert record["model"]["resolved"]["hub"] == {"id": "org/tiny-llama", "revision": "v1", "commit": commit}
-    assert {"key": "data.tokenizer", "id": "org/tiny-llama", "revision": "v1", "commit": commit} \
+    assert {"key": "data.tokenizer", "id": "org/tiny-llama", "revision": "v1", "commit": commit, "type": "model"} \
         in record["resolved"]["hub"]
+    assert {"key", "id", "revision", "commit", "type"} <= set(next(e for e in record["resolved"]["hub"]
+                                                                  if e["key"] == "data.path"))
+    assert "instruction data org/sft-data (" in p.stdout and "val: split 'test'" in p.stdout  # the Hub's split names
+    assert "format prompt-completion (standard)" in p.stdout
     assert [r["step"] for r in metrics(run_dir) if "loss" in r] == [1, 2]
     # a second run finds everything in the cache: nothing is downloaded again
-    run_train("python", 1, [*ARGS, "--model.name", "hf:org/tiny-llama@v1", "--data.path", str(data),
+    run_train("python", 1, [*ARGS, "--model.name", "hf:org/tiny-llama@v1", "--data.path", "org/sft-data",
                             "--ds-config", fp32(tmp_path, "ddp"), "--train.run_dir", str(tmp_path / "again")],
               env=_env(url, cache, HF_DATASETS_CACHE=str(tmp_path / "ds_cache")))
     assert set(h.downloads.values()) == {1}, dict(h.downloads)
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("case", ["offline, not cached", "no such revision", "no such repository"])
+@pytest.mark.parametrize("case", ["offline, not cached", "no such revision", "no such repository", "no such split",
+                                  "no such dataset"])
 def test_an_id_that_cannot_be_had_is_one_line_naming_it_exit_2(case, fake_hub, tmp_path):
     _, url, _, _ = fake_hub
     cache = tmp_path / "hf_cache"
+    data = ["--data.path", "x.parquet"]
+    if case == "no such split":
+        data = ["--data.path", "org/sft-data", "--data.split", "validation"]
+    if case == "no such dataset":
+        data = ["--data.path", "org/no-data@v2"]
     name, extra, says = {
         "offline, not cached": ("org/tiny-llama@v1", {"HF_HUB_OFFLINE": "1"},
                                 f"model.name hf:org/tiny-llama@v1: not in the Hugging Face cache {cache} (revision v1); "
                                 f"HF_HUB_OFFLINE is set"),
         "no such revision": ("org/tiny-llama@v9", {},
                              "model.name hf:org/tiny-llama@v9: the revision v9 does not exist in org/tiny-llama"),
-        "no such repository": ("org/nothing", {},
-                               "model.name hf:org/nothing@main: no repository org/nothing on the Hub"),
+        "no such repository": ("org/nothing", {}, "model.name hf:org/nothing@main: no local path org/nothing and no "
+                                                  "model repository org/nothing on the Hub"),
+        "no such split": ("org/tiny-llama", {}, 'data.path org/sft-data@main has no split "validation" (its splits: '
+                                                "train, test); set data.split to one of them"),
+        "no such dataset": ("org/tiny-llama", {}, "data.path org/no-data@v2: no local path org/no-data and no dataset "
+                                                  "repository org/no-data on the Hub"),
     }[case]
-    p = run_train("python", 1, [*ARGS, "--model.name", f"hf:{name}", "--data.path", "x.parquet",
-                                "--train.run_dir", str(tmp_path / "run")], env=_env(url, cache, **extra), check=False)
+    p = run_train("python", 1, [*ARGS, "--model.name", f"hf:{name}", *data, "--train.run_dir", str(tmp_path / "run")],
+                  env=_env(url, cache, HF_DATASETS_CACHE=str(tmp_path / "ds_cache"), **extra), check=False)
     lines = [ln for ln in p.stderr.splitlines() if "error" in ln]
     assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
     assert says in lines[0], lines[0]

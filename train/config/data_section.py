@@ -109,6 +109,13 @@ class TextData(DataSection):
     default corpus."""
     seq_len: Optional[int] = None
     """LM sequence length; None = the model's context length."""
+    subset: Optional[str] = None
+    """With a Hub dataset id as data.path: the subset (`datasets`' configuration name, e.g.
+    "default"); None = the dataset's only or default one. Refused for local paths."""
+    split: Optional[str] = None
+    """With a Hub dataset id or a save_to_disk DatasetDict as data.path: the split trained on
+    (None = "train"); validation is then the "validation" (else "test") split when training on
+    "train", else data.val_fraction. Refused for other paths."""
     val_fraction: float = 0.05
     """Fraction of the bytes held out for validation (the end of the corpus)."""
     max_bytes: int = 4_000_000
@@ -200,6 +207,13 @@ class SftData(DataSection):
     seq_len: Optional[int] = None
     """Each record is truncated to it (seq_len + 1 tokens) and right-padded; None = the model's
     context length."""
+    subset: Optional[str] = None
+    """With a Hub dataset id as data.path: the subset (`datasets`' configuration name, e.g.
+    "default"); None = the dataset's only or default one. Refused for local paths."""
+    split: Optional[str] = None
+    """With a Hub dataset id or a save_to_disk DatasetDict as data.path: the split trained on
+    (None = "train"); validation is then the "validation" (else "test") split when training on
+    "train", else data.val_fraction. Refused for other paths."""
     val_fraction: float = 0.05
     """Without a separate validation file: the fraction of records held out (the last ones)."""
     tokenizer: Optional[str] = None
@@ -252,6 +266,13 @@ class PreferenceData(DataSection):
     """Each of a record's two sequences (prompt + chosen, prompt + rejected) is at most seq_len + 1
     tokens: the prompt is kept whole, each response is cut at its end (docs/workloads.md); a
     prompt that leaves no response token is refused. None = the model's context length."""
+    subset: Optional[str] = None
+    """With a Hub dataset id as data.path: the subset (`datasets`' configuration name, e.g.
+    "default"); None = the dataset's only or default one. Refused for local paths."""
+    split: Optional[str] = None
+    """With a Hub dataset id or a save_to_disk DatasetDict as data.path: the split trained on
+    (None = "train"); validation is then the "validation" (else "test") split when training on
+    "train", else data.val_fraction. Refused for other paths."""
     val_fraction: float = 0.05
     """Without a separate validation file: the fraction of records held out (the last ones)."""
     tokenizer: Optional[str] = None

@@ -248,7 +248,7 @@ def build_preference(cfg: PreferenceData, seq_len: Optional[int], tokenizer: Opt
     formats: set = set()
     val = None
     if table:
-        src = open_source(cfg.path, "preference")
+        src = open_source(cfg.path, "preference", cfg.subset, cfg.split)
         if src.is_table:
             pairs, same, first_same = read_table(src.table, enc, seq_len, formats)
             val_name, val_what = src.val_name, src.val_table.name if src.val_table is not None else None
@@ -259,6 +259,8 @@ def build_preference(cfg: PreferenceData, seq_len: Optional[int], tokenizer: Opt
             pairs = _concat([p for p, _, _ in parts if p is not None])
             same, first_same = sum(n for _, n, _ in parts), next((w for _, _, w in parts if w), None)
     else:
+        from zerotrain.train.data.sft import _local_only
+        _local_only(cfg)
         pairs, same, first_same = read_pairs(path, enc, seq_len, formats)
         val_file = val_path(path)
         val_name = val_what = val_file.name

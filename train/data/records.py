@@ -124,8 +124,9 @@ def is_dataset_dir(p: Path) -> bool:
 
 def is_table_spec(spec: str) -> bool:
     """Whether data.path names something `datasets` reads (else: one JSONL file, as before)."""
+    import zerotrain.models.hub as hub
     p = Path(spec).expanduser()
-    if is_glob(spec):
+    if is_glob(spec) or hub.parse(spec, "dataset") is not None:
         return True
     return is_dataset_dir(p) or p.suffix.lower() in TABLE_SUFFIXES
 
@@ -173,7 +174,18 @@ def _load_files(files: list[Path], spec: str) -> Table:
 VAL_SPLITS = ("validation", "test")
 
 
-def _load_dir(p: Path, kind: str) -> tuple[Table, Optional[Table], Optional[str]]:
+def _pick_split(d: dict, name: str, split: Optional[str], kind: str, key_hint: str):
+    """(train Table, validation Table or None, its description) of a DatasetDict."""
+    want = split or "train"
+    if want not in d:
+        raise DataError(f"data.path {name} has no split \"{want}\" (its splits: {', '.join(d) or 'none'}); "
+                        f"set data.split to one of them{key_hint}")
+    val = next((s for s in VAL_SPLITS if s in d), None) if want == "train" else None
+    return (Table(d[want], f"{name}[{want}]"), Table(d[val], f"{name}[{val}]") if val else None,
+            f"split {val!r}" if val else None)
+
+
+def _load_dir(p: Path, kind: str, split: Optional[str]) -> tuple[Table, Optional[Table], Optional[str]]:
     ds_mod = _datasets()
     try:
         d = ds_mod.load_from_disk(str(p))  # memory-mapped in place
@@ -181,30 +193,55 @@ def _load_dir(p: Path, kind: str) -> tuple[Table, Optional[Table], Optional[str]
         raise DataError(f"data.path {p}: not a directory `datasets` save_to_disk wrote ({type(e).__name__}: "
                         f"{(str(e).splitlines() or [''])[0][:200]})") from None
     if isinstance(d, ds_mod.DatasetDict):
-        if "train" not in d:
-            raise DataError(f"data.path {p} holds the splits {', '.join(d)} and no \"train\"; data.kind {kind} "
-                            f"trains on the \"train\" split (save it under that name)")
-        val = next((s for s in VAL_SPLITS if s in d), None)
-        return (Table(d["train"], f"{p}[train]"), Table(d[val], f"{p}[{val}]") if val else None,
-                f"split {val!r}" if val else None)
+        return _pick_split(d, str(p), split, kind, "")
+    if split is not None:
+        raise DataError(f"data.split {split}: data.path {p} is one Dataset, not a DatasetDict with splits; remove "
+                        f"data.split")
     return Table(d, str(p)), None, None
 
 
-def open_source(spec: str, kind: str) -> Source:
+def _load_hub(spec: str, kind: str, subset: Optional[str], split: Optional[str]):
+    """A Hub dataset id: its snapshot in huggingface_hub's cache (fetched, one process per node,
+    by train/launch/hub_fetch.py), read by `datasets` as a local directory: its README's subsets
+    and split names, else the file-name conventions (train-*.parquet, data/test-*, ...)."""
+    import zerotrain.models.hub as hub
+    h = hub.parse(spec, "dataset")
+    directory, commit = hub.local_snapshot(h, "data.path")
+    name = f"{h.repo}@{h.rev}" + (f" subset {subset}" if subset else "")
+    ds_mod = _datasets()
+    try:
+        d = ds_mod.load_dataset(str(directory), name=subset)
+    except Exception as e:  # noqa: BLE001 - an unknown subset, files datasets cannot read: one line
+        raise DataError(f"data.path {h.repo}@{h.rev} (commit {commit}){' data.subset ' + subset if subset else ''}: "
+                        f"`datasets` cannot load it ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:240]}); "
+                        f"check data.subset") from None
+    return _pick_split(d, name, split, kind, " (and data.subset for another subset)")
+
+
+def open_source(spec: str, kind: str, subset: Optional[str] = None, split: Optional[str] = None) -> Source:
     """data.path of data.kind `kind` opened (nothing read but the tables' metadata)."""
+    import zerotrain.models.hub as hub
     p = Path(spec).expanduser()
+    if hub.parse(spec, "dataset") is not None:
+        table, val, val_name = _load_hub(spec, kind, subset, split)
+        return Source(spec, table=table, val_table=val, val_name=val_name)
+    if subset is not None:
+        raise DataError(f"data.subset {subset}: data.path {spec} is not a Hub dataset id; remove data.subset")
+    if is_dataset_dir(p):
+        table, val, val_name = _load_dir(p, kind, split)
+        return Source(spec, table=table, val_table=val, val_name=val_name)
+    if split is not None:
+        raise DataError(f"data.split {split}: data.path {spec} is neither a Hub dataset id nor a save_to_disk "
+                        f"DatasetDict; remove data.split")
     if is_glob(spec):
         files = _glob(spec, kind)
         if files[0].suffix.lower() in JSONL_SUFFIXES:
             return Source(spec, jsonl=files)
         return Source(spec, table=_load_files(files, spec))
-    if is_dataset_dir(p):
-        table, val, val_name = _load_dir(p, kind)
-        return Source(spec, table=table, val_table=val, val_name=val_name)
     if p.suffix.lower() in TABLE_SUFFIXES:
         if not p.is_file():
             raise DataError(f"data.path {p} does not exist (data.kind {kind} reads a .jsonl, .parquet or .arrow "
-                            f"file, a glob of them, or a save_to_disk directory)")
+                            f"file, a glob of them, a save_to_disk directory, or a Hub dataset id)")
         sibling = p.with_name(p.stem + ".val" + p.suffix)
         val = _load_files([sibling], str(sibling)) if sibling.is_file() and sibling != p else None
         return Source(spec, table=_load_files([p], str(p)), val_table=val, val_name=sibling.name if val else None)

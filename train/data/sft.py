@@ -453,10 +453,10 @@ def _jsonl_sets(path: Path, enc: Encoder, seq_len: int, formats: set):
     return records, val, val_file.name, top, "instruction data"
 
 
-def _source_sets(spec: str, enc: Encoder, seq_len: int, formats: set):
-    """The same from a `datasets` table or a glob of JSONL files (train/data/records.py)."""
+def _source_sets(spec: str, enc: Encoder, seq_len: int, formats: set, subset=None, split=None):
+    """The same from a `datasets` table, a Hub dataset id or a glob of JSONL files (train/data/records.py)."""
     from zerotrain.train.data.records import open_source
-    src = open_source(spec, "sft")
+    src = open_source(spec, "sft", subset, split)
     if src.is_table:
         records = read_table(src.table, enc, seq_len, formats)
         val = read_table(src.val_table, enc, seq_len) if src.val_table is not None else None
@@ -465,6 +465,14 @@ def _source_sets(spec: str, enc: Encoder, seq_len: int, formats: set):
         records, val = (parts[0] if len(parts) == 1 else concat(parts)), None
     top = max(int(records.ids.max()), int(val.ids.max()) if val is not None else 0)
     return records, val, src.val_name, top, "instruction data"
+
+
+def _local_only(cfg) -> None:
+    """data.subset / data.split are read for Hub dataset ids and save_to_disk directories only."""
+    for key in ("subset", "split"):
+        if getattr(cfg, key) is not None:
+            raise DataError(f"data.{key} {getattr(cfg, key)}: data.path {cfg.path} is a single file, without "
+                            f"subsets or splits; remove data.{key}")
 
 
 def concat(parts: list[SFTSequences]) -> SFTSequences:
@@ -505,7 +513,11 @@ def build_sft(cfg: SftData, seq_len: Optional[int], tokenizer: Optional[str], se
     enc = hf_encoder(tokenizer, cfg.chat_template) if tokenizer else byte_encoder()
     sets = _prepared_sets if path.suffix == ".bin" else _source_sets if table else _jsonl_sets
     formats: set = set()
-    records, sibling, val_name, top, what = sets(path if sets is not _source_sets else cfg.path, enc, seq_len, formats)
+    if sets is _source_sets:
+        records, sibling, val_name, top, what = sets(cfg.path, enc, seq_len, formats, cfg.subset, cfg.split)
+    else:
+        _local_only(cfg)
+        records, sibling, val_name, top, what = sets(path, enc, seq_len, formats)
     if sibling is not None:
         train, val, split = records, sibling, f"val: {val_name}"
     else:

@@ -37,12 +37,18 @@ def default_corpus_files(directory: str | None = None) -> Iterator[Path]:
             yield Path(e.path)
 
 
-def read_bytes(path: str | None, max_bytes: int) -> tuple[np.ndarray, str]:
-    """Concatenate text files (a file, a directory of *.txt/*.md/*.py, or the default corpus)."""
+def read_bytes(path: str | None, max_bytes: int, subset: str | None = None,
+               split: str | None = None) -> tuple[np.ndarray, str]:
+    """Concatenate text files (a file, a directory of *.txt/*.md/*.py, or the default corpus), or
+    the "text" column of a table (a parquet/arrow file or glob, a save_to_disk directory, a Hub
+    dataset id)."""
+    if (subset is not None or split is not None) and not (path is not None and table_spec(path)):
+        raise DataError(f"data.subset / data.split: data.path {path} is not a table or Hub dataset id with subsets "
+                        f"and splits; remove them")
     if path is None:
         files, what = default_corpus_files(), f"Python {sysconfig.get_python_version()} standard library sources"
     elif table_spec(path):
-        return table_bytes(path, max_bytes)
+        return table_bytes(path, max_bytes, subset, split)
     else:
         p = Path(path)
         if not p.exists():
@@ -71,11 +77,11 @@ def table_spec(path: str) -> bool:
     return is_table_spec(path) and not (is_glob(path) and Path(path).suffix.lower() in JSONL_SUFFIXES)
 
 
-def table_bytes(path: str, max_bytes: int) -> tuple[np.ndarray, str]:
+def table_bytes(path: str, max_bytes: int, subset=None, split=None) -> tuple[np.ndarray, str]:
     """The "text" column of a `datasets` table (TRL's language-modeling format), rows joined by
     newlines as UTF-8 bytes, up to max_bytes: only the rows needed are read."""
     from zerotrain.train.data.records import open_source, table_format, table_rows
-    src = open_source(path, "text")
+    src = open_source(path, "text", subset, split)
     if not src.is_table:
         raise DataError(f"data.path {path}: data.kind text reads a text file or directory, or a parquet/arrow "
                         f"table with a \"text\" column")

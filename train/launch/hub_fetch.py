@@ -1,5 +1,5 @@
-"""The Hub ids a run names (model.name hf:<org>/<name>[@rev], model.init_from, data.tokenizer;
-models/hub.py), fetched into huggingface_hub's cache before anything reads them: on each node
+"""The Hub ids a run names (model.name hf:<org>/<name>[@rev], model.init_from, data.tokenizer,
+and a dataset id as data.path; models/hub.py), fetched into huggingface_hub's cache before anything reads them: on each node
 one process (local rank 0) downloads what is missing while every other process waits at a
 barrier, so a file is fetched once per node (once in all where nodes share the cache:
 huggingface_hub locks each file) and nobody reads a file being written. Then every process
@@ -17,6 +17,9 @@ import zerotrain.models.hub as hub
 from zerotrain.models.errors import ConfigError
 
 
+DATASET_KINDS = ("text", "sft", "preference")  # whose data.path may be a Hub dataset id (train/data/records.py)
+
+
 def hub_ids(cfg) -> list[tuple[hub.HubId, str]]:
     """[(id, the key that names it)] of the run, in a fixed order (every rank the same)."""
     named = []
@@ -24,7 +27,10 @@ def hub_ids(cfg) -> list[tuple[hub.HubId, str]]:
         named.append((cfg.model.name[3:], "model.name"))
     named.append((getattr(cfg.model, "init_from", None), "model.init_from"))
     named.append((cfg.data.tokenizer, "data.tokenizer"))
-    return [(h, what) for text, what in named if (h := hub.parse(text)) is not None]
+    ids = [(h, what) for text, what in named if (h := hub.parse(text)) is not None]
+    if cfg.data.kind in DATASET_KINDS and (h := hub.parse(getattr(cfg.data, "path", None), "dataset")) is not None:
+        ids.append((h, "data.path"))
+    return ids
 
 
 def fetch(cfg, timeout_s: int, say=print) -> list[dict]:
@@ -39,7 +45,7 @@ def fetch(cfg, timeout_s: int, say=print) -> list[dict]:
     if local_rank == 0 and not hub._offline():
         for h, what in ids:
             try:
-                say(f"zerotrain: {what} hf:{h}: fetching into the Hugging Face cache {hub.cache_dir()} (one process "
+                say(f"zerotrain: {what} {hub._shown(h)}: fetching into the Hugging Face cache {hub.cache_dir()} (one process "
                     f"per node; the others wait)")
                 hub.download(h, what)
             except ConfigError as e:
@@ -56,7 +62,7 @@ def fetch(cfg, timeout_s: int, say=print) -> list[dict]:
     out = []
     for h, what in ids:
         path, commit = hub.local_snapshot(h, what)  # every rank, from the cache only
-        out.append({"key": what, "id": h.repo, "revision": h.rev, "commit": commit})
+        out.append({"key": what, "id": h.repo, "revision": h.rev, "commit": commit, "type": h.repo_type})
         if rank == 0:
-            say(f"zerotrain: {what} hf:{h} = commit {commit} ({path})")
+            say(f"zerotrain: {what} {hub._shown(h)} = commit {commit} ({path})")
     return out
