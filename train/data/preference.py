@@ -173,7 +173,9 @@ def read_rows(rows, enc: Encoder, seq_len: int, source=None, formats: Optional[s
     """(every record of `rows` ((where, number, record), train/data/records.py) as pairs
     truncated to seq_len + 1 tokens (None if none is left), how many records had chosen ==
     rejected (skipped), the first such where). Each pair keeps its number (JSONL line, table row)."""
-    seqs = {s: ([], [], [0]) for s in SIDES}
+    import array
+    wide = enc.vocab_size > 2 ** 31  # typed arrays: 4 (8) + 1 bytes a token, not Python lists of ints
+    seqs = {s: (array.array("q" if wide else "i"), array.array("b"), [0]) for s in SIDES}
     lines, same, first_same = [], 0, None
     for where, number, rec in rows:
         prompt, chosen, rejected, chat = parse_record(rec, where, formats)
@@ -189,15 +191,14 @@ def read_rows(rows, enc: Encoder, seq_len: int, source=None, formats: Optional[s
                                 f'"{side}" token (the prompt is kept whole, responses are cut at their end); '
                                 f"raise data.seq_len or shorten the prompt")
             ids_l, trained_l, offsets = seqs[side]
-            ids_l += ids[:seq_len + 1]
-            trained_l += trained[:seq_len + 1]
+            ids_l.extend(ids[:seq_len + 1])
+            trained_l.extend(trained[:seq_len + 1])
             offsets.append(len(ids_l))
         lines.append(number)
     if not lines:
         return None, same, first_same
-    dtype = np.int64 if enc.vocab_size > 2 ** 31 else np.int32
-    made = {s: SFTSequences(np.asarray(i, dtype=dtype), np.asarray(t, dtype=np.bool_), np.asarray(o, dtype=np.int64),
-                            seq_len, enc.pad) for s, (i, t, o) in seqs.items()}
+    made = {s: SFTSequences(np.frombuffer(i, dtype=np.int64 if wide else np.int32), np.frombuffer(t, dtype=np.bool_),
+                            np.asarray(o, dtype=np.int64), seq_len, enc.pad) for s, (i, t, o) in seqs.items()}
     return (PreferencePairs(made["chosen"], made["rejected"], np.asarray(lines, dtype=np.int64), source), same,
             first_same)
 

@@ -2,12 +2,13 @@
 
 A data.path of data.kind sft / preference (and text) is one of
   * a JSONL file (one JSON object per line; errors name file:line), or a glob of them;
-  * a table that `datasets` reads: a .parquet or .arrow file, a glob of them, or a directory
-    `Dataset.save_to_disk` / `DatasetDict.save_to_disk` wrote. Arrow is memory-mapped (`.arrow`
-    files and save_to_disk directories in place; parquet once converted into `datasets`' cache,
-    one conversion per cache, under `datasets`' own lock), and rows are read in batches of only
-    the columns the format needs: nothing holds the whole table. Errors name file:row N, the
-    0-based index `datasets` gives the row in that file.
+  * a table: a .parquet or .arrow (`datasets`' Arrow stream) file, a glob of them, a directory
+    `Dataset.save_to_disk` / `DatasetDict.save_to_disk` wrote, or a Hub dataset id (its snapshot
+    in huggingface_hub's cache; `datasets` says which files hold which subset and split). Rows
+    are read by pyarrow from the files themselves, BATCH_ROWS at a time, only the columns the
+    format needs, and freed once tokenized: no copy of the table is made (no conversion into a
+    cache) and nothing holds or maps it whole (bench/table_memory.py: a 1 GB parquet set peaks
+    at the RSS of a 10 MB one). Errors name file:row N, the 0-based row in that file.
 
 The format is found from the columns (a table's, or a JSONL record's keys), as TRL names them
 (https://huggingface.co/docs/trl/dataset_formats), each standard (strings) or conversational
@@ -82,22 +83,34 @@ def flavour(value) -> str:
 # ----------------------------------------------------------------------------- sources
 
 @dataclass
+class Part:
+    """One file of a table."""
+    label: str       # what errors call it (the file, or the Hub id's split)
+    kind: str        # "parquet" | "arrow" (datasets' Arrow stream files)
+    rows: int
+    path: str        # the file read
+
+
+@dataclass
 class Table:
-    """A `datasets` table and where each of its rows comes from."""
-    dataset: object                      # datasets.Dataset, memory-mapped
-    name: str                            # what the banner calls it
-    parts: list[tuple[str, int]] = field(default_factory=list)  # (file, rows) in order; [] = one named source
+    """Files of rows (parquet, or `datasets`' Arrow stream files) as one table, in order. Rows are
+    read by pyarrow from the files, a batch at a time (read, not memory-mapped: a mapped page a
+    rank touched would stay in its RSS, so reading a 1 GB set through a map grew each rank's RSS
+    by the set's size, bench/table_memory.py); each batch is freed once its rows are tokenized."""
+    name: str                                       # what the banner calls it
+    columns: list[str]
+    parts: list[Part] = field(default_factory=list)
+    dataset: object = None               # else: a datasets.Dataset (Hub JSON files), sliced BATCH_ROWS at a time
 
     def where(self, i: int) -> str:
-        for name, n in self.parts:
-            if i < n:
-                return f"{name}:row {i}"
-            i -= n
+        for part in self.parts:
+            if i < part.rows:
+                return f"{part.label}:row {i}"
+            i -= part.rows
         return f"{self.name}:row {i}"
 
-    @property
-    def columns(self) -> list[str]:
-        return list(self.dataset.column_names)
+    def __len__(self) -> int:
+        return len(self.dataset) if self.dataset is not None else sum(p.rows for p in self.parts)
 
 
 @dataclass
@@ -151,71 +164,98 @@ def _glob(spec: str, kind: str) -> list[Path]:
 
 
 def _load_files(files: list[Path], spec: str) -> Table:
-    """.parquet / .arrow files as one memory-mapped table, in the given order."""
-    ds_mod = _datasets()
-    suffix = files[0].suffix.lower()
+    """.parquet / .arrow files as one table, in the given order: only their metadata is read here."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    parts, columns = [], None
+    for f in files:
+        try:
+            if f.suffix.lower() == ".arrow":  # datasets' Arrow stream files
+                with pa.OSFile(str(f)) as src:
+                    reader = pa.ipc.open_stream(src)
+                    schema, rows = reader.schema, sum(b.num_rows for b in reader)
+                parts.append(Part(str(f), "arrow", rows, str(f)))
+            else:
+                meta = pq.ParquetFile(str(f))
+                schema, rows = meta.schema_arrow, meta.metadata.num_rows
+                parts.append(Part(str(f), "parquet", rows, str(f)))
+        except Exception as e:  # noqa: BLE001 - a corrupt or unreadable file: one line naming it
+            raise DataError(f"data.path {spec}: {f} cannot be read as {f.suffix[1:]} ({type(e).__name__}: "
+                            f"{(str(e).splitlines() or [''])[0][:200]}); give .parquet/.arrow files") from None
+        columns = columns if columns is not None else list(schema.names)
+        if list(schema.names) != columns:
+            raise DataError(f"data.path {spec}: {f} has the columns {', '.join(schema.names)}, {parts[0].path} "
+                            f"{', '.join(columns)}; give files of one table")
+    return Table(name=spec, columns=columns or [], parts=parts)
+
+
+def _dataset_files(directory: Path) -> list[Path]:
+    """The Arrow files of one `Dataset.save_to_disk` directory (its state.json lists them)."""
     try:
-        if suffix == ".arrow":  # datasets' own Arrow stream files: mapped in place, no copy
-            parts = [ds_mod.Dataset.from_file(str(f)) for f in files]
-            counts = [len(p) for p in parts]
-            ds = parts[0] if len(parts) == 1 else ds_mod.concatenate_datasets(parts)
-        else:
-            import pyarrow.parquet as pq
-            counts = [pq.ParquetFile(str(f)).metadata.num_rows for f in files]
-            ds = ds_mod.load_dataset("parquet", data_files=[str(f) for f in files], split="train")
-    except DataError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a corrupt or unreadable file: one line naming it
-        raise DataError(f"data.path {spec}: `datasets` cannot read it ({type(e).__name__}: "
-                        f"{(str(e).splitlines() or [''])[0][:200]}); give .parquet/.arrow files it can") from None
-    return Table(dataset=ds, name=spec, parts=[(str(f), n) for f, n in zip(files, counts)])
+        state = json.loads((directory / "state.json").read_text())
+        return [directory / f["filename"] for f in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"data.path {directory}: not a directory `datasets` save_to_disk wrote (state.json: "
+                        f"{type(e).__name__}: {e})") from None
 
 
 VAL_SPLITS = ("validation", "test")
 
 
 def _pick_split(d: dict, name: str, split: Optional[str], kind: str, key_hint: str):
-    """(train Table, validation Table or None, its description) of a DatasetDict."""
+    """(train Table, validation Table or None, its description) of splits {name: () -> Table}."""
     want = split or "train"
     if want not in d:
         raise DataError(f"data.path {name} has no split \"{want}\" (its splits: {', '.join(d) or 'none'}); "
                         f"set data.split to one of them{key_hint}")
     val = next((s for s in VAL_SPLITS if s in d), None) if want == "train" else None
-    return (Table(d[want], f"{name}[{want}]"), Table(d[val], f"{name}[{val}]") if val else None,
-            f"split {val!r}" if val else None)
+    return d[want](), d[val]() if val else None, f"split {val!r}" if val else None
 
 
 def _load_dir(p: Path, kind: str, split: Optional[str]) -> tuple[Table, Optional[Table], Optional[str]]:
-    ds_mod = _datasets()
-    try:
-        d = ds_mod.load_from_disk(str(p))  # memory-mapped in place
-    except Exception as e:  # noqa: BLE001
-        raise DataError(f"data.path {p}: not a directory `datasets` save_to_disk wrote ({type(e).__name__}: "
-                        f"{(str(e).splitlines() or [''])[0][:200]})") from None
-    if isinstance(d, ds_mod.DatasetDict):
+    if (p / "dataset_dict.json").is_file():  # a DatasetDict: one directory per split
+        try:
+            splits = json.loads((p / "dataset_dict.json").read_text())["splits"]
+        except (OSError, ValueError, KeyError) as e:
+            raise DataError(f"data.path {p}: unreadable dataset_dict.json ({type(e).__name__}: {e})") from None
+        d = {sp: (lambda sp=sp: _load_files(_dataset_files(p / sp), f"{p}[{sp}]")) for sp in splits}
         return _pick_split(d, str(p), split, kind, "")
     if split is not None:
         raise DataError(f"data.split {split}: data.path {p} is one Dataset, not a DatasetDict with splits; remove "
                         f"data.split")
-    return Table(d, str(p)), None, None
+    return _load_files(_dataset_files(p), str(p)), None, None
 
 
 def _load_hub(spec: str, kind: str, subset: Optional[str], split: Optional[str]):
     """A Hub dataset id: its snapshot in huggingface_hub's cache (fetched, one process per node,
-    by train/launch/hub_fetch.py), read by `datasets` as a local directory: its README's subsets
-    and split names, else the file-name conventions (train-*.parquet, data/test-*, ...)."""
+    by train/launch/hub_fetch.py). `datasets` says which files are which subset and split (its
+    README's configs, else the Hub's file names: train-*.parquet, data/test-*, ...); parquet and
+    arrow files are then read as local ones, other files (JSON) through `datasets`' own table."""
     import zerotrain.models.hub as hub
     h = hub.parse(spec, "dataset")
     directory, commit = hub.local_snapshot(h, "data.path")
-    name = f"{h.repo}@{h.rev}" + (f" subset {subset}" if subset else "")
+    name = f"{h.repo}@{h.rev}" + (f"/{subset}" if subset else "")
     ds_mod = _datasets()
     try:
-        d = ds_mod.load_dataset(str(directory), name=subset)
+        builder = ds_mod.load_dataset_builder(str(directory), name=subset)
+        data_files = dict(builder.config.data_files or {})
     except Exception as e:  # noqa: BLE001 - an unknown subset, files datasets cannot read: one line
         raise DataError(f"data.path {h.repo}@{h.rev} (commit {commit}){' data.subset ' + subset if subset else ''}: "
                         f"`datasets` cannot load it ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:240]}); "
                         f"check data.subset") from None
-    return _pick_split(d, name, split, kind, " (and data.subset for another subset)")
+
+    def table(sp: str):
+        files = [Path(str(f)) for f in data_files[sp]]
+        if files and all(f.suffix.lower() in TABLE_SUFFIXES for f in files):
+            t = _load_files(files, f"{name}[{sp}]")
+            for part in t.parts:  # errors name the id and split (and the file, where the split has several)
+                part.label = f"{name}[{sp}]" + (f" {Path(part.path).name}" if len(files) > 1 else "")
+            return t
+        builder.download_and_prepare()  # JSON files: converted into datasets' cache (memory-mapped)
+        d = builder.as_dataset(split=sp)
+        return Table(name=f"{name}[{sp}]", columns=list(d.column_names), dataset=d)
+    return _pick_split({sp: (lambda sp=sp: table(sp)) for sp in data_files}, name, split, kind,
+                       " (and data.subset for another subset)")
 
 
 def open_source(spec: str, kind: str, subset: Optional[str] = None, split: Optional[str] = None) -> Source:
@@ -272,15 +312,41 @@ def jsonl_rows(lines, name, kind: str, hint: str) -> Iterator[tuple[str, int, di
         yield where, lineno, rec
 
 
+def _batches(table: Table, columns: list[str]):
+    """(what errors call the file, record batch of `columns`) in row order, read from the files
+    BATCH_ROWS rows at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    if table.dataset is not None:
+        ds = table.dataset.select_columns(columns).with_format("arrow")
+        for start in range(0, len(ds), BATCH_ROWS):
+            yield table.name, ds[start:start + BATCH_ROWS]
+        return
+    for part in table.parts:
+        if part.kind == "parquet":
+            # pre_buffer off: pyarrow's default prefetches every row group iter_batches will read,
+            # which held the whole 1 GB file in memory (1.28 GB peak RSS vs 0.15 GB, bench/table_memory.py)
+            f = pq.ParquetFile(part.path, pre_buffer=False, buffer_size=1 << 20)
+            for batch in f.iter_batches(batch_size=BATCH_ROWS, columns=columns):
+                yield part.label, batch
+        else:
+            with pa.OSFile(part.path) as src:  # read, not mapped
+                for batch in pa.ipc.open_stream(src):
+                    yield part.label, batch.select(columns)
+
+
 def table_rows(table: Table, fmt: Format) -> Iterator[tuple[str, int, dict]]:
-    """(file:row N, N, record) of every row, only `fmt`'s columns, read BATCH_ROWS at a time from
-    the memory-mapped table. A null cell reads as a missing key."""
-    ds = table.dataset.select_columns(list(fmt.columns))
-    for start in range(0, len(ds), BATCH_ROWS):
-        batch = ds[start:start + BATCH_ROWS]
-        for j in range(len(batch[fmt.columns[0]])):
-            i = start + j
-            yield table.where(i), i, {c: batch[c][j] for c in fmt.columns if batch[c][j] is not None}
+    """(file:row N, N, record) of every row, only `fmt`'s columns (N counts from 0 in each file;
+    the number yielded is the row of the whole table). A null cell reads as a missing key."""
+    i, label, in_part = 0, None, 0
+    for part, batch in _batches(table, list(fmt.columns)):
+        if part != label:
+            label, in_part = part, 0
+        cols = [batch.column(c).to_pylist() for c in fmt.columns]
+        for values in zip(*cols):
+            yield f"{label}:row {in_part}", i, {c: v for c, v in zip(fmt.columns, values) if v is not None}
+            i += 1
+            in_part += 1
 
 
 def table_format(table: Table, kind: str) -> Format:
