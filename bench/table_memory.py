@@ -80,6 +80,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=1024)
     ap.add_argument("--keep", help="write the sets here (and keep them) instead of a temp dir")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results"), help="where the JSON of the results goes")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(a.keep or tmp)
@@ -98,6 +99,13 @@ def main(argv=None):
         big, small, jsonl = res["parquet"][0], res["parquet 10 MB"][0], res["jsonl"][0]
         print(f"parquet {a.mb} MB / parquet 10 MB = {big / small:.2f}x; parquet / JSONL on the same records = "
               f"{big / jsonl:.2f}x")
+        out = Path(a.out) / f"table_memory-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"mb": a.mb, "seq_len": SEQ_LEN, "record_bytes": RECORD_BYTES,
+                                   "runs": {k: {"peak_rss_bytes": r, "seconds": round(t, 1), "data": line}
+                                            for k, (r, t, line) in res.items()},
+                                   "big_over_small": big / small, "parquet_over_jsonl": big / jsonl}, indent=1) + "\n")
+        print(f"results: {out}")
 
 
 if __name__ == "__main__":
