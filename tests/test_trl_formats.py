@@ -295,3 +295,21 @@ def test_data_kind_text_reads_the_text_column_of_a_table(tmp_path):
     capped = build_data(DataConfig(kind="text", path=str(path), seq_len=32, val_fraction=0.0, max_bytes=1500), 32, 0,
                         None)
     assert bytes(capped.train.tokens.tolist()) == "\n".join(texts).encode()[:1500]
+
+
+def test_data_split_picks_a_dataset_dicts_split_and_is_refused_where_there_are_none(tmp_path):
+    import datasets
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(PC[:9]), "extra": datasets.Dataset.from_list(PC[9:])}) \
+        .save_to_disk(str(tmp_path / "dd"))
+    extra = build_data(DataConfig(kind="sft", path=str(tmp_path / "dd"), seq_len=48, split="extra"), 48, 0, None)
+    assert (len(extra.train), extra.val) == (3, None)  # its 3 records (5% of 3 held out: none), no "validation"
+    same_samples(extra.train, build("sft", write_jsonl(tmp_path / "x.jsonl", PC[9:]), seq_len=48).train)
+    with pytest.raises(DataError, match=r'has no split "validation" \(its splits: train, extra\); set data.split'):
+        build("sft", tmp_path / "dd", split="validation")
+    pq = write_parquet(tmp_path / "one.parquet", PC)
+    with pytest.raises(DataError, match="data.split test: data.path .*one.parquet is neither a Hub dataset id nor"):
+        build("sft", pq, split="test")
+    with pytest.raises(DataError, match="data.subset default: data.path .* is not a Hub dataset id"):
+        build("preference", write_parquet(tmp_path / "p.parquet", PAIRS), subset="default")
+    with pytest.raises(DataError, match="data.split test: data.path .*x.jsonl is a single file"):
+        build("sft", tmp_path / "x.jsonl", split="test")
