@@ -94,9 +94,9 @@ def local_snapshot(hub: HubId, what: str) -> tuple[Path, str]:
         how = ("HF_HUB_OFFLINE is set: unset it on a machine with network to download it" if _offline() else
                "run with network access once (one process per node downloads it)")
         kind = " --repo-type dataset" if hub.repo_type == "dataset" else ""
-        raise ConfigError(f"{what} {_shown(hub)}: not in the Hugging Face cache {cache_dir()} (revision "
-                          f"{hub.rev}); {how}, or fill the cache with `hf download {hub.repo}{kind} --revision "
-                          f"{hub.rev}`") from None
+        raise ConfigError(f"{what} {_shown(hub)}: not a local path, and not in the Hugging Face cache {cache_dir()} "
+                          f"(revision {hub.rev}); {how}, or fill the cache with `hf download {hub.repo}{kind} "
+                          f"--revision {hub.rev}`") from None
     return path, path.name
 
 

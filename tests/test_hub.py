@@ -113,7 +113,8 @@ def test_an_id_that_cannot_be_had_is_one_line_naming_it_exit_2(case, fake_hub, t
         data = ["--data.path", "org/no-data@v2"]
     name, extra, says = {
         "offline, not cached": ("org/tiny-llama@v1", {"HF_HUB_OFFLINE": "1"},
-                                f"model.name hf:org/tiny-llama@v1: not in the Hugging Face cache {cache} (revision v1); "
+                                f"model.name hf:org/tiny-llama@v1: not a local path, and not in the Hugging Face cache {cache} "
+                                f"(revision v1); "
                                 f"HF_HUB_OFFLINE is set"),
         "no such revision": ("org/tiny-llama@v9", {},
                              "model.name hf:org/tiny-llama@v9: the revision v9 does not exist in org/tiny-llama"),
