@@ -1,8 +1,9 @@
 """Preference pairs (`data.kind: preference`, trained with `train.objective: dpo`).
 
-A record is one JSONL line
+A record (a JSONL line, or a table row: train/data/records.py) is
     {"prompt": "...", "chosen": "...", "rejected": "..."}
-or, as chat messages (TRL's conversational format),
+or {"chosen", "rejected"} with the prompt implicit in both (extract_prompt: TRL's rule), or, as
+chat messages (TRL's conversational format),
     {"prompt": [{"role": "user", "content": "..."}, ...],
      "chosen": [{"role": "assistant", "content": "..."}], "rejected": [{"role": "assistant", ...}]}
 (a string response next to a message-list prompt is one assistant message).
@@ -158,14 +159,6 @@ def parse_record(rec: dict, where: str, formats: Optional[set] = None) -> tuple[
         if not any(role == "assistant" and text for role, text, _ in parts[key]):
             raise DataError(f'{where}: empty "{key}": a response needs an assistant message with content')
     return parts["prompt"], parts["chosen"], parts["rejected"], chat
-
-
-def parse_pair(line: str, where: str) -> tuple[list, list, list, bool]:
-    """parse_record of one JSONL line."""
-    from zerotrain.train.data.records import jsonl_rows
-    for _, _, rec in jsonl_rows([line.encode("utf-8")], where.rpartition(":")[0] or where, "preference", HINT):
-        return parse_record(rec, where)
-    raise DataError(f"{where}: an empty line, not a record")
 
 
 def read_rows(rows, enc: Encoder, seq_len: int, source=None, formats: Optional[set] = None

@@ -1,10 +1,12 @@
-"""Instruction data (`data.kind: sft`): JSONL records, the loss on the responses only.
+"""Instruction data (`data.kind: sft`): records, the loss on the responses only.
 
-A record is one line, either
-    {"prompt": "...", "response": "..."}
-or a conversation
+Records come from a JSONL file or a table (parquet, arrow, save_to_disk, a Hub dataset id:
+train/data/records.py), in one of TRL's formats found from the columns (record_turns):
     {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
-(at least one assistant message; every assistant message is trained on).
+        every assistant message is trained (at least one with content);
+    {"prompt", "completion"} strings or message lists: the completion is trained;
+    {"prompt": "...", "response": "..."}: zerotrain's own name for the standard one;
+    {"text": "..."}: every token is trained (BOS + text + EOS, never templated).
 
 Tokens. With the tokenizer's chat template (data.chat_template, when the tokenizer has one)
 the record is rendered turn by turn: the text a turn adds, template markup included, is
@@ -183,15 +185,6 @@ def _string(value, where: str, key: str) -> str:
     if not isinstance(value, str):
         raise DataError(f'{where}: "{key}" must be a string (got {type(value).__name__})')
     return value
-
-
-def parse_record(line: str, where: str) -> tuple[list[tuple[str, str, bool]], bool]:
-    """(turns, is_chat) of one JSONL line; DataError naming `where` (file:line)."""
-    from zerotrain.train.data.records import jsonl_rows
-    for _, _, rec in jsonl_rows([line.encode("utf-8")], where.rpartition(":")[0] or where, "sft", HINT):
-        turns, chat, _ = record_turns(rec, where)
-        return turns, chat
-    raise DataError(f"{where}: an empty line, not a record")
 
 
 def segments(turns: list[tuple[str, str, bool]], chat: bool, enc: Encoder,
