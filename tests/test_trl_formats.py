@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import make_tokenizer, metrics, random_text, run_main, run_train
+from helpers import REPO, make_tokenizer, metrics, random_text, run_main, run_train
 from zerotrain.train.config import DataConfig
 from zerotrain.train.data import build_data
 from zerotrain.train.data.preference import extract_prompt
@@ -313,3 +313,16 @@ def test_data_split_picks_a_dataset_dicts_split_and_is_refused_where_there_are_n
         build("preference", write_parquet(tmp_path / "p.parquet", PAIRS), subset="default")
     with pytest.raises(DataError, match="data.split test: data.path .*x.jsonl is a single file"):
         build("sft", tmp_path / "x.jsonl", split="test")
+
+
+def test_a_precomputed_reference_needs_one_jsonl_file(tmp_path, capsys):
+    """The reference file is keyed by JSONL lines: a table is refused in one line, by prepare and by the run."""
+    from zerotrain.train.commands.prepare import main as prepare_main
+    path = write_parquet(tmp_path / "p.parquet", PAIRS)
+    args = ["--config", str(REPO / "examples" / "dpo.yaml"), "--data.path", str(path), "--train.dpo.reference", "precomputed",
+            "--train.run_dir", str(tmp_path / "run")]
+    with pytest.raises(SystemExit) as e:
+        prepare_main(["--reference", *args])
+    assert e.value.code == 2 and "is not one JSONL file" in capsys.readouterr().err
+    code, err = run_main(capsys, args)
+    assert code == 2 and "is not one JSONL file" in err and len(err.strip().splitlines()) == 1, err
