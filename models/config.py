@@ -118,7 +118,8 @@ class GptModel(ModelSection):
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward: less memory, one more forward per step."""
     init_from: Optional[str] = None
-    """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json."""
+    """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json,
+    or a Hub id org/name[@revision] holding them (through the cache, as model.name hf:)."""
     lora: Optional[LoraConfig] = None
     """LoRA fine-tuning: only low-rank adapters are trained, the base weights stay frozen and are
     not saved in checkpoints (docs/lora.md). None = off; set any key, e.g. --model.lora.r 16, to
@@ -140,11 +141,15 @@ class HfModel(ModelSection):
     """a local Hugging Face causal LM (models/hf.py)."""
     FAMILY: ClassVar[str] = "hf"
     name: str = "hf:"
-    """"hf:<local model dir>": a directory save_pretrained wrote (config.json, weights optional)."""
+    """"hf:<local model dir>": a directory save_pretrained wrote (config.json, weights optional);
+    or "hf:<org>/<name>[@<revision>]", a Hub id resolved through huggingface_hub's cache (a
+    branch, tag or commit; default main): one process per node downloads what is missing while
+    the others wait, HF_HUB_OFFLINE=1 reads the cache only. The commit hash is in config.json
+    (model.resolved.hub) and the banner. A local path that exists wins over an id."""
     trust_remote_code: bool = False
-    """Let transformers import the modelling code the directory ships (auto_map in its
-    config.json): Python from that directory runs in every rank. Off by default; a local
-    directory only, never a download."""
+    """Let transformers import the modelling code the directory (or the Hub id's cached snapshot)
+    ships (auto_map in its config.json): Python from that directory runs in every rank. Off by
+    default; transformers itself never downloads (the snapshot is fetched before, *.py included)."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in backward (transformers' own, non-reentrant): less
     memory, one more forward per step."""
@@ -158,7 +163,8 @@ class HfModel(ModelSection):
     """Mixture-of-experts models: weight of the router's load-balancing (aux) loss added to the
     LM loss (models/moe.py). None = the model config's router_aux_loss_coef; 0 = logged only."""
     init_from: Optional[str] = None
-    """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json."""
+    """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json,
+    or a Hub id org/name[@revision] holding them (through the cache, as model.name hf:)."""
     lora: Optional[LoraConfig] = None
     """LoRA fine-tuning: only low-rank adapters are trained, the base weights stay frozen and are
     not saved in checkpoints (docs/lora.md). None = off; set any key, e.g. --model.lora.r 16, to
@@ -167,7 +173,8 @@ class HfModel(ModelSection):
     def __post_init__(self):
         self._check_common()
         if not self.name[3:]:
-            raise ConfigError('model.name "hf:" needs a local model directory: hf:<dir>')
+            raise ConfigError('model.name "hf:" needs a local model directory or a Hub id: hf:<dir> or '
+                              'hf:<org>/<name>[@<revision>]')
         if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ConfigError(f'model.attn_implementation must be one of {", ".join(ATTN_IMPLEMENTATIONS)} (got '
                               f'"{self.attn_implementation}"){did_you_mean(self.attn_implementation, ATTN_IMPLEMENTATIONS)}'
@@ -196,7 +203,8 @@ class VisionModel(ModelSection):
     """Recompute each stage's activations in backward: ResNet/ResNeXt/ViT/ConvNeXt/EfficientNet/
     MobileNet/RegNet/Swin/MaxViT/ShuffleNet; other architectures refuse it."""
     init_from: Optional[str] = None
-    """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json."""
+    """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json,
+    or a Hub id org/name[@revision] holding them (through the cache, as model.name hf:)."""
 
     def __post_init__(self):
         self._check_common()
@@ -210,7 +218,8 @@ class LinearModel(ModelSection):
     name: str = "linear"
     """"linear": one Linear layer, its width the data's number of features."""
     init_from: Optional[str] = None
-    """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json."""
+    """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json,
+    or a Hub id org/name[@revision] holding them (through the cache, as model.name hf:)."""
 
     def __post_init__(self):
         self._check_common()
@@ -235,7 +244,8 @@ class PyModel(ModelSection):
     entropy; "model": forward(**batch) returns the loss itself (a scalar tensor, or an object or
     mapping with a "loss" entry). None = "lm" for language-model data, "classification" for images."""
     init_from: Optional[str] = None
-    """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json."""
+    """Start from exported weights: a directory with model.safetensors or model.safetensors.index.json,
+    or a Hub id org/name[@revision] holding them (through the cache, as model.name hf:)."""
 
     def __post_init__(self):
         self._check_common()

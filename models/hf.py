@@ -36,7 +36,10 @@ _WIDTH_KEYS = ("hidden_size", "n_embd", "d_model")
 
 
 def model_dir(path: str) -> Path:
-    d = Path(path).expanduser()
+    """The model's local directory: `path`, or the cached snapshot of the Hub id it names
+    (models/hub.py; train/launch/hub_fetch.py downloaded it before the model was resolved)."""
+    import zerotrain.models.hub as hub
+    d = hub.local_path(path, "model.name")
     if not d.is_dir():
         raise ConfigError(f"model.name hf:{path}: {d} is not a directory; give a local Hugging Face model "
                           f"directory (config.json + model.safetensors), e.g. one written by save_pretrained")
@@ -44,6 +47,12 @@ def model_dir(path: str) -> Path:
         raise ConfigError(f"model.name hf:{path}: {d} has no config.json; it must be a Hugging Face model "
                           f"directory (save_pretrained / huggingface-cli download output)")
     return d
+
+
+def hub_commit(spec: ModelSpec) -> Optional[dict]:
+    """{"id", "revision", "commit"} of a model named by a Hub id (config.json and the banner), else None."""
+    import zerotrain.models.hub as hub
+    return hub.commit_of(spec.name[3:], "model.name")
 
 
 def remote_code(d: Path) -> list[str]:
@@ -234,7 +243,8 @@ def build_hf(spec: ModelSpec, data, init_context):
                     model_config={"family": "hf", "source": str(d.resolve()), "model_type": config.model_type,
                                   "config": config.to_dict(), "attn_implementation": attention,
                                   "num_params": n_params,
-                                  **({"trust_remote_code": True} if remote else {})},
+                                  **({"trust_remote_code": True} if remote else {}),
+                                  **({"hub": hub_source} if (hub_source := hub_commit(spec)) else {})},
                     hidden_size=width, flops_per_item=flops, tied=tied_names(model), moe=moe)
 
 

@@ -414,3 +414,100 @@ def zero3_all_partitioned(tmp: Path) -> str:
     z = json.loads((REPO / "ds_configs" / "zero3.json").read_text())["zero_optimization"]
     return ds_variant(tmp, "zero3", "zero3_fp32_all", bf16={"enabled": False}, fp16={"enabled": False},
                       zero_optimization={**z, "stage3_param_persistence_threshold": 0})
+
+
+# A Hugging Face Hub on 127.0.0.1 (HF_ENDPOINT), for Hub ids (tests/test_hub.py).
+
+class FakeHub:
+    """The part of the Hub's HTTP API huggingface_hub's snapshot_download speaks: repo info by
+    revision, the file tree, HEAD/GET of /<repo>/resolve/<revision>/<file> (X-Repo-Commit, ETag),
+    and the X-Error-Code of a missing repo / revision / file. `downloads` counts the GETs of each
+    (repo, file): what a real Hub would serve."""
+
+    def __init__(self):
+        from collections import Counter
+        self.repos: dict = {}      # repo -> {commit: {path: bytes}}
+        self.refs: dict = {}       # (repo, branch or tag) -> commit
+        self.downloads = Counter()
+
+    def add(self, repo: str, directory: Path, tags=(), repo_type: str = "model") -> str:
+        """Every file of `directory` as one commit of `repo` (on main and `tags`); its hash. A
+        dataset repository is kept as "datasets/<repo>", as its URLs name it."""
+        import hashlib
+        repo = repo if repo_type == "model" else f"datasets/{repo}"
+        files = {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+        commit = hashlib.sha1(json.dumps(sorted((k, hashlib.sha1(v).hexdigest()) for k, v in files.items()))
+                              .encode()).hexdigest()
+        self.repos.setdefault(repo, {})[commit] = files
+        for ref in ("main", *tags):
+            self.refs[(repo, ref)] = commit
+        return commit
+
+    def _commit(self, repo: str, rev: str):
+        return rev if rev in self.repos.get(repo, {}) else self.refs.get((repo, rev))
+
+    def serve(self) -> str:
+        """Start serving on a free port (a daemon thread); returns the endpoint URL."""
+        import hashlib
+        import threading
+        import urllib.parse
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code, body=b"", headers=None, head=False):
+                self.send_response(code)
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(body)
+
+            def _error(self, kind, head):
+                self._send(404, json.dumps({"error": kind}).encode(), {"X-Error-Code": kind, "X-Error-Message": kind},
+                           head)
+
+            def _answer(self, head: bool):
+                parts = [urllib.parse.unquote(p) for p in urllib.parse.urlparse(self.path).path.strip("/").split("/")]
+                prefix = ""
+                if parts[:2] == ["api", "datasets"] or parts[:1] == ["datasets"]:  # a dataset repository's URLs
+                    prefix = "datasets/"
+                    parts = ["api", "models", *parts[2:]] if parts[0] == "api" else parts[1:]
+                api = parts[:2] == ["api", "models"] and len(parts) >= 6
+                if not api and not (len(parts) >= 5 and parts[2] == "resolve"):
+                    return self._error("NotFound", head)
+                repo = prefix + "/".join(parts[2:4] if api else parts[:2])
+                if repo not in hub.repos:
+                    return self._error("RepoNotFound", head)
+                commit = hub._commit(repo, parts[5] if api else parts[3])
+                if commit is None:
+                    return self._error("RevisionNotFound", head)
+                files = hub.repos[repo][commit]
+                if api and parts[4] == "revision":
+                    body = {"id": repo.removeprefix("datasets/"), "sha": commit, "siblings": [{"rfilename": f} for f in files]}
+                    return self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"}, head)
+                if api:  # the tree
+                    body = [{"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                            for f, b in files.items()]
+                    return self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"}, head)
+                name = "/".join(parts[4:])
+                if name not in files:
+                    return self._error("EntryNotFound", head)
+                if not head:
+                    hub.downloads[(repo, name)] += 1
+                self._send(200, files[name], {"X-Repo-Commit": commit,
+                                              "ETag": f'"{hashlib.sha1(files[name]).hexdigest()}"'}, head)
+
+            def do_GET(self):
+                self._answer(False)
+
+            def do_HEAD(self):
+                self._answer(True)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"

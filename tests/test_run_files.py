@@ -117,7 +117,7 @@ def test_a_key_of_another_kind_family_or_release_is_one_line(tmp_path, text, mes
     ([("data.max_bytes", "10"), ("data.kind", "tokens")], "--data.max_bytes is not a key of data.kind tokens"),
     ([("model.name", "linear"), ("model.lora.r", "4")], "--model.lora.r is not a key of model family linear"),
     ([("data.kind", "streams")], 'data.kind "streams" is not one of text, tokens, sft, preference, imagefolder, regression, '
-                                 'stream (did you mean "stream"?)'),
+                                 'stream, py (did you mean "stream"?)'),
 ])
 def test_overrides_are_checked_against_the_variant(overrides, message):
     with pytest.raises(ConfigError) as e:

@@ -183,8 +183,9 @@ class Loader:
     def init_from(self, path: str):
         """model.init_from: exported weights (any world size / stage), optimizer untouched."""
         from zerotrain.train.checkpoint.weights import WeightsReader
+        import zerotrain.models.hub as hub
         ck = self.ck
-        w = WeightsReader(path, what="model.init_from")
+        w = WeightsReader(str(hub.local_path(path, "model.init_from")), what="model.init_from")  # a dir or a Hub id
         tied = ck.workload.tied
         w.add_ties(tied)
         h = ck.holder

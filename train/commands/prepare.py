@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--shard-tokens/--workers/--text-field apply to a sharded set, not --sft")
         if not a.inputs or not a.out:
             raise ConfigError("prepare needs input files and --out (or --verify DIR)")
+        _fetch_tokenizer(a.tokenizer)
         if a.sft:
             return prepare_sft(a)
         if a.no_chat_template:
@@ -224,6 +225,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ----------------------------------------------------------------------------- sharded (--out DIR)
+
+def hub_id(name: str) -> bool:
+    import zerotrain.models.hub as hub
+    return hub.parse(name) is not None
+
+
+def _fetch_tokenizer(name) -> None:
+    """--tokenizer as a Hub id (org/name[@revision]): into huggingface_hub's cache first (this one
+    process; HF_HUB_OFFLINE: the cache only), then read from there like a local directory."""
+    import zerotrain.models.hub as hub
+    h = hub.parse(name) if name else None
+    if h is not None and not hub._offline():
+        hub.download(h, "--tokenizer")
+
 
 def prepare_sharded(a, out: Path) -> int:
     """--out DIR: shards + manifest on every core, resumable (train/data/prepare_pool.py)."""
@@ -310,7 +325,8 @@ def prepare_sft(a) -> int:
     val = _sft_file(a.val[0], "--val") if a.val else sft.val_path(source) if sft.val_path(source).is_file() else None
     enc = sft.hf_encoder(a.tokenizer, not a.no_chat_template) if a.tokenizer else sft.byte_encoder()
     meta = {"vocab_size": enc.vocab_size,
-            "tokenizer": "bytes" if enc.name == "bytes" else str(Path(enc.name).expanduser().resolve()),
+            "tokenizer": "bytes" if enc.name == "bytes" else enc.name if hub_id(enc.name) else
+                         str(Path(enc.name).expanduser().resolve()),
             "tokenizer_sha256": enc.identity(), "chat_template": enc.render is not None}
     if val is None:
         for stale in sft_file.parts(sft_file.val_path(out)).values():
@@ -376,8 +392,15 @@ def prepare_reference(argv: list[str]) -> int:
     if a.ds_config:
         raise ConfigError("prepare --reference runs on one device: give no --ds-config")
     cfg = load_config(a.config, a.overrides)
+    from zerotrain.train.launch import hub_fetch
+    hub_fetch.fetch(cfg, 0)  # Hub ids into the cache (one process here)
     if cfg.data.kind != "preference":
         raise ConfigError("prepare --reference: the run's data.kind must be preference (with train.objective dpo)")
+    from zerotrain.train.data.records import is_table_spec
+    if cfg.data.path and is_table_spec(cfg.data.path):
+        raise ConfigError(f"prepare --reference: data.path {cfg.data.path} is not one JSONL file, and the reference "
+                          f"file is keyed by a JSONL file's lines; write the records as one .jsonl file, or train "
+                          f"with train.dpo.reference live")
     if cfg.model.init_from:
         raise ConfigError("prepare --reference computes with the model as built, before model.init_from is loaded; "
                           "export those weights as an hf: directory and name it in model.name")

@@ -13,7 +13,8 @@ the names other modules use are re-exported here.
 from zerotrain.models.config import GptModel, HfModel, LinearModel, LoraConfig, ModelConfig, ModelSection, PyModel, VisionModel
 from zerotrain.train.config.batch import Batch
 from zerotrain.train.config.data_section import (DATA_KINDS, DataConfig, DataSection, ImageFolderData, RegressionData,
-                                       PreferenceData, SftData, SourceConfig, StreamData, TextData, TokensData)
+                                       PreferenceData, PyData, SftData, SourceConfig, StreamData, TextData,
+                                       TokensData)
 from zerotrain.train.config.loader import load_config, read_mapping
 from zerotrain.train.config.moved import upgrade_saved
 from zerotrain.train.config.schema import (CheckpointConfig, DebugConfig, DistributedConfig, HardwareConfig, LoggingConfig,
@@ -21,6 +22,6 @@ from zerotrain.train.config.schema import (CheckpointConfig, DebugConfig, Distri
 
 __all__ = ["Batch", "CheckpointConfig", "DATA_KINDS", "DataConfig", "DataSection", "DebugConfig", "DistributedConfig", "DpoConfig",
            "GptModel", "HardwareConfig", "HfModel", "ImageFolderData", "LinearModel", "LoggingConfig", "LoraConfig",
-           "ModelConfig", "ModelSection", "OptimConfig", "PreferenceData", "PyModel", "RegressionData", "RunConfig", "SftData",
+           "ModelConfig", "ModelSection", "OptimConfig", "PreferenceData", "PyData", "PyModel", "RegressionData", "RunConfig", "SftData",
            "SourceConfig", "StreamData", "TextData", "TokensData", "TrainConfig", "VisionModel", "WandbConfig",
            "load_config", "read_mapping", "upgrade_saved"]

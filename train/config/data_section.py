@@ -1,7 +1,7 @@
 """The run file's data: section and its mixture entries (SourceConfig).
 
 The section is a union tagged by `data.kind`: one dataclass per kind (TextData, TokensData,
-SftData, ImageFolderData, RegressionData, StreamData), each holding only the keys that kind
+SftData, PreferenceData, ImageFolderData, RegressionData, StreamData, PyData), each holding only the keys that kind
 reads, so a key of another kind is an unknown key naming the kind (train/config/loader.py).
 DataConfig(kind=..., **keys) makes the variant of a kind in code."""
 
@@ -101,12 +101,21 @@ class TextData(DataSection):
     """byte-level language modelling on text (default corpus: this Python's standard library sources)."""
     KIND: ClassVar[str] = "text"
     kind: str = "text"
-    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
-    keys (--help lists each kind's)."""
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
     path: Optional[str] = None
-    """A file or directory of text (None = the embedded default corpus)."""
+    """A file or directory of text, or a .parquet/.arrow file, a glob of them or a `save_to_disk`
+    directory whose "text" column is the text (rows joined by newlines); None = the embedded
+    default corpus."""
     seq_len: Optional[int] = None
     """LM sequence length; None = the model's context length."""
+    subset: Optional[str] = None
+    """With a Hub dataset id as data.path: the subset (`datasets`' configuration name, e.g.
+    "default"); None = the dataset's only or default one. Refused for local paths."""
+    split: Optional[str] = None
+    """With a Hub dataset id or a save_to_disk DatasetDict as data.path: the split trained on
+    (None = "train"); validation is then the "validation" (else "test") split when training on
+    "train", else data.val_fraction. Refused for other paths."""
     val_fraction: float = 0.05
     """Fraction of the bytes held out for validation (the end of the corpus)."""
     max_bytes: int = 4_000_000
@@ -123,8 +132,8 @@ class TokensData(DataSection):
     """flat uint16/uint32 token files or shard directories from `zerotrain prepare`, or a weighted mixture of them."""
     KIND: ClassVar[str] = "tokens"
     kind: str = "tokens"
-    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
-    keys (--help lists each kind's)."""
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
     path: Optional[str] = None
     """The .bin file (a sibling .val.bin is the validation split if present), or a shard
     directory from `zerotrain prepare --out DIR` (or its manifest.json; val shards if listed)."""
@@ -181,22 +190,35 @@ class TokensData(DataSection):
 
 @dataclass
 class SftData(DataSection):
-    """instruction JSONL ({"prompt", "response"} or chat {"messages": [{"role", "content"}, ...]}
-    records), loss on the responses only."""
+    """instruction records (JSONL, parquet, arrow, save_to_disk) in TRL's formats (messages,
+    prompt-completion, text) or {"prompt", "response"}; loss on the responses only (text: all)."""
     KIND: ClassVar[str] = "sft"
     kind: str = "sft"
-    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
-    keys (--help lists each kind's)."""
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
     path: Optional[str] = None
-    """The .jsonl file (a sibling .val.jsonl is the validation split if present), or a .bin set
-    made from it by `zerotrain prepare --sft` (tokenized once, memory-mapped; sibling .val.bin)."""
+    """The records: a .jsonl file (a sibling .val.jsonl is the validation split if present), a
+    .parquet or .arrow file (sibling .val.parquet / .val.arrow), a glob of such files, or a
+    `save_to_disk` directory (a DatasetDict: its "train" split, "validation" or else "test" for
+    validation), read through `datasets`, memory-mapped; or a .bin set made from a .jsonl by
+    `zerotrain prepare --sft` (tokenized once, memory-mapped; sibling .val.bin). The format is
+    found from the columns, by TRL's names: {"messages"}, {"prompt", "completion"} (strings or
+    message lists), {"text"} (every token trained), or zerotrain's {"prompt", "response"}."""
     seq_len: Optional[int] = None
     """Each record is truncated to it (seq_len + 1 tokens) and right-padded; None = the model's
     context length."""
+    subset: Optional[str] = None
+    """With a Hub dataset id as data.path: the subset (`datasets`' configuration name, e.g.
+    "default"); None = the dataset's only or default one. Refused for local paths."""
+    split: Optional[str] = None
+    """With a Hub dataset id or a save_to_disk DatasetDict as data.path: the split trained on
+    (None = "train"); validation is then the "validation" (else "test") split when training on
+    "train", else data.val_fraction. Refused for other paths."""
     val_fraction: float = 0.05
     """Without a separate validation file: the fraction of records held out (the last ones)."""
     tokenizer: Optional[str] = None
-    """Local Hugging Face tokenizer directory; None = the hf:<dir> model's own directory, or bytes
+    """Local Hugging Face tokenizer directory, or a Hub id org/name[@revision] (through the
+    cache, as model.name hf:); None = the hf: model's own directory, or bytes
     (vocab 256, NUL ends a response) for zerotrain's GPT presets."""
     chat_template: bool = True
     """Render records with the tokenizer's chat template when it has one; false (or no
@@ -226,24 +248,36 @@ class SftData(DataSection):
 
 @dataclass
 class PreferenceData(DataSection):
-    """preference pairs JSONL ({"prompt", "chosen", "rejected"}: strings, or chat messages through
-    the tokenizer's template), for train.objective dpo; the loss on the response tokens only."""
+    """preference pairs (JSONL, parquet, arrow, save_to_disk) in TRL's formats (explicit or implicit
+    prompt; strings, or chat messages through the tokenizer's template), for train.objective dpo;
+    the loss on the response tokens only."""
     KIND: ClassVar[str] = "preference"
     kind: str = "preference"
-    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
-    keys (--help lists each kind's)."""
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
     path: Optional[str] = None
-    """The .jsonl file of {"prompt", "chosen", "rejected"} records (a sibling .val.jsonl is the
-    validation split if present). prompt: a string or a list of {"role", "content"} messages;
-    chosen / rejected: a string or a list of assistant messages."""
+    """The records: a .jsonl file (a sibling .val.jsonl is the validation split if present), a
+    .parquet or .arrow file, a glob of them or a `save_to_disk` directory (as data.kind sft's).
+    {"prompt", "chosen", "rejected"} (explicit prompt) or {"chosen", "rejected"} (implicit
+    prompt: the shared prefix is the prompt, found as TRL's extract_prompt finds it). prompt: a
+    string or a list of {"role", "content"} messages; chosen / rejected: a string or a list of
+    assistant messages."""
     seq_len: Optional[int] = None
     """Each of a record's two sequences (prompt + chosen, prompt + rejected) is at most seq_len + 1
     tokens: the prompt is kept whole, each response is cut at its end (docs/workloads.md); a
     prompt that leaves no response token is refused. None = the model's context length."""
+    subset: Optional[str] = None
+    """With a Hub dataset id as data.path: the subset (`datasets`' configuration name, e.g.
+    "default"); None = the dataset's only or default one. Refused for local paths."""
+    split: Optional[str] = None
+    """With a Hub dataset id or a save_to_disk DatasetDict as data.path: the split trained on
+    (None = "train"); validation is then the "validation" (else "test") split when training on
+    "train", else data.val_fraction. Refused for other paths."""
     val_fraction: float = 0.05
     """Without a separate validation file: the fraction of records held out (the last ones)."""
     tokenizer: Optional[str] = None
-    """Local Hugging Face tokenizer directory; None = the hf:<dir> model's own directory, or bytes
+    """Local Hugging Face tokenizer directory, or a Hub id org/name[@revision] (through the
+    cache, as model.name hf:); None = the hf: model's own directory, or bytes
     (vocab 256, NUL ends a response) for zerotrain's GPT presets."""
     chat_template: bool = True
     """Render records with the tokenizer's chat template when it has one (as data.kind sft)."""
@@ -264,8 +298,8 @@ class ImageFolderData(DataSection):
     """images in root/train/<class>/*, root/val/<class>/*."""
     KIND: ClassVar[str] = "imagefolder"
     kind: str = "imagefolder"
-    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
-    keys (--help lists each kind's)."""
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
     path: Optional[str] = None
     """The root holding train/ and val/."""
     image_size: int = 224
@@ -287,8 +321,8 @@ class RegressionData(DataSection):
     """synthetic linear data (for model "linear")."""
     KIND: ClassVar[str] = "regression"
     kind: str = "regression"
-    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
-    keys (--help lists each kind's)."""
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
     num_samples: int = 4096
     """Dataset size."""
     num_features: int = 10
@@ -307,8 +341,8 @@ class StreamData(DataSection):
     """local parquet/arrow/jsonl files tokenized while training, no prepare step."""
     KIND: ClassVar[str] = "stream"
     kind: str = "stream"
-    """text, tokens, sft, preference, imagefolder, regression or stream: it decides the section's other
-    keys (--help lists each kind's)."""
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
     path: Optional[str] = None
     """A .parquet/.arrow/.jsonl file or a directory of them (found as `zerotrain prepare` finds them)."""
     seq_len: Optional[int] = None
@@ -316,7 +350,8 @@ class StreamData(DataSection):
     val_fraction: float = 0.05
     """Fraction of the stream's tokens held out for validation."""
     tokenizer: Optional[str] = None
-    """Local Hugging Face tokenizer directory; None = the hf:<dir> model's own directory, or bytes
+    """Local Hugging Face tokenizer directory, or a Hub id org/name[@revision] (through the
+    cache, as model.name hf:); None = the hf: model's own directory, or bytes
     (vocab 256, newline ends a document) for zerotrain's GPT presets."""
     text_field: str = "text"
     """The record field holding the text; as `zerotrain prepare --text-field`."""
@@ -341,8 +376,39 @@ class StreamData(DataSection):
         _check_document_mask(self)
 
 
+@dataclass
+class PyData(DataSection):
+    """your own map-style torch Dataset from a factory, "module:function" (train/data/user.py)."""
+    KIND: ClassVar[str] = "py"
+    kind: str = "py"
+    """text, tokens, sft, preference, imagefolder, regression, stream or py: it decides the section's
+    other keys (--help lists each kind's)."""
+    factory: Optional[str] = None
+    """"module:function", imported by its dotted name (PYTHONPATH, an installed package or the
+    directory you launch from) and called with data.kwargs. It returns a map-style Dataset
+    (__len__ and __getitem__, samples that are dicts of tensors), or a mapping {"train": Dataset,
+    "val": Dataset or None, "collate_fn": a function from a list of samples to a dict batch, or
+    None}. The samples go through the same global-batch sampler as every kind: the same order for
+    any world size and accumulation, and exact resume."""
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments passed to the factory (a mapping; on the command line YAML or JSON, e.g.
+    --data.kwargs '{n: 1000}')."""
+    num_workers: Optional[int] = None
+    """DataLoader worker processes per rank. None = 0: samples are made in the training process."""
+
+    def __post_init__(self):
+        self._check()
+        if not self.factory:
+            raise ConfigError('data.kind py needs data.factory: "module:function" returning a map-style Dataset')
+        module, _, function = self.factory.rpartition(":")
+        if not module or not function or not all(p.isidentifier() for p in module.split(".")) \
+                or not function.isidentifier():
+            raise ConfigError(f'data.factory "{self.factory}" is not "module:function"; write the dotted module name, '
+                              f'a colon and the function that returns the Dataset, e.g. "my_pkg.data:build"')
+
+
 DATA_KINDS: dict[str, type] = {c.KIND: c for c in (TextData, TokensData, SftData, PreferenceData, ImageFolderData, RegressionData,
-                                                   StreamData)}
+                                                   StreamData, PyData)}
 
 
 def DataConfig(kind: str = "text", **keys) -> DataSection:  # noqa: N802 - reads like the section it makes

@@ -13,7 +13,7 @@ def build_data(cfg: DataSection, seq_len: Optional[int], seed: int, tokenizer: O
     sft's and stream's local Hugging Face tokenizer directory (None: bytes)."""
     if cfg.kind == "text":
         from zerotrain.train.data.text import VOCAB, TokenSequences, decode, read_bytes
-        tokens, what = read_bytes(cfg.path, cfg.max_bytes)
+        tokens, what = read_bytes(cfg.path, cfg.max_bytes, cfg.subset, cfg.split)
         n_val = int(len(tokens) * cfg.val_fraction)
         train_tok, val_tok = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
         val = TokenSequences(val_tok, seq_len) if n_val > seq_len + 1 else None
@@ -42,6 +42,9 @@ def build_data(cfg: DataSection, seq_len: Optional[int], seed: int, tokenizer: O
     if cfg.kind == "stream":
         from zerotrain.train.data.stream import build_stream
         return build_stream(cfg, seq_len, seed, tokenizer)
+    if cfg.kind == "py":
+        from zerotrain.train.data.user import build_user_data
+        return build_user_data(cfg)
     if cfg.kind == "imagefolder":
         from zerotrain.train.data.imagefolder import build_imagefolder
         return build_imagefolder(cfg, seed)

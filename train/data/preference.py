@@ -1,8 +1,9 @@
 """Preference pairs (`data.kind: preference`, trained with `train.objective: dpo`).
 
-A record is one JSONL line
+A record (a JSONL line, or a table row: train/data/records.py) is
     {"prompt": "...", "chosen": "...", "rejected": "..."}
-or, as chat messages (TRL's conversational format),
+or {"chosen", "rejected"} with the prompt implicit in both (extract_prompt: TRL's rule), or, as
+chat messages (TRL's conversational format),
     {"prompt": [{"role": "user", "content": "..."}, ...],
      "chosen": [{"role": "assistant", "content": "..."}], "rejected": [{"role": "assistant", ...}]}
 (a string response next to a message-list prompt is one assistant message).
@@ -89,7 +90,10 @@ class PreferencePairs(Dataset):
         return out
 
 
-def _messages(value, where: str, key: str) -> list[tuple[str, str]]:
+HINT = '{"prompt", "chosen", "rejected"} or {"chosen", "rejected"}'
+
+
+def _messages(value, where: str, key: str, trained: bool) -> list[tuple[str, str, bool]]:
     if not isinstance(value, list) or not value:
         raise DataError(f'{where}: "{key}" must be a string or a non-empty list of {{"role", "content"}} messages')
     out = []
@@ -98,77 +102,121 @@ def _messages(value, where: str, key: str) -> list[tuple[str, str]]:
             raise DataError(f'{where}: "{key}"[{j}] must be an object with string "role" and "content"')
         if m["role"] not in ROLES:
             raise DataError(f'{where}: "{key}"[{j}] has the unknown role "{m["role"]}"; the roles are {", ".join(ROLES)}')
-        out.append((m["role"], m["content"]))
+        out.append((m["role"], m["content"], trained and m["role"] == "assistant"))
     return out
 
 
-def parse_pair(line: str, where: str) -> tuple[list, list, list, bool]:
-    """(prompt turns, chosen turns, rejected turns, is_chat) of one JSONL line; DataError naming
-    `where` (file:line) and the field."""
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f'{where}: not JSON ({e.msg}, column {e.colno}); data.kind preference reads JSONL, one '
-                        f'{{"prompt", "chosen", "rejected"}} object per line') from None
-    if not isinstance(rec, dict):
-        raise DataError(f'{where}: a JSON {type(rec).__name__}, not a {{"prompt", "chosen", "rejected"}} object')
-    for key in FIELDS:
-        if key not in rec:
-            raise DataError(f'{where}: missing "{key}" (a record is {{"prompt", "chosen", "rejected"}})')
+def extract_prompt(chosen, rejected, where: str):
+    """TRL's rule for an implicit prompt (trl.data_utils.extract_prompt): the prompt is the
+    longest common prefix of chosen and rejected (characters of two strings, whole messages of
+    two conversations), moved back by one where it ends just after a space so that the space
+    starts the responses; when one is a prefix of the other TRL's loop stops one element early,
+    and so does this. (prompt, chosen rest, rejected rest). No shared prefix at all is a bad
+    record here (TRL would then look at the string's last character)."""
+    if isinstance(chosen, list) != isinstance(rejected, list):
+        raise DataError(f'{where}: "chosen" and "rejected" must both be strings or both message lists for an implicit '
+                        f"prompt (no \"prompt\" column)")
+    n = min(len(chosen), len(rejected))
+    idx = n - 1
+    for i in range(n):
+        if chosen[i] != rejected[i]:
+            idx = i
+            break
+    if idx >= 1 and chosen[idx - 1] == " ":
+        idx -= 1
+    if idx <= 0:
+        raise DataError(f'{where}: "chosen" and "rejected" share no prefix, so there is no implicit prompt to '
+                        f'extract; add a "prompt" column (explicit prompt) or fix the pair')
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def parse_record(rec: dict, where: str, formats: Optional[set] = None) -> tuple[list, list, list, bool]:
+    """(prompt turns, chosen turns, rejected turns, is_chat) of one record, its format found from
+    its keys (train/data/records.py PREFERENCE_FORMATS); DataError naming `where` and the field.
+    Turns are (role, content, trained): only the responses' assistant messages are trained."""
+    from zerotrain.train.data.records import PREFERENCE_FORMATS, detect, flavour, no_format
+    fmt = detect(rec.keys(), "preference")
+    if fmt is None:
+        for key in FIELDS:
+            if key not in rec and key != "prompt":
+                raise DataError(f'{where}: missing "{key}" (a record is {HINT})')
+        raise no_format(where, rec.keys(), "preference")
+    if fmt is PREFERENCE_FORMATS[1]:
+        rec = dict(zip(FIELDS, extract_prompt(rec["chosen"], rec["rejected"], where)))
+    if formats is not None:
+        formats.add(f"{fmt.name} ({flavour(rec['chosen'])})")
     chat = any(isinstance(rec[k], list) for k in FIELDS)
     parts = {}
     for key in FIELDS:
         v = rec[key]
         if isinstance(v, str):
-            parts[key] = [("user" if key == "prompt" else "assistant", v)]
+            parts[key] = [("user", v, False) if key == "prompt" else ("assistant", v, True)]
         elif isinstance(v, list):
-            parts[key] = _messages(v, where, key)
+            parts[key] = _messages(v, where, key, trained=key != "prompt")
         else:
             raise DataError(f'{where}: "{key}" must be a string or a list of messages (got {type(v).__name__})')
     for key in SIDES:
-        if not any(role == "assistant" and text for role, text in parts[key]):
+        if not any(role == "assistant" and text for role, text, _ in parts[key]):
             raise DataError(f'{where}: empty "{key}": a response needs an assistant message with content')
     return parts["prompt"], parts["chosen"], parts["rejected"], chat
 
 
-def read_pairs(path: Path, enc: Encoder, seq_len: int) -> tuple[Optional[PreferencePairs], int, Optional[str]]:
-    """(every record of a JSONL file as pairs truncated to seq_len + 1 tokens (None if none is
-    left), how many records had chosen == rejected (skipped), the first such file:line)."""
-    seqs = {s: ([], [], [0]) for s in SIDES}
+def read_rows(rows, enc: Encoder, seq_len: int, source=None, formats: Optional[set] = None
+              ) -> tuple[Optional[PreferencePairs], int, Optional[str]]:
+    """(every record of `rows` ((where, number, record), train/data/records.py) as pairs
+    truncated to seq_len + 1 tokens (None if none is left), how many records had chosen ==
+    rejected (skipped), the first such where). Each pair keeps its number (JSONL line, table row)."""
+    import array
+    wide = enc.vocab_size > 2 ** 31  # typed arrays: 4 (8) + 1 bytes a token, not Python lists of ints
+    seqs = {s: (array.array("q" if wide else "i"), array.array("b"), [0]) for s in SIDES}
     lines, same, first_same = [], 0, None
-    with open_jsonl(path) as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise DataError(f"{where}: not UTF-8 text; data.kind preference reads JSONL") from None
-            if not line.strip():
-                continue
-            prompt, chosen, rejected, chat = parse_pair(line, where)
-            if chosen == rejected:
-                same += 1
-                first_same = first_same or where
-                continue
-            for side, resp in (("chosen", chosen), ("rejected", rejected)):
-                ids, trained = tokenize(prompt + resp, chat, enc, where)
-                prompt_len = first_label(trained)  # the tokens before the first label: the prompt (+ markup)
-                if prompt_len > seq_len:
-                    raise DataError(f'{where}: "prompt" is {prompt_len} tokens, data.seq_len {seq_len} leaves no '
-                                    f'"{side}" token (the prompt is kept whole, responses are cut at their end); '
-                                    f"raise data.seq_len or shorten the prompt")
-                ids_l, trained_l, offsets = seqs[side]
-                ids_l += ids[:seq_len + 1]
-                trained_l += trained[:seq_len + 1]
-                offsets.append(len(ids_l))
-            lines.append(lineno)
+    for where, number, rec in rows:
+        prompt, chosen, rejected, chat = parse_record(rec, where, formats)
+        if chosen == rejected:
+            same += 1
+            first_same = first_same or where
+            continue
+        for side, resp in (("chosen", chosen), ("rejected", rejected)):
+            ids, trained = tokenize(prompt + resp, chat, enc, where)
+            prompt_len = first_label(trained)  # the tokens before the first label: the prompt (+ markup)
+            if prompt_len > seq_len:
+                raise DataError(f'{where}: "prompt" is {prompt_len} tokens, data.seq_len {seq_len} leaves no '
+                                f'"{side}" token (the prompt is kept whole, responses are cut at their end); '
+                                f"raise data.seq_len or shorten the prompt")
+            ids_l, trained_l, offsets = seqs[side]
+            ids_l.extend(ids[:seq_len + 1])
+            trained_l.extend(trained[:seq_len + 1])
+            offsets.append(len(ids_l))
+        lines.append(number)
     if not lines:
         return None, same, first_same
-    dtype = np.int64 if enc.vocab_size > 2 ** 31 else np.int32
-    made = {s: SFTSequences(np.asarray(i, dtype=dtype), np.asarray(t, dtype=np.bool_), np.asarray(o, dtype=np.int64),
-                            seq_len, enc.pad) for s, (i, t, o) in seqs.items()}
-    return (PreferencePairs(made["chosen"], made["rejected"], np.asarray(lines, dtype=np.int64), path), same,
+    made = {s: SFTSequences(np.frombuffer(i, dtype=np.int64 if wide else np.int32), np.frombuffer(t, dtype=np.bool_),
+                            np.asarray(o, dtype=np.int64), seq_len, enc.pad) for s, (i, t, o) in seqs.items()}
+    return (PreferencePairs(made["chosen"], made["rejected"], np.asarray(lines, dtype=np.int64), source), same,
             first_same)
+
+
+def read_pairs(path: Path, enc: Encoder, seq_len: int, formats: Optional[set] = None
+               ) -> tuple[Optional[PreferencePairs], int, Optional[str]]:
+    """read_rows of a JSONL file (each pair keyed by its line)."""
+    from zerotrain.train.data.records import jsonl_rows
+    with open_jsonl(path) as f:
+        return read_rows(jsonl_rows(f, path, "preference", HINT), enc, seq_len, path, formats)
+
+
+def read_table(table, enc: Encoder, seq_len: int, formats: Optional[set] = None):
+    """read_rows of a `datasets` table (each pair keyed by its row)."""
+    from zerotrain.train.data.records import table_format, table_rows
+    return read_rows(table_rows(table, table_format(table, "preference")), enc, seq_len, None, formats)
+
+
+def _concat(parts: list[PreferencePairs]) -> Optional[PreferencePairs]:
+    """Pairs of several JSONL files, in order (no single source: not keyed for a precomputed reference)."""
+    from zerotrain.train.data.sft import concat
+    if not parts:
+        return None
+    return PreferencePairs(concat([p.chosen for p in parts]), concat([p.rejected for p in parts]),
+                           np.concatenate([p.lines for p in parts]), None)
 
 
 def _slice(pairs: PreferencePairs, start: int, stop: int) -> PreferencePairs:
@@ -180,30 +228,50 @@ def build_preference(cfg: PreferenceData, seq_len: Optional[int], tokenizer: Opt
                      warn=print) -> DataBundle:
     """`tokenizer`: a local Hugging Face tokenizer directory, or None for bytes."""
     if cfg.path is None:
-        raise DataError('data.kind = preference needs data.path (a .jsonl file of {"prompt", "chosen", "rejected"} '
-                        "records)")
+        raise DataError('data.kind = preference needs data.path (a .jsonl, .parquet or .arrow file or glob of '
+                        f'{HINT} records, or a save_to_disk directory)')
     if seq_len is None:
         raise DataError("data.kind = preference needs data.seq_len (the model has no context length to default to)")
+    from zerotrain.train.data.records import is_table_spec, open_source
     path = Path(cfg.path).expanduser()
-    if not path.is_file():
-        raise DataError(f'data.path {path} does not exist (data.kind = preference expects a .jsonl file of '
-                        f'{{"prompt", "chosen", "rejected"}} records)')
+    table = is_table_spec(cfg.path)
+    if not table and not path.is_file():
+        raise DataError(f'data.path {path} does not exist (data.kind = preference expects a .jsonl, .parquet or '
+                        f'.arrow file or glob of {HINT} records, or a save_to_disk directory)')
     enc = hf_encoder(tokenizer, cfg.chat_template) if tokenizer else byte_encoder()
-    pairs, same, first_same = read_pairs(path, enc, seq_len)
-    val_file, val = val_path(path), None
-    if val_file.is_file() and val_file != path:
-        val, v_same, v_first = read_pairs(val_file, enc, seq_len)
-        if v_same:
-            warn(f"zerotrain: WARNING: {v_same} record(s) of {val_file} have chosen identical to rejected (first: "
-                 f"{v_first}); skipped, they carry no preference")
+    formats: set = set()
+    val = None
+    if table:
+        src = open_source(cfg.path, "preference", cfg.subset, cfg.split)
+        if src.is_table:
+            pairs, same, first_same = read_table(src.table, enc, seq_len, formats)
+            val_name, val_what = src.val_name, src.val_table.name if src.val_table is not None else None
+            if src.val_table is not None:
+                val, v_same, v_first = read_table(src.val_table, enc, seq_len)
+        else:  # a glob of JSONL files
+            parts = [read_pairs(f, enc, seq_len, formats) for f in src.jsonl]
+            pairs = _concat([p for p, _, _ in parts if p is not None])
+            same, first_same = sum(n for _, n, _ in parts), next((w for _, _, w in parts if w), None)
+    else:
+        from zerotrain.train.data.sft import _local_only
+        _local_only(cfg)
+        pairs, same, first_same = read_pairs(path, enc, seq_len, formats)
+        val_file = val_path(path)
+        val_name = val_what = val_file.name
+        if val_file.is_file() and val_file != path:
+            val, v_same, v_first = read_pairs(val_file, enc, seq_len)
+            val_what = val_file
+    if val is not None and v_same:
+        warn(f"zerotrain: WARNING: {v_same} record(s) of {val_what} have chosen identical to rejected (first: "
+             f"{v_first}); skipped, they carry no preference")
     if same:
-        warn(f"zerotrain: WARNING: {same} record(s) of {path} have chosen identical to rejected (first: {first_same}); "
-             f"skipped, they carry no preference")
+        warn(f"zerotrain: WARNING: {same} record(s) of {cfg.path} have chosen identical to rejected (first: "
+             f"{first_same}); skipped, they carry no preference")
     if pairs is None:
-        raise DataError(f"data.path {path} holds no usable records; data.kind preference needs JSONL records "
-                        f'{{"prompt", "chosen", "rejected"}} with chosen != rejected')
+        raise DataError(f"data.path {cfg.path} holds no usable records; data.kind preference needs records "
+                        f'{HINT} with chosen != rejected')
     if val is not None:
-        train, split = pairs, f"val: {val_file.name}"
+        train, split = pairs, f"val: {val_name}"
     else:
         n_val = int(len(pairs) * cfg.val_fraction)
         train = _slice(pairs, 0, len(pairs) - n_val)
@@ -217,10 +285,11 @@ def build_preference(cfg: PreferenceData, seq_len: Optional[int], tokenizer: Opt
     skipped = f", {same} with chosen == rejected skipped" if same else ""
     return DataBundle(train=train, val=val, task="lm", items_per_sample=2 * seq_len, vocab_size=enc.vocab_size,
                       seq_len=seq_len, decode=enc.decode, masked_labels=False,
-                      describe=f"preference pairs {path} ({len(train)} records{skipped}, {labelled} response tokens, "
+                      describe=f"preference pairs {cfg.path} ({len(train)} records{skipped}, {labelled} response tokens, "
+                               f"format {', '.join(sorted(formats))}, "
                                f"{'bytes' if enc.name == 'bytes' else 'tokenizer ' + enc.name} {fmt}, chosen and "
                                f"rejected {'packed into rows of' if cfg.packing else 'padded to'} {seq_len}; {split})",
                       extra={"max_token": max(int(train.chosen.ids.max()), int(train.rejected.ids.max())),
                              "token_file": str(path), "tokenizer": enc.name, "preference": True,
                              "tokenizer_sha256": enc.identity(), "chat_template": enc.render is not None,
-                             "skipped_identical": same, "packed": "data.packing" if cfg.packing else None})
+                             "skipped_identical": same, "formats": sorted(formats), "packed": "data.packing" if cfg.packing else None})

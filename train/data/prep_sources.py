@@ -46,7 +46,8 @@ class HFTokenizer:
     needs_text = True
 
     def __init__(self, path: str):
-        d = Path(path).expanduser()
+        import zerotrain.models.hub as hub
+        d = hub.local_path(path, "data.tokenizer")  # a directory, or a Hub id's cached snapshot
         if not d.is_dir():
             raise ConfigError(f"--tokenizer {d} is not a directory; give a local Hugging Face tokenizer directory "
                               f"(the one holding tokenizer.json or tokenizer.model)")

@@ -1,10 +1,12 @@
-"""Instruction data (`data.kind: sft`): JSONL records, the loss on the responses only.
+"""Instruction data (`data.kind: sft`): records, the loss on the responses only.
 
-A record is one line, either
-    {"prompt": "...", "response": "..."}
-or a conversation
+Records come from a JSONL file or a table (parquet, arrow, save_to_disk, a Hub dataset id:
+train/data/records.py), in one of TRL's formats found from the columns (record_turns):
     {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
-(at least one assistant message; every assistant message is trained on).
+        every assistant message is trained (at least one with content);
+    {"prompt", "completion"} strings or message lists: the completion is trained;
+    {"prompt": "...", "response": "..."}: zerotrain's own name for the standard one;
+    {"text": "..."}: every token is trained (BOS + text + EOS, never templated).
 
 Tokens. With the tokenizer's chat template (data.chat_template, when the tokenizer has one)
 the record is rendered turn by turn: the text a turn adds, template markup included, is
@@ -77,9 +79,12 @@ def byte_encoder() -> Encoder:
 
 
 def hf_encoder(directory: str, use_template: bool) -> Encoder:
-    d = Path(directory).expanduser()
+    """`directory`: a local tokenizer directory or a Hub id (models/hub.py: its cached snapshot)."""
+    import zerotrain.models.hub as hub
+    d = hub.local_path(directory, "data.tokenizer")
     if not d.is_dir():
-        raise DataError(f"data.tokenizer {d} is not a directory; give a local Hugging Face tokenizer directory")
+        raise DataError(f"data.tokenizer {d} is not a directory; give a local Hugging Face tokenizer directory or a "
+                        f"Hub id org/name[@revision]")
     from transformers import AutoTokenizer  # late: only sft runs with a Hugging Face tokenizer need it
     try:
         tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
@@ -114,52 +119,89 @@ def tokenizer_identity(tok, bos: list[int], pad: int) -> str:
 
 # ----------------------------------------------------------------------------- records
 
-def parse_record(line: str, where: str) -> tuple[list[tuple[str, str]], bool]:
-    """([(role, content)], is_chat) of one JSONL line; DataError naming `where` (file:line)."""
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not JSON ({e.msg}, column {e.colno}); data.kind sft reads JSONL, one "
-                        f'{{"prompt", "response"}} or {{"messages"}} object per line') from None
-    if not isinstance(rec, dict):
-        raise DataError(f'{where}: a JSON {type(rec).__name__}, not a record object ({{"prompt", "response"}} or '
-                        f'{{"messages": [...]}})')
-    if "messages" in rec:
-        msgs = rec["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise DataError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
-        turns = []
-        for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise DataError(f'{where}: messages[{j}] must be an object with string "role" and "content"')
-            if m["role"] not in ROLES:
-                raise DataError(f'{where}: messages[{j}] has the unknown role "{m["role"]}"; the roles are '
-                                f'{", ".join(ROLES)}')
-            turns.append((m["role"], m["content"]))
-        if not any(role == "assistant" and text for role, text in turns):
+# A record as turns: (role, content, trained). The plain prompt-response record is
+# [("user", prompt, False), ("assistant", response, True)]; a conversation's assistant turns are
+# trained, except those of a prompt-completion record's prompt (TRL trains the completion only).
+# The language-modeling "text" record is [(TEXT, text, True)]: every token trained, never templated.
+TEXT = "text"
+HINT = '{"messages"}, {"prompt", "completion"}, {"prompt", "response"} or {"text"}'
+
+
+def messages(value, where: str, key: str, trained=lambda role: role == "assistant") -> list[tuple[str, str, bool]]:
+    """[(role, content, trained)] of a list of {"role", "content"} messages; DataError naming `where` and `key`."""
+    if not isinstance(value, list) or not value:
+        raise DataError(f'{where}: "{key}" must be a non-empty list of {{"role", "content"}} objects')
+    turns = []
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f'{where}: {key}[{j}] must be an object with string "role" and "content"')
+        if m["role"] not in ROLES:
+            raise DataError(f'{where}: {key}[{j}] has the unknown role "{m["role"]}"; the roles are '
+                            f'{", ".join(ROLES)}')
+        turns.append((m["role"], m["content"], trained(m["role"])))
+    return turns
+
+
+def record_turns(rec: dict, where: str) -> tuple[list[tuple[str, str, bool]], bool, str]:
+    """(turns, is_chat, format name) of one record, its format found from its keys
+    (train/data/records.py SFT_FORMATS); DataError naming `where` (file:line or file:row N)."""
+    from zerotrain.train.data.records import SFT_FORMATS, detect, flavour, no_format
+    fmt = detect(rec.keys(), "sft")
+    if fmt is None:
+        if "prompt" in rec:  # the prompt is there, its response is not
+            raise DataError(f'{where}: missing "response" (or TRL\'s "completion"); a record is {HINT}')
+        raise no_format(where, rec.keys(), "sft")
+    name = fmt.name
+    if fmt is SFT_FORMATS[0]:
+        turns = messages(rec["messages"], where, "messages")
+        if not any(role == "assistant" and text for role, text, _ in turns):
             raise DataError(f"{where}: no assistant message with content: nothing to train on")
-        return turns, True
-    for key in ("prompt", "response"):
-        if key not in rec:
-            raise DataError(f'{where}: missing "{key}" (a record is {{"prompt", "response"}} or '
-                            f'{{"messages": [...]}})')
-        if not isinstance(rec[key], str):
-            raise DataError(f'{where}: "{key}" must be a string (got {type(rec[key]).__name__})')
-    if not rec["response"]:
-        raise DataError(f'{where}: empty "response": nothing to train on')
-    return [("user", rec["prompt"]), ("assistant", rec["response"])], False
+        return turns, True, name
+    if fmt is SFT_FORMATS[3]:
+        if not isinstance(rec["text"], str):
+            raise DataError(f'{where}: "text" must be a string (got {type(rec["text"]).__name__})')
+        if not rec["text"]:
+            raise DataError(f'{where}: empty "text": nothing to train on')
+        return [(TEXT, rec["text"], True)], False, name
+    resp_key = fmt.columns[1]
+    prompt, resp = rec["prompt"], rec[resp_key]
+    if isinstance(prompt, list) or isinstance(resp, list):  # conversational prompt-completion
+        p_turns = messages(prompt, where, "prompt", trained=lambda role: False) if isinstance(prompt, list) else \
+            [("user", _string(prompt, where, "prompt"), False)]
+        r_turns = messages(resp, where, resp_key) if isinstance(resp, list) else \
+            [("assistant", _string(resp, where, resp_key), True)]
+        if not any(role == "assistant" and text for role, text, _ in r_turns):
+            raise DataError(f'{where}: empty "{resp_key}": it needs an assistant message with content')
+        return p_turns + r_turns, True, f"{name} ({flavour(prompt if isinstance(prompt, list) else resp)})"
+    _string(prompt, where, "prompt")
+    _string(resp, where, resp_key)
+    if not resp:
+        raise DataError(f'{where}: empty "{resp_key}": nothing to train on')
+    return [("user", prompt, False), ("assistant", resp, True)], False, name if resp_key == "response" else \
+        f"{name} (standard)"
 
 
-def segments(turns: list[tuple[str, str]], chat: bool, enc: Encoder, where: str) -> list[tuple[str, bool]]:
-    """The record as (text, trained) pieces, in order (module docstring)."""
+def _string(value, where: str, key: str) -> str:
+    if not isinstance(value, str):
+        raise DataError(f'{where}: "{key}" must be a string (got {type(value).__name__})')
+    return value
+
+
+def segments(turns: list[tuple[str, str, bool]], chat: bool, enc: Encoder,
+             where: str) -> list[tuple[str, bool, bool]]:
+    """The record as (text, trained, ends a response) pieces, in order (module docstring); the
+    plain format appends EOS after a piece that ends a response."""
+    if turns and turns[0][0] == TEXT:
+        return [(turns[0][1], True, True)]
     if enc.render is None:
         if not chat:
-            return [(turns[0][1], False), (turns[1][1], True)]
+            return [(turns[0][1], False, False), (turns[1][1], True, True)]
         out = []
-        for role, text in turns:
-            out += [(f"{role}: ", False), (text, True)] if role == "assistant" else [(f"{role}: {text}\n", False)]
+        for role, text, trained in turns:
+            out += [(f"{role}: ", False, False), (text, trained, True)] if role == "assistant" else \
+                [(f"{role}: {text}\n", False, False)]
         return out
-    msgs = [{"role": r, "content": c} for r, c in turns]
+    msgs = [{"role": r, "content": c} for r, c, _ in turns]
     out, prev = [], ""
 
     def add(text: str, trained: bool):
@@ -167,14 +209,14 @@ def segments(turns: list[tuple[str, str]], chat: bool, enc: Encoder, where: str)
         if not text.startswith(prev):  # the template rewrote earlier turns: no clean split into turns
             raise DataError(f"{where}: the chat template of {enc.name} does not render this conversation turn "
                             f"by turn (a later turn changes earlier text); set data.chat_template false")
-        out.append((text[len(prev):], trained))
+        out.append((text[len(prev):], trained, False))
         prev = text
 
     try:
-        for i, (role, _) in enumerate(turns):
+        for i, (role, _, trained) in enumerate(turns):
             if role == "assistant":
                 add(enc.render(msgs[:i], True), False)   # history + the generation prompt
-                add(enc.render(msgs[:i + 1], False), True)
+                add(enc.render(msgs[:i + 1], False), trained)
             else:
                 add(enc.render(msgs[:i + 1], False), False)
     except DataError:
@@ -187,18 +229,20 @@ def segments(turns: list[tuple[str, str]], chat: bool, enc: Encoder, where: str)
 
 
 def tokenize(turns, chat: bool, enc: Encoder, where: str) -> tuple[list[int], list[bool]]:
-    """(ids, trained per id) of a whole record, before truncation."""
+    """(ids, trained per id) of a whole record, before truncation. A "text" record is always the
+    plain format (TRL applies no chat template to it): BOS + text + EOS, all trained."""
     ids, trained = [], []
-    if enc.render is None:
+    plain = enc.render is None or (turns and turns[0][0] == TEXT)
+    if plain:
         ids += enc.bos
         trained += [False] * len(enc.bos)
-    for text, train in segments(turns, chat, enc, where):
+    for text, train, ends in segments(turns, chat, enc, where):
         piece = enc.encode(text)
         ids += piece
         trained += [train] * len(piece)
-        if train and enc.render is None:  # plain format: the response ends with EOS, which is learnt
+        if ends and plain:  # plain format: a response ends with EOS, learnt where the response is
             ids.append(enc.eos)
-            trained.append(True)
+            trained.append(train)
     return ids, trained
 
 
@@ -285,23 +329,23 @@ def fixed_length_reason(sp_size: int, compile_: bool, moe: bool, model_loss: boo
     return None
 
 
-def encoded_records(lines: Iterable[bytes], name, enc: Encoder) -> Iterator[tuple[int, list[int], list[bool]]]:
-    """(line number, ids, trained per id) of every record in JSONL `lines`, full length: the one
-    record -> tokens function, shared by training (read_records) and `zerotrain prepare --sft`, so
-    both validate and tokenize alike. Blank lines are skipped; a bad one raises DataError naming
-    `name`:line."""
-    for lineno, raw in enumerate(lines, 1):
-        where = f"{name}:{lineno}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise DataError(f"{where}: not UTF-8 text; data.kind sft reads JSONL (UTF-8, one JSON object "
-                            f"per line)") from None
-        if not line.strip():
-            continue
-        turns, chat = parse_record(line, where)
+def encoded_rows(rows, enc: Encoder, formats: Optional[set] = None) -> Iterator[tuple[int, list[int], list[bool]]]:
+    """(row number, ids, trained per id) of every record of `rows` ((where, number, record) from
+    train/data/records.py), full length: the one record -> tokens function, shared by training
+    (read_records) and `zerotrain prepare --sft`, so both validate and tokenize alike. A bad
+    record raises DataError naming its `where`. `formats` collects the format names seen."""
+    for where, number, rec in rows:
+        turns, chat, fmt = record_turns(rec, where)
+        if formats is not None:
+            formats.add(fmt)
         ids, trained = tokenize(turns, chat, enc, where)
-        yield lineno, ids, trained
+        yield number, ids, trained
+
+
+def encoded_records(lines: Iterable[bytes], name, enc: Encoder, formats: Optional[set] = None):
+    """encoded_rows of JSONL `lines` (blank lines skipped; errors name `name`:line)."""
+    from zerotrain.train.data.records import jsonl_rows
+    return encoded_rows(jsonl_rows(lines, name, "sft", HINT), enc, formats)
 
 
 def truncated_away(where: str, seq_len: int) -> DataError:
@@ -316,22 +360,50 @@ def open_jsonl(path: Path):
         raise DataError(f"data.path {path}: cannot read it ({e.strerror})") from None
 
 
-def read_records(path: Path, enc: Encoder, seq_len: int) -> SFTSequences:
+class _Collect:
+    """Records appended as flat typed arrays (8 + 1 bytes a token, not Python lists of ints)."""
+
+    def __init__(self, seq_len: int, enc: Encoder):
+        import array
+        self.wide = enc.vocab_size > 2 ** 31
+        self.seq_len, self.pad, self.offsets = seq_len, enc.pad, [0]
+        self.ids, self.trained = array.array("q" if self.wide else "i"), array.array("b")
+
+    def add(self, ids: list[int], trained: list[bool], where) -> None:
+        ids, trained = ids[:self.seq_len + 1], trained[:self.seq_len + 1]
+        if first_label(trained) >= len(trained):  # the first token is never a label
+            raise truncated_away(where(), self.seq_len)
+        self.ids.extend(ids)
+        self.trained.extend(trained)
+        self.offsets.append(len(self.ids))
+
+    def done(self) -> SFTSequences:
+        return SFTSequences(np.frombuffer(self.ids, dtype=np.int64 if self.wide else np.int32),
+                            np.frombuffer(self.trained, dtype=np.bool_),  # 0/1 bytes
+                            np.asarray(self.offsets, dtype=np.int64), self.seq_len, self.pad)
+
+
+def read_records(path: Path, enc: Encoder, seq_len: int, formats: Optional[set] = None) -> SFTSequences:
     """Every record of a JSONL file, tokenized and truncated to seq_len + 1 tokens."""
-    all_ids, all_trained, offsets = [], [], [0]
+    out = _Collect(seq_len, enc)
     with open_jsonl(path) as f:
-        for lineno, ids, trained in encoded_records(f, path, enc):
-            ids, trained = ids[:seq_len + 1], trained[:seq_len + 1]
-            if first_label(trained) >= len(trained):  # the first token is never a label
-                raise truncated_away(f"{path}:{lineno}", seq_len)
-            all_ids += ids
-            all_trained += trained
-            offsets.append(len(all_ids))
-    if len(offsets) == 1:
+        for lineno, ids, trained in encoded_records(f, path, enc, formats):
+            out.add(ids, trained, lambda: f"{path}:{lineno}")
+    if len(out.offsets) == 1:
         raise DataError(f"data.path {path} holds no records; data.kind sft needs JSONL records")
-    return SFTSequences(np.asarray(all_ids, dtype=np.int64 if enc.vocab_size > 2 ** 31 else np.int32),
-                        np.asarray(all_trained, dtype=np.bool_), np.asarray(offsets, dtype=np.int64),
-                        seq_len, enc.pad)
+    return out.done()
+
+
+def read_table(table, enc: Encoder, seq_len: int, formats: Optional[set] = None) -> SFTSequences:
+    """Every row of a `datasets` table (train/data/records.py), as read_records reads JSONL."""
+    from zerotrain.train.data.records import table_format, table_rows
+    fmt = table_format(table, "sft")
+    out = _Collect(seq_len, enc)
+    for row, ids, trained in encoded_rows(table_rows(table, fmt), enc, formats):
+        out.add(ids, trained, lambda: table.where(row))
+    if len(out.offsets) == 1:
+        raise DataError(f"data.path {table.name} holds no rows; data.kind sft needs records")
+    return out.done()
 
 
 def subset(seqs: SFTSequences, start: int, stop: int) -> SFTSequences:
@@ -366,15 +438,45 @@ def read_prepared(path: Path, enc: Encoder, seq_len: int) -> tuple[SFTSequences,
     return SFTSequences(prep.ids, prep.trained, prep.offsets, seq_len, enc.pad), meta
 
 
-def _jsonl_sets(path: Path, enc: Encoder, seq_len: int):
+def _jsonl_sets(path: Path, enc: Encoder, seq_len: int, formats: set):
     """(records, sibling validation records or None, its name, largest id, what) from JSONL."""
-    records, val_file = read_records(path, enc, seq_len), val_path(path)
+    records, val_file = read_records(path, enc, seq_len, formats), val_path(path)
     val = read_records(val_file, enc, seq_len) if val_file.is_file() and val_file != path else None
     top = max(int(records.ids.max()), int(val.ids.max()) if val is not None else 0)
     return records, val, val_file.name, top, "instruction data"
 
 
-def _prepared_sets(path: Path, enc: Encoder, seq_len: int):
+def _source_sets(spec: str, enc: Encoder, seq_len: int, formats: set, subset=None, split=None):
+    """The same from a `datasets` table, a Hub dataset id or a glob of JSONL files (train/data/records.py)."""
+    from zerotrain.train.data.records import open_source
+    src = open_source(spec, "sft", subset, split)
+    if src.is_table:
+        records = read_table(src.table, enc, seq_len, formats)
+        val = read_table(src.val_table, enc, seq_len) if src.val_table is not None else None
+    else:
+        parts = [read_records(f, enc, seq_len, formats) for f in src.jsonl]
+        records, val = (parts[0] if len(parts) == 1 else concat(parts)), None
+    top = max(int(records.ids.max()), int(val.ids.max()) if val is not None else 0)
+    return records, val, src.val_name, top, "instruction data"
+
+
+def _local_only(cfg) -> None:
+    """data.subset / data.split are read for Hub dataset ids and save_to_disk directories only."""
+    for key in ("subset", "split"):
+        if getattr(cfg, key) is not None:
+            raise DataError(f"data.{key} {getattr(cfg, key)}: data.path {cfg.path} is a single file, without "
+                            f"subsets or splits; remove data.{key}")
+
+
+def concat(parts: list[SFTSequences]) -> SFTSequences:
+    """Records of several files, in order."""
+    starts = np.cumsum([0] + [len(p.ids) for p in parts[:-1]])
+    offsets = np.concatenate([parts[0].offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, starts)])
+    return SFTSequences(np.concatenate([p.ids for p in parts]), np.concatenate([p.trained for p in parts]),
+                        offsets, parts[0].seq_len, parts[0].pad)
+
+
+def _prepared_sets(path: Path, enc: Encoder, seq_len: int, formats: set):
     """The same from a prepared set: counts come from its sidecar, no token is read."""
     (records, meta), val_file, val_meta = read_prepared(path, enc, seq_len), sft_file.val_path(path), {}
     val = None
@@ -390,17 +492,25 @@ def build_sft(cfg: SftData, seq_len: Optional[int], tokenizer: Optional[str], se
     data.packing: the samples are rows of packed records (train/data/packing.py), planned from
     `seed` and the record lengths."""
     if cfg.path is None:
-        raise DataError('data.kind = sft needs data.path (a .jsonl file of {"prompt", "response"} or '
-                        '{"messages"} records, or a .bin set from `zerotrain prepare --sft`)')
+        raise DataError('data.kind = sft needs data.path (a .jsonl, .parquet or .arrow file or glob, a save_to_disk '
+                        'directory, or a .bin set from `zerotrain prepare --sft`)')
     if seq_len is None:
         raise DataError("data.kind = sft needs data.seq_len (the model has no context length to default to)")
+    from zerotrain.train.data.records import is_table_spec
     path = Path(cfg.path).expanduser()
-    if not path.is_file():
-        raise DataError(f'data.path {path} does not exist (data.kind = sft expects a .jsonl file of {{"prompt", '
-                        f'"response"}} or {{"messages"}} records, or a .bin set from `zerotrain prepare --sft`)')
+    table = is_table_spec(cfg.path)
+    if not table and not path.is_file():
+        raise DataError(f'data.path {path} does not exist (data.kind = sft expects a .jsonl, .parquet or .arrow file '
+                        f'or glob of records ({HINT}), a save_to_disk directory, or a .bin set from '
+                        f'`zerotrain prepare --sft`)')
     enc = hf_encoder(tokenizer, cfg.chat_template) if tokenizer else byte_encoder()
-    sets = _prepared_sets if path.suffix == ".bin" else _jsonl_sets
-    records, sibling, val_name, top, what = sets(path, enc, seq_len)
+    sets = _prepared_sets if path.suffix == ".bin" else _source_sets if table else _jsonl_sets
+    formats: set = set()
+    if sets is _source_sets:
+        records, sibling, val_name, top, what = sets(cfg.path, enc, seq_len, formats, cfg.subset, cfg.split)
+    else:
+        _local_only(cfg)
+        records, sibling, val_name, top, what = sets(path, enc, seq_len, formats)
     if sibling is not None:
         train, val, split = records, sibling, f"val: {val_name}"
     else:
@@ -418,14 +528,16 @@ def build_sft(cfg: SftData, seq_len: Optional[int], tokenizer: Optional[str], se
         layout = (f"packed into {len(train)} rows of {seq_len} ({1 - train.row_tokens.sum() / (len(train) * seq_len):.1%}"
                   f" padding)")
     counted = ""
-    if sets is _jsonl_sets:  # in memory: cheap to count (a prepared set's tokens are not read here)
+    if sets is not _prepared_sets:  # in memory: cheap to count (a prepared set's tokens are not read here)
         recs = train.records if cfg.packing else train
         labelled = int(recs.trained.sum()) - int(recs.trained[recs.offsets[:-1]].sum())  # first tokens: inputs only
         counted = f", {labelled} response tokens"
     return DataBundle(train=train, val=val, task="lm", items_per_sample=seq_len, vocab_size=enc.vocab_size,
                       seq_len=seq_len, decode=enc.decode, masked_labels=True,
-                      describe=f"{what} {path} ({n_records} records{counted}, "
+                      describe=f"{what} {cfg.path} ({n_records} records{counted}, "
+                               f"{'format ' + ', '.join(sorted(formats)) + ', ' if formats else ''}"
                                f"{'bytes' if enc.name == 'bytes' else 'tokenizer ' + enc.name} {fmt}, {layout}; "
                                f"{split})",
-                      extra={"max_token": top, "token_file": str(path), "tokenizer": enc.name, "packed": "data.packing" if cfg.packing else None,
+                      extra={"max_token": top, "token_file": str(path), "tokenizer": enc.name,
+                             "formats": sorted(formats), "packed": "data.packing" if cfg.packing else None,
                              "pad_to": None if cfg.packing else cfg.pad_to, "layout": layout})

@@ -37,10 +37,18 @@ def default_corpus_files(directory: str | None = None) -> Iterator[Path]:
             yield Path(e.path)
 
 
-def read_bytes(path: str | None, max_bytes: int) -> tuple[np.ndarray, str]:
-    """Concatenate text files (a file, a directory of *.txt/*.md/*.py, or the default corpus)."""
+def read_bytes(path: str | None, max_bytes: int, subset: str | None = None,
+               split: str | None = None) -> tuple[np.ndarray, str]:
+    """Concatenate text files (a file, a directory of *.txt/*.md/*.py, or the default corpus), or
+    the "text" column of a table (a parquet/arrow file or glob, a save_to_disk directory, a Hub
+    dataset id)."""
+    if (subset is not None or split is not None) and not (path is not None and table_spec(path)):
+        raise DataError(f"data.subset / data.split: data.path {path} is not a table or Hub dataset id with subsets "
+                        f"and splits; remove them")
     if path is None:
         files, what = default_corpus_files(), f"Python {sysconfig.get_python_version()} standard library sources"
+    elif table_spec(path):
+        return table_bytes(path, max_bytes, subset, split)
     else:
         p = Path(path)
         if not p.exists():
@@ -61,6 +69,35 @@ def read_bytes(path: str | None, max_bytes: int) -> tuple[np.ndarray, str]:
     if len(data) < 1024:
         raise DataError(f"data.path {what}: only {len(data)} bytes of text found (need at least 1 KiB)")
     return np.frombuffer(data, dtype=np.uint8), what
+
+
+def table_spec(path: str) -> bool:
+    """A parquet/arrow file, a glob of them or a save_to_disk directory (train/data/records.py)."""
+    from zerotrain.train.data.records import JSONL_SUFFIXES, is_glob, is_table_spec
+    return is_table_spec(path) and not (is_glob(path) and Path(path).suffix.lower() in JSONL_SUFFIXES)
+
+
+def table_bytes(path: str, max_bytes: int, subset=None, split=None) -> tuple[np.ndarray, str]:
+    """The "text" column of a `datasets` table (TRL's language-modeling format), rows joined by
+    newlines as UTF-8 bytes, up to max_bytes: only the rows needed are read."""
+    from zerotrain.train.data.records import open_source, table_format, table_rows
+    src = open_source(path, "text", subset, split)
+    if not src.is_table:
+        raise DataError(f"data.path {path}: data.kind text reads a text file or directory, or a parquet/arrow "
+                        f"table with a \"text\" column")
+    chunks, total = [], 0
+    for where, _, rec in table_rows(src.table, table_format(src.table, "text")):
+        if not isinstance(rec.get("text"), str):
+            raise DataError(f'{where}: "text" must be a string (got {type(rec.get("text")).__name__})')
+        b = rec["text"].encode("utf-8")
+        chunks.append(b)
+        total += len(b) + 1
+        if total >= max_bytes:
+            break
+    data = b"\n".join(chunks)[:max_bytes]
+    if len(data) < 1024:
+        raise DataError(f"data.path {path}: only {len(data)} bytes of text found (need at least 1 KiB)")
+    return np.frombuffer(data, dtype=np.uint8), f"the \"text\" column of {path}"
 
 
 def decode(tokens) -> str:

@@ -40,7 +40,7 @@ def banner(t) -> str:
         f"  strategy     {strategy.describe()}   [{strategy.path}]",
         *([f"  precision    {strategy.precision} ({strategy.ds.precision_why})"] if strategy.ds.precision_why else []),
         f"  model        {t.cfg.model.name}: {human(total)} params ({human(trainable)} trainable)" + _lora_text(t)
-        + _attention_text(t) + _own_code_text(t),
+        + _attention_text(t) + _own_code_text(t) + _hub_text(t),
         f"  data         {data.describe}: "
         + ("an endless stream" if data.stream is not None else f"{len(data.train)} train samples")
         + _validation_text(t),
@@ -91,6 +91,12 @@ def _attention_text(t) -> str:
     """An hf: model's attention implementation (model.attn_implementation or its config.json's)."""
     impl = t.workload.model_config.get("attn_implementation") if t.workload.family == "hf" else None
     return f", attention {impl}" if impl else ""
+
+
+def _hub_text(t) -> str:
+    """A model from the Hub: the commit its revision resolved to (config.json: model.resolved.hub)."""
+    hub = t.workload.model_config.get("hub") if t.workload.family == "hf" else None
+    return f", from the Hub {hub['id']}@{hub['revision']} = commit {hub['commit']}" if hub else ""
 
 
 def _own_code_text(t) -> str:

@@ -30,7 +30,7 @@ from zerotrain.train.errors import ConfigError
 from zerotrain.train.launch import collectives, device_env, ds_config_choice
 from zerotrain.train.launch import distributed as dist_
 from zerotrain.train.launch import elastic as elastic_
-from zerotrain.train.launch import host_settings, shm_buffers
+from zerotrain.train.launch import host_settings, hub_fetch, shm_buffers
 from zerotrain.train.launch import sequence_parallel as sp_
 from zerotrain.train.observe import trackers
 from zerotrain.train.observe.metrics import Loggers
@@ -130,10 +130,13 @@ class RunData:
     bundle: DataBundle
     sampler: object            # the resumable global order: GlobalBatchSampler, MixtureSampler, StreamSampler
     max_steps: int
+    hub: list                  # the Hub ids the run names, with their commits (train/launch/hub_fetch.py)
 
 
 def load_data(cfg: RunConfig, rt: Runtime) -> RunData:
-    """The data first: the model's vocabulary / classes / features come from it."""
+    """The data first: the model's vocabulary / classes / features come from it. Hub ids
+    (hf:<org>/<name>[@rev]) are fetched into the cache before anything reads them."""
+    fetched = hub_fetch.fetch(cfg, collectives.timeout_s(cfg), say=lambda line: print(line, flush=True))
     spec = resolve_model(cfg.model)  # the model checked and its config.json read, once for the whole build
     hardware.check_attention(spec, rt.cuda)
     seq_len = resolve_seq_len(cfg, spec)
@@ -144,7 +147,7 @@ def load_data(cfg: RunConfig, rt: Runtime) -> RunData:
         attach_reference(cfg, spec, seq_len, bundle)
     sampler = _sampler(cfg, bundle, rt.batch)
     max_steps = cfg.train.epochs * sampler.steps_per_epoch if cfg.train.epochs else cfg.train.max_steps
-    return RunData(spec=spec, seq_len=seq_len, bundle=bundle, sampler=sampler, max_steps=max_steps)
+    return RunData(spec=spec, seq_len=seq_len, bundle=bundle, sampler=sampler, max_steps=max_steps, hub=fetched)
 
 
 def _sampler(cfg: RunConfig, bundle: DataBundle, b: Batch):

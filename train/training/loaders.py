@@ -56,7 +56,8 @@ def _padded_sets(cfg: RunConfig, bundle: DataBundle, sp_size: int, workload: Opt
     data padded to each batch's longest sample, unless the run needs one length
     (train/data/sft.py fixed_length_reason: then padded to seq_len, and the banner's data line
     says why)."""
-    train_set, val_set, collate, pad_to = bundle.train, bundle.val, None, bundle.extra.get("pad_to")
+    # data.kind py: the factory's own collate_fn (None: torch's default_collate)
+    train_set, val_set, collate, pad_to = bundle.train, bundle.val, bundle.extra.get("collate"), bundle.extra.get("pad_to")
     if pad_to == "longest":
         from zerotrain.train.data import sft
         w = workload

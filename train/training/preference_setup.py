@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from zerotrain.train.config import RunConfig
-from zerotrain.train.errors import ConfigError
+from zerotrain.train.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from zerotrain.models.spec import ModelSpec
@@ -35,6 +35,10 @@ def attach_reference(cfg: RunConfig, spec: ModelSpec, seq_len: int, bundle: Data
     from zerotrain.train.data import reference
     for pairs in (bundle.train, bundle.val):
         if pairs is not None:
+            if pairs.source is None:
+                raise DataError(f"train.dpo.reference precomputed: data.path {cfg.data.path} is not one JSONL file, and "
+                                f"the reference file is keyed by a JSONL file's lines; write the records as one .jsonl "
+                                f"file, or use train.dpo.reference live")
             want = reference_identity(cfg, spec, seq_len, bundle, pairs.source)
             pairs.attach_reference(*reference.load(pairs.source, want, pairs.lines))
 

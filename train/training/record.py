@@ -40,6 +40,8 @@ def record_run(cfg: RunConfig, rt: Runtime, data: RunData, dist: Distributed, mo
         record["model"]["lora"]["resolved"] = workload.lora  # the target modules chosen, where the base comes from
     record["distributed"]["ds_config"] = dist.strategy.path
     record["resolved"] = _resolved(cfg, rt, data, dist, model, loaders)
+    if data.hub:  # Hub ids: the commit each revision resolved to (train/launch/hub_fetch.py)
+        record["resolved"]["hub"] = data.hub
     if dist.acc.is_main_process:
         (rt.run_dir / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
         if bundle.class_names:  # index -> class name, to read predictions of the trained classifier
