@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from zerotrain.train import process_group, testhooks
-from zerotrain.train.errors import TrainingDiverged
+from zerotrain.train.errors import CheckpointError, TrainingDiverged
 from zerotrain.train.observe import report
 from zerotrain.train.observe.metrics import reduce_window
 from zerotrain.train.observe.perf import device_peak_flops, throughput
@@ -158,16 +158,23 @@ class Checkpointing:
         return self.cadence.due(tick.step, tick.agreed(self)[0], tick.done) is not None
 
     def on_step(self, tick: Tick) -> None:
-        self.ckpt.poll(tick.agreed(self)[1:], tick.step)
         periodic = self.due(tick) and tick.stop_reason is None
         final = tick.last and (self.save_at_end or tick.stop_reason is not None)
-        if periodic or final or testhooks.fire("desync_save", step=tick.step, rank=self.rank):
-            process_group.at("save", tick.step)  # desync_save: a test's save on one rank only
-            self.ckpt.save(self.snapshot())
-        if periodic:
-            self.cadence.saved()
-        if tick.last:
-            self.ckpt.flush(tick.step)
+        self.ckpt.poll(tick.agreed(self)[1:], tick.step, last=tick.last and not (periodic or final))
+        try:
+            if periodic or final or testhooks.fire("desync_save", step=tick.step, rank=self.rank):
+                process_group.at("save", tick.step)  # desync_save: a test's save on one rank only
+                self.ckpt.save(self.snapshot())
+            if periodic:
+                self.cadence.saved()
+            lost = self.ckpt.unsaved_at_end(tick.step) if tick.last else None
+        except CheckpointError as e:
+            if not tick.last:
+                raise  # a synchronous save mid-run: the run stops here, its error says why
+            lost = self.ckpt.lost_line(str(e), tick.step)  # every rank raised (Checkpointer._on_every_rank)
+        if lost is not None:
+            # The run must not end as a success over a lost save: a failure stop (summary, exit 2).
+            tick.stop(StopReason("save_failed", lost, failure=CheckpointError))
 
 
 class ParamChecksum:
