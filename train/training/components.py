@@ -178,20 +178,39 @@ class Checkpointing:
 
 
 class ParamChecksum:
-    """debug.param_checksum: every step, the parameters' checksum as the step left them
+    """debug.param_checksum: every step, the parameters' checksum as the step left it
     (Strategy.param_checksum), logged as debug/param_checksum and its scale
-    debug/param_checksum_sq next to the step's loss and grad_norm (`zerotrain verify` reads them)."""
+    debug/param_checksum_sq next to the step's loss and grad_norm, and what the steps changed:
+    debug/update_checksum, the checksum of theta_t - theta_0 (the checksum is linear: this step's
+    less the one before step 1), and in a 1-process run (it keeps a host copy of the weights
+    before step 1) debug/update_sq, that update's own scale. Before step 1, rank 0 writes the
+    optimizer's parameter groups to <run_dir>/param_groups.json (Strategy.param_groups).
+    `zerotrain verify` reads them all."""
 
     name = "param_checksum"
 
-    def __init__(self, strategy):
-        self.strategy = strategy
+    def __init__(self, strategy, world: int, run_dir, is_main: bool):
+        self.strategy, self.run_dir, self.is_main = strategy, run_dir, is_main
+        self.origin: list | None = [] if world == 1 else None
+        self.start: float | None = None
+
+    def before_step(self, step: int) -> None:
+        if self.start is not None:
+            return
+        self.start = self.strategy.param_checksum(self.origin)[0]  # every rank: a gather under ZeRO-3
+        if self.is_main:
+            import json
+            from pathlib import Path
+            Path(self.run_dir, "param_groups.json").write_text(
+                json.dumps({"step": step, "groups": self.strategy.param_groups()}, indent=1) + "\n")
 
     def on_step(self, tick: Tick) -> None:
         if tick.out is None:
             return
-        value, sq = self.strategy.param_checksum()  # every rank: a gather under ZeRO-3
-        tick.add_metrics({"debug/param_checksum": value, "debug/param_checksum_sq": sq})
+        value, sq, moved = self.strategy.param_checksum(self.origin)  # every rank: a gather under ZeRO-3
+        tick.add_metrics({"debug/param_checksum": value, "debug/param_checksum_sq": sq,
+                          "debug/update_checksum": value - self.start,
+                          **({"debug/update_sq": moved} if self.origin is not None else {})})
 
 
 class StepDone:
