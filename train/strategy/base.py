@@ -123,6 +123,22 @@ class Strategy:
         ranks/rank<R>.json."""
         return {}
 
+    def frozen_like_policy(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A frozen module run beside the prepared model (DPO's reference copy, built before
+        prepare), made to compute as the model does: under Accelerate's mixed precision (DDP
+        bf16/fp16) its forward gets the same autocast and fp32 outputs Accelerate gave the model's,
+        so that at step 1 the policy and the reference give the same log-probs bit for bit (the
+        rewards exactly 0, the DPO loss exactly log 2). Returns the module."""
+        if not getattr(self.acc, "native_amp", False):
+            return module
+        from types import MethodType
+
+        from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+        autocast = get_mixed_precision_context_manager(self.acc.native_amp, self.acc.autocast_handler)
+        forward = module.forward.__func__ if hasattr(module.forward, "__func__") else module.forward
+        module.forward = MethodType(convert_outputs_to_fp32(autocast(forward)), module)
+        return module
+
     # ------------------------------------------------------------------ one step
     def input_dtype(self) -> Optional[torch.dtype]:
         """The dtype float inputs are cast to (the parameters' own when they are 16-bit); None: keep."""

@@ -110,6 +110,13 @@ class ZeroStrategy(Strategy):
             facts["zero3"] = partition_counts(workload.model)
         return facts
 
+    def frozen_like_policy(self, module: torch.nn.Module) -> torch.nn.Module:
+        """DeepSpeed bf16/fp16 keeps the model's parameters themselves in 16 bits: the frozen
+        copy (built in fp32 before prepare) is cast to the same dtype, so it computes as the
+        model did before its first step (Strategy.frozen_like_policy)."""
+        dtype = next(self.engine.parameters()).dtype
+        return module.to(dtype) if dtype != torch.float32 else module
+
     # ------------------------------------------------------------------ one step
     def input_dtype(self) -> Optional[torch.dtype]:
         """DeepSpeed bf16/fp16 keeps the parameters themselves in 16 bits."""

@@ -283,6 +283,9 @@ def prepare(rt: Runtime, dist: Distributed, model: Model, loaders: Loaders) -> P
     if released is not None:
         facts["shm_buffer_released"] = str(released)
     facts.update(strategy.after_prepare(workload))
+    pref = workload.preference
+    if pref is not None and pref.reference is not None:  # DPO's frozen copy: in the policy's precision
+        pref.reference = strategy.frozen_like_policy(pref.reference)
     if dist.sp is not None:
         facts["sequence_parallel"] = dist.sp.record()
     # What the steps will run with, once every library has started (Accelerate sets a count where
