@@ -105,7 +105,7 @@ def test_matrix_accumulation_and_sp_rows_agree_with_the_reference(tmp_path):
         proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env({}), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         row = [line for line in proc.stdout.splitlines() if line.strip().startswith(only + ":")]
-        assert len(row) == 1 and "OK: loss, grad_norm and param_checksum agree" in row[0], proc.stdout
+        assert len(row) == 1 and "OK: loss, grad_norm, update and param_checksum agree" in row[0], proc.stdout
 
 
 def test_verify_measures_the_rounding_floor_of_a_model_that_amplifies_rounding(tmp_path):
