@@ -163,7 +163,7 @@ def parse(argv: list[str]) -> Options:
     if known.master_port is not None and not 1 <= known.master_port <= 65535:
         raise ConfigError(f"--master-port {known.master_port}: a TCP port is 1-65535; pick a free one, or drop "
                           f"the flag for a free one")
-    if known.ds_config and known.ds_config != "auto" and not Path(known.ds_config).is_file():
+    if known.ds_config and known.ds_config.split(":")[0] != "auto" and not Path(known.ds_config).is_file():
         raise ConfigError(f"--ds-config {known.ds_config}: no such file; name a DeepSpeed JSON (ds_configs/*.json)")
     return Options(known.run_file, known.ds_config, known.nproc, known.steps, known.matrix, known.keep,
                    known.only, known.debug, parse_overrides(rest), known.master_port)
@@ -197,7 +197,7 @@ class _Plan:
 
     def single(self) -> int:
         ref = self.reference()
-        json_name = self.opts.ds_config or self.cfg.distributed.ds_config or "the run file's strategy"
+        json_name = self.opts.ds_config or self.cfg.distributed.ds_config or self.machine_default()
         got = self.launch("checked", self.opts.ds_config, self.opts.nproc)
         label = f"{got.name} x{self.opts.nproc}"
         checks = [(got, label)]
@@ -205,8 +205,13 @@ class _Plan:
             # The 16-bit band (1e-2) is far wider than a wrong LR, decay or update: the same
             # strategy in fp32 is judged by the fp32 band, the update compared too (its floor, if
             # needed, is the reference again: never a run of the checked code path).
-            twin = self.launch("checked_fp32", self.fp32_copy(self.opts.ds_config), self.opts.nproc)
-            checks.append((twin, f"{twin.name} x{self.opts.nproc} as fp32"))
+            copy = self.fp32_copy(self.opts.ds_config)
+            if copy is None:
+                print(f"verify: {json_name} is not a file (--ds-config auto?): no fp32 copy checked; name the JSON "
+                      f"with --ds-config to check it in fp32 too", flush=True)
+            else:
+                twin = self.launch("checked_fp32", copy, self.opts.nproc)
+                checks.append((twin, f"{twin.name} x{self.opts.nproc} as fp32"))
         print(f"zerotrain verify: {self.opts.run_file}, {self.opts.steps} steps; reference: 1 process, DDP (fp32); "
               f"checked: {label}, {json_name}" + (", and its fp32 copy" if len(checks) > 1 else ""))
         failed = False
@@ -222,6 +227,12 @@ class _Plan:
             print(f"  ({got.precision}'s band {band:g} cannot see a strategy error smaller than that: the fp32 copy "
                   f"is what rules out a wrong LR, decay or update, down to {TOLERANCE['fp32']:g})")
         return 1 if failed else 0
+
+    @staticmethod
+    def machine_default() -> str:
+        """The JSON a run that names none uses (ds_configs/zero2*.json for this machine)."""
+        from zerotrain.train.launch.ds_config_choice import default_ds_config
+        return str(paths.DS_CONFIGS / default_ds_config()[0])
 
     def judge(self, ref: Result, got: Result):
         """One checked run against the reference: (table rows, first divergence or None, the
@@ -295,11 +306,14 @@ class _Plan:
         """A shipped JSON in `precision` (fp32, bf16, fp16), written into the work dir."""
         return self.copy_in(paths.DS_CONFIGS / f"{base}.json", precision, f"{base}_{precision}.json")
 
-    def fp32_copy(self, ds_config: str | None) -> str:
-        """The checked JSON (else the run file's) with bf16 and fp16 off: the same strategy in fp32."""
-        src = Path(ds_config or self.cfg.distributed.ds_config)
+    def fp32_copy(self, ds_config: str | None) -> str | None:
+        """The checked JSON (else the run file's) with bf16 and fp16 off: the same strategy in
+        fp32; None where that JSON is not a file (--ds-config auto)."""
+        src = Path(ds_config or self.cfg.distributed.ds_config or self.machine_default())
         if not src.is_file():
             src = paths.DS_CONFIGS / src.name
+        if not src.is_file():
+            return None
         return self.copy_in(src, "fp32", f"{src.stem}_as_fp32.json")
 
     def copy_in(self, src: Path, precision: str, name: str) -> str:
