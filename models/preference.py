@@ -6,9 +6,10 @@ response tokens under the policy and log ref(y|x) under the reference:
     sigmoid (DPO, Rafailov et al. 2023, eq. 7):
         h = beta ((log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l)))
         loss = -log sigmoid(h)
-    ipo (Azar et al. 2023, eq. 17, sampled form):
-        h = (log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l))
+    ipo (Azar et al. 2023, eq. 17, sampled form, as TRL's DPOTrainer computes it):
+        h = (log pi(y_w) - log ref(y_w)) / |y_w| - (log pi(y_l) - log ref(y_l)) / |y_l|
         loss = (h - 1 / (2 beta))^2                            (beta is the paper's tau)
+        (train.dpo.ipo_sum true: the log-ratios summed, not divided by |y|; rewards likewise)
     simpo (Meng et al. 2024, eq. 6; no reference):
         loss = -log sigmoid(beta / |y_w| log pi(y_w) - beta / |y_l| log pi(y_l) - gamma)
 
@@ -63,11 +64,15 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
 
 def pair_losses(kind: str, beta: float, gamma: float, pc: torch.Tensor, pr: torch.Tensor,
                 rc: Optional[torch.Tensor], rr: Optional[torch.Tensor], nc: torch.Tensor,
-                nr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-pair loss, chosen reward, rejected reward), fp32 (B,) each (module docstring)."""
+                nr: torch.Tensor, ipo_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-pair loss, chosen reward, rejected reward), fp32 (B,) each (module docstring). IPO
+    divides each log-ratio by its completion length unless `ipo_sum`."""
     if kind == "simpo":
         rew_c, rew_r = beta * pc / nc.clamp(min=1), beta * pr / nr.clamp(min=1)
         return -F.logsigmoid(rew_c - rew_r - gamma), rew_c.detach(), rew_r.detach()
+    if kind == "ipo" and not ipo_sum:  # TRL's loss_type "ipo": per-token mean log-probs
+        pc, rc = pc / nc.clamp(min=1), rc / nc.clamp(min=1)
+        pr, rr = pr / nr.clamp(min=1), rr / nr.clamp(min=1)
     h = (pc - rc) - (pr - rr)
     loss = -F.logsigmoid(beta * h) if kind == "sigmoid" else (h - 1.0 / (2.0 * beta)) ** 2
     return loss, (beta * (pc - rc)).detach(), (beta * (pr - rr)).detach()
@@ -139,9 +144,9 @@ class Preference:
     validation statistics, and the interval's metrics (summed on the device, read at log lines)."""
 
     def __init__(self, loss: str, beta: float, gamma: float, reference: Optional[torch.nn.Module] = None,
-                 lora: bool = False, precomputed: bool = False):
+                 lora: bool = False, precomputed: bool = False, ipo_sum: bool = False):
         assert loss in LOSSES
-        self.kind, self.beta, self.gamma = loss, float(beta), float(gamma)
+        self.kind, self.beta, self.gamma, self.ipo_sum = loss, float(beta), float(gamma), bool(ipo_sum)
         self.reference, self.lora = reference, lora  # a frozen copy (full fine-tuning) or None
         self.precomputed = precomputed               # the reference log-probs come with the batch
         self.sums: Optional[torch.Tensor] = None     # METRICS sums + the pair count, on the device
@@ -204,7 +209,8 @@ class Preference:
             ref = self.reference_logps(workload, model, rows, 2 * b)
         logps, n = self._logps(workload, model, rows, 2 * b)
         rc, rr = (ref[:b], ref[b:]) if ref is not None else (None, None)
-        loss, rew_c, rew_r = pair_losses(self.kind, self.beta, self.gamma, logps[:b], logps[b:], rc, rr, n[:b], n[b:])
+        loss, rew_c, rew_r = pair_losses(self.kind, self.beta, self.gamma, logps[:b], logps[b:], rc, rr, n[:b], n[b:],
+                                         self.ipo_sum)
         stats = torch.stack([rew_c, rew_r, rew_c - rew_r, (rew_c > rew_r).float(), logps[:b].detach(),
                              logps[b:].detach()], 1)  # (B, len(METRICS))
         return loss, stats

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from helpers import TINY, run_train, train_losses
+from helpers import REPO, TINY, run_train, train_losses
 
 CHECK = ["--ds-config", "ds_configs/ddp.json", "--train.max_steps", "6", "--train.eval_every", "0",
          "--checkpoint.every_steps", "2", "--debug.collectives", "true"]
@@ -238,3 +238,40 @@ def test_a_missing_rank_is_named_by_rank_0_and_by_the_others(monkeypatch, tmp_pa
         "Timed out waiting 20000ms for send operation to complete"))
     assert line.startswith("[rank 1] zerotrain: error: rank 0 did not come to the collective at start-up within 20 s")
     assert asked == [([1], 20.0), ([0], 20)]
+
+
+USER_MODEL = ["--model.name", "py:user_models.extra_collective:build"]  # tests/user_models/extra_collective.py
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("ds", ["ddp", "zero2", "zero3"])
+def test_a_users_rank_zero_only_all_reduce_is_named_under_every_backend(ds, tmp_path, fp32_configs):
+    """A py: model all-reduces a [5, 7] tensor on rank 0 only, inside its forward at step 3. Under
+    DDP and ZeRO-3 rank 1 is then at the engine's next collective on the same group (DDP's gradient
+    all-reduce, ZeRO-3's parameter all-gather): torch's check meets the mismatch at once, but
+    decodes rank 0's side from a gather that itself mismatched, so each rank asks the other what it
+    runs. Under ZeRO-2 rank 1 is in DeepSpeed's gradient all-reduce on DeepSpeed's own process
+    group, which never meets rank 0's default-group collective: after debug.collectives_timeout_s
+    (20 s) rank 0 asks rank 1, which answers from its own record that it is in a collective (not
+    "stuck outside any collective"), and both name the two. Either way each rank prints one line
+    with the operation, the shapes, the step and both ranks, the user's call site included."""
+    run = tmp_path / "run"
+    proc = run_train("torchrun", 2, [*TINY, *USER_MODEL, *CHECK[2:], "--ds-config", fp32_configs[ds],
+                                     "--train.run_dir", str(run)],
+                     env={"PYTHONPATH": str(REPO / "tests")}, check=False, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode != 0
+    err = proc.stderr
+    lines = {rank: _lines(err, rank) for rank in (0, 1)}
+    assert all(len(v) == 1 for v in lines.values()), err[-4000:]
+    user = "all_reduce of [5, 7] (float32) on the default group, called from tests/user_models/extra_collective.py:23 forward" \
+        if ds == "zero2" else "ALLREDUCE of shape [5, 7] (float)"
+    assert re.search(r"collective mismatch at step 3 \(training step\): rank 0 runs " + re.escape(user), lines[0][0]), lines
+    assert re.search(r"collective mismatch at step 3 \(training step\): rank 1 runs .* where rank 0 runs "
+                     + re.escape(user), lines[1][0]), lines
+    assert "extra_collective.py:23 forward" in lines[1][0]  # the user's line, in the other rank's line too
+    if ds == "zero2":  # DeepSpeed's reduction, on its own group, named as such
+        assert ("rank 1 runs all_reduce of [" in lines[0][0] and "on a group of ranks [0, 1] other than the default one"
+                in lines[0][0] and "allreduce_bucket" in lines[0][0]), lines[0]
+        assert "found after 20 s, debug.collectives_timeout_s" in lines[0][0]
+    assert "stuck outside any collective" not in err
+    _assert_step2_checkpoint_intact(run)

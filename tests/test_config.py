@@ -168,8 +168,8 @@ def _resolve(tmp_path, ds: dict, cuda=False, **run):
 def test_shipped_configs_resolve(tmp_path):
     cfg = load_config(None)
     stages = {}
-    for name in ("ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero2_fp32",
-                 "zero2_fp16"):
+    for name in ("ddp", "ddp_fp32", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
+                 "zero2_fp32", "zero2_fp16"):
         ds = load_ds_setup(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100,
                              cuda=name.endswith("fp16"), hidden_size=128)
         stages[name] = (ds.backend, ds.stage, ds.precision, ds.offload_optimizer, ds.offload_param)
@@ -188,7 +188,7 @@ def test_shipped_configs_resolve(tmp_path):
             if ds.stage == 3:
                 assert z["stage3_param_persistence_threshold"] == 1280 and z["sub_group_size"] == 24 * 128 * 128
     assert stages == {
-        "ddp": ("ddp", None, "bf16", None, None), "zero0": ("deepspeed", 0, "bf16", None, None),
+        "ddp": ("ddp", None, "bf16", None, None), "ddp_fp32": ("ddp", None, "fp32", None, None), "zero0": ("deepspeed", 0, "bf16", None, None),
         "zero1": ("deepspeed", 1, "bf16", None, None), "zero2": ("deepspeed", 2, "bf16", None, None),
         "zero3": ("deepspeed", 3, "bf16", None, None), "zero2_offload": ("deepspeed", 2, "bf16", "cpu", None),
         "zero3_offload": ("deepspeed", 3, "bf16", "cpu", "cpu"), "zero2_fp32": ("deepspeed", 2, "fp32", None, None),

@@ -166,7 +166,8 @@ def naive_sequence(model, prompt: list[int], response: list[int], seq_len: int) 
 
 
 def naive_loss(kind: str, beta: float, gamma: float, policy, reference, pairs, seq_len: int) -> torch.Tensor:
-    """The mean over `pairs` ((prompt ids, chosen ids, rejected ids)) of the papers' losses."""
+    """The mean over `pairs` ((prompt ids, chosen ids, rejected ids)) of the papers' losses; "ipo"
+    as TRL computes it (each log-ratio over its completion length), "ipo_sum" the summed form."""
     out = []
     for prompt, c, r in pairs:
         pc, nc = naive_sequence(policy, prompt, c, seq_len)
@@ -178,6 +179,8 @@ def naive_loss(kind: str, beta: float, gamma: float, policy, reference, pairs, s
             rc, _ = naive_sequence(reference, prompt, c, seq_len)
             rr, _ = naive_sequence(reference, prompt, r, seq_len)
         h = (pc - rc) - (pr - rr)
+        if kind == "ipo":      # TRL's DPOTrainer loss_type "ipo": per-token mean log-ratios
+            h = (pc - rc) / nc - (pr - rr) / nr
         if kind == "sigmoid":  # Rafailov et al. 2023, eq. 7
             out.append(-F.logsigmoid(beta * h))
         else:                  # Azar et al. 2023, eq. 17: (h - 1/(2 tau))^2
@@ -203,11 +206,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30)) if b.norm() > 0 else float(a.norm())
 
 
-@pytest.mark.parametrize("kind", ["sigmoid", "ipo", "simpo"])
+@pytest.mark.parametrize("kind", ["sigmoid", "ipo", "ipo_sum", "simpo"])
 def test_loss_and_gradients_equal_the_naive_implementation_in_process(kind, tmp_path):
     """gpt-tiny, full fine-tuning, fp32: the padded pairs in one forward (chosen and rejected
     concatenated along the batch) against one unpadded sequence at a time; some responses are
-    truncated."""
+    truncated. IPO is TRL's length-normalised form by default, the summed one with
+    train.dpo.ipo_sum."""
     recs = _records(6, 1)
     recs[2]["chosen"] = " " + "z" * 60  # cut at seq_len + 1
     path = write_jsonl(tmp_path / "d.jsonl", recs)
@@ -216,7 +220,8 @@ def test_loss_and_gradients_equal_the_naive_implementation_in_process(kind, tmp_
     torch.manual_seed(0)
     wl = build_workload(resolve(ModelConfig(name="gpt-tiny")), data)
     naive_ref = copy.deepcopy(wl.model)
-    wl.preference = Preference(kind, beta, gamma, reference=frozen_copy(wl.model))
+    wl.preference = Preference(kind.removesuffix("_sum"), beta, gamma, reference=frozen_copy(wl.model),
+                               ipo_sum=kind == "ipo_sum")
     batch = torch.utils.data.default_collate([data.train[i] for i in range(len(data.train))])
     loss = wl.loss(wl.model, batch)
     loss.backward()
@@ -633,3 +638,26 @@ def test_the_planner_counts_a_reference_copy_only_for_a_live_reference_of_full_f
         shape = plan_batch(cfg, batch, 32)
         copies[ref] = (shape.reference_copy,)
     assert copies["live"][0] is True and copies["precomputed"][0] is False
+
+
+# ----------------------------------------------------------------------------- precision of the reference
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("ds", ["ddp", "zero2"])
+def test_bf16_step_one_rewards_are_exactly_zero_with_the_frozen_copy(tmp_path, ds):
+    """The shipped bf16 JSONs (1 process, gpt-tiny, dropout 0): before any update the policy and
+    its frozen copy are the same model, so they must give the same log-probs bit for bit: every
+    reward 0, the accuracy 0 (no margin > 0), the loss -log sigmoid(0) = log 2, as TRL's
+    DPOTrainer with bf16=True gives. The copy is built in fp32 before prepare; it runs as the
+    policy does (DDP: Accelerate's autocast; ZeRO: the engine's 16-bit parameters)."""
+    from zerotrain.train.data.make_preferences import write
+    train, _ = write(tmp_path / "d" / "train.jsonl", 64, 16, 0)
+    run_dir = tmp_path / "run"
+    run_train("python", 1, ["--config", "examples/dpo.yaml", "--data.path", str(train), "--train.max_steps", "1",
+                            "--train.eval_every", "0", "--logging.every_steps", "1", "--model.dropout", "0",
+                            "--checkpoint.export", "false", "--train.run_dir", str(run_dir),
+                            "--ds-config", f"ds_configs/{ds}.json"])
+    step1 = next(r for r in metrics(run_dir) if "loss" in r)
+    assert json.loads((run_dir / "config.json").read_text())["resolved"]["precision"] == "bf16"
+    assert (step1["rewards/chosen"], step1["rewards/rejected"], step1["rewards/margins"]) == (0.0, 0.0, 0.0), step1
+    assert step1["rewards/accuracies"] == 0.0 and abs(step1["loss"] - math.log(2)) <= 1e-7, step1

@@ -331,10 +331,64 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0(tmp_path, fp32_config
 
 
 @pytest.mark.multiproc
-def test_disk_full_while_saving_says_so_and_keeps_the_previous_checkpoint(tmp_path, fp32_configs):
-    """The run dir on a 2.4 MiB tmpfs: the step-3 checkpoint (1.4 MiB) fits, the step-6 one cannot.
-    The error names the problem, the partial save is cleaned up, and the first checkpoint is
-    still complete and `latest`."""
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_sigterm_to_the_launcher_reaches_the_ranks_which_save_and_stop(tmp_path, fp32_configs, launcher):
+    """`kill <launcher pid>`, as a scheduler preempts the command it started. The single-node
+    `deepspeed` runner forwards no signal (it has a handler only for pdsh launches) and dies; the
+    ranks see it gone (train/launch/launcher_watch.py) and stop as on SIGTERM. torchrun's agent
+    forwards it. Either way every rank ends, the stop step is a complete checkpoint, the summary
+    says so. Exit codes (docs/checkpoints.md): the deepspeed runner -15 (killed by the signal),
+    torchrun 1 (its agent reports the signal), the ranks 0."""
+    import signal
+    import threading
+    import time
+    from helpers import launch_cmd, metrics
+    run = tmp_path / "run"
+    args = [*TINY, "--ds-config", fp32_configs["zero2"], "--train.max_steps", "100000", "--train.eval_every", "0",
+            "--checkpoint.keep_last", "2", "--train.run_dir", str(run)]
+    proc = subprocess.Popen(launch_cmd(launcher, 2, args), cwd=REPO, env=subprocess_env(None),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        _wait_for(run, proc, lambda rows: sum("loss" in r for r in rows) >= 3, "three steps")
+        ranks = _rank_pids(run)
+        os.kill(proc.pid, signal.SIGTERM)   # the launcher only, not its process group
+        code = proc.wait(timeout=120)
+        deadline = time.monotonic() + 120
+
+        def alive(pid):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            except OSError:
+                return False
+        while any(alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in ranks), f"ranks still training after the launcher's SIGTERM ({launcher})"
+        time.sleep(0.5)  # the reader thread drains the pipe
+        out = "".join(lines)
+        assert code == {"deepspeed": -signal.SIGTERM, "torchrun": 1}[launcher], (code, out[-3000:])
+        stopped = max(r["step"] for r in metrics(run) if "loss" in r)
+        assert "(stopped by signal: resume with --resume auto)" in out, out[-3000:]
+        assert_resumable_checkpoint(run / "checkpoints", stopped)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the launch is left (the old behaviour: the ranks)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_failed_final_save_exits_non_zero_naming_the_last_good_checkpoint(tmp_path, fp32_configs, mode):
+    """The run dir on a 2.4 MiB tmpfs: the step-3 checkpoint (1.4 MiB) fits, the final step-6 one
+    (checkpoint.save_at_end) cannot. The run must not end as a success: the ranks exit 2 (torchrun
+    reports 1), the summary and the error name the last good checkpoint and the 3 steps no
+    checkpoint holds, the partial save is cleaned up, and step 3 is still complete and `latest`.
+    Asynchronously the write fails in the background: its warning must not promise a next save."""
     from helpers import run_train
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs to fill needs root")
@@ -347,9 +401,15 @@ def test_disk_full_while_saving_says_so_and_keeps_the_previous_checkpoint(tmp_pa
         proc = run_train("torchrun", 2, [*TINY, "--ds-config", fp32_configs["zero2"], "--train.max_steps", "6",
                                          "--train.eval_every", "0", "--checkpoint.every_steps", "3",
                                          "--checkpoint.keep_last", "2", "--checkpoint.save_at_end", "true",
+                                         "--checkpoint.async", str(mode == "async").lower(),
                                          "--train.run_dir", str(run)], check=False)
-        assert proc.returncode != 0, proc.stderr[-3000:]   # ranks exit 2; torchrun itself reports 1
-        assert "disk full" in proc.stderr and "step_00000003" in proc.stderr, proc.stderr[-3000:]
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0, out[-3000:]   # ranks exit 2; torchrun itself reports 1
+        good = run / "checkpoints" / "step_00000003"
+        lost = f"the last good checkpoint is {good} (step 3): 3 steps (4-6) are in no checkpoint"
+        assert "disk full" in out and lost in proc.stderr, out[-3000:]             # the error line
+        assert lost in proc.stdout and f"checkpoint   {good} (the last good one" in proc.stdout, proc.stdout[-3000:]
+        assert "the next save tries again" not in out, out[-3000:]
         assert_resumable_checkpoint(run / "checkpoints", 3)   # intact, `latest`, no half-written save left
     finally:
         subprocess.run(["umount", str(mnt)])

@@ -92,14 +92,17 @@ class FakeCheckpointer:
     def write_status(self):
         return (0.0, 0.0, 0.0, 0.0)
 
-    def poll(self, writes, step):
+    def poll(self, writes, step, last=False):
         assert writes == (0.0, 0.0, 0.0, 0.0)
 
     def save(self, state):
         self.saved.append(state.step)
 
-    def flush(self, step):
+    def flush(self, step, last=False):
         return 0.0
+
+    def unsaved_at_end(self, step):
+        return None
 
 
 def run(ranks: int, max_steps: int, make_components, log=lambda m, s: None):

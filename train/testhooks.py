@@ -28,7 +28,8 @@ ZEROTRAIN_PREPARE_STOP_AFTER=K   "shard_written": `zerotrain prepare` stops afte
                              interruption would.
 ZEROTRAIN_PLANT_BUG=<name>   a known kind of wrong-numbers bug, planted in runs of 2 or more
                              processes only (a 1-process run, `zerotrain verify`'s reference, stays
-                             right), for tests/test_verify.py to show verify catches it:
+                             right; lr_behind: any run of its backend), for tests/test_verify.py
+                             to show verify catches it:
   grad_times_world     "plant_grad_times_world": under ZeRO, the loss (so the gradient) times the
                        world size, as a sum where a mean belongs;
   skip_clip            "plant_skip_clip": under DDP, no clipping (train.grad_clip ignored);
@@ -36,7 +37,14 @@ ZEROTRAIN_PLANT_BUG=<name>   a known kind of wrong-numbers bug, planted in runs 
   drop_partition       "plant_drop_partition": under ZeRO-1/2, the last rank zeroes its partition
                        of the reduced gradient before the norm and the step;
   loss_accum_twice     "plant_loss_accum_twice": under DDP, backward divides the loss by the
-                       accumulation steps once more.
+                       accumulation steps once more;
+  lr_behind            "plant_lr_behind": under ZeRO, each step runs with the LR of the step before
+                       (0 at step 1). Also in 1-process runs: a bug in the ZeRO code path, which a
+                       1-process run of the same JSON carries too (verify's floor must not hide it);
+  wd_off               "plant_wd_off": under ZeRO-3, the optimizer steps without weight decay (the
+                       param groups still say it: only the update shows it);
+  decay_all            "plant_decay_all": under ZeRO, every parameter group decays (norms and
+                       biases too), set in the optimizer before step 1.
 ZEROTRAIN_INJECT_DESYNC=<kind>:<rank>:<step>   ranks that part ways (debug.collectives' tests,
                              tests/test_collectives.py): at optimizer step <step> (1-based), rank
                              <rank> only
@@ -61,7 +69,9 @@ import time
 from typing import Callable
 
 DESYNCS = ("extra_allreduce", "vote_shape", "eval", "save", "stuck_loader")
-PLANTED_BUGS = ("grad_times_world", "skip_clip", "lr_ahead", "drop_partition", "loss_accum_twice")
+PLANTED_BUGS = ("grad_times_world", "skip_clip", "lr_ahead", "drop_partition", "loss_accum_twice", "lr_behind",
+                "wd_off", "decay_all")
+ANY_WORLD_BUGS = ("lr_behind",)  # planted in 1-process runs too (the rest: 2 or more processes only)
 _armed: dict[str, Callable[..., bool]] = {}  # point -> hook; empty in every real run
 
 
@@ -97,7 +107,8 @@ def load(env=None) -> None:
         if bug not in PLANTED_BUGS:
             raise ValueError(f"ZEROTRAIN_PLANT_BUG={bug}: one of {', '.join(PLANTED_BUGS)}")
         # drop_partition: the last rank's partition only.
-        _armed["plant_" + bug] = lambda world, rank=None: world > 1 and rank in (None, world - 1)
+        _armed["plant_" + bug] = lambda world, rank=None: ((world > 1 or bug in ANY_WORLD_BUGS)
+                                                           and rank in (None, world - 1))
     desync = env.get("ZEROTRAIN_INJECT_DESYNC", "")
     if desync:
         kind, who, at = desync.split(":")

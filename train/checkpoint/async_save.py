@@ -35,6 +35,9 @@ class AsyncSaver:
         self.staging: Staging | None = None
         self.pending: BackgroundWrite | None = None
         self.saves = 0  # asynchronous saves started: the same number on every rank
+        # Why the newest save settled failed (None once a later one is committed): what the end
+        # of the run reports instead of success (Checkpointer.unsaved_at_end).
+        self.lost: str | None = None
 
     def save(self, state) -> Path:
         """Wait for the previous write if it is still running (logged), agree on the directory
@@ -120,21 +123,22 @@ class AsyncSaver:
         """This rank's part of the loop's vote about the write in flight (BackgroundWrite.status)."""
         return self.pending.status() if self.pending is not None else (0.0, 0.0, 0.0, 0.0)
 
-    def poll(self, writes: tuple, step: int) -> None:
+    def poll(self, writes: tuple, step: int, last: bool = False) -> None:
         """The vote's sum over the ranks (every rank reads the same one at the same step): once
-        every rank's write of the save in flight has ended, commit it (rank 0) or report it."""
+        every rank's write of the save in flight has ended, commit it (rank 0) or report it.
+        `last`: no save follows in this run (the warning of a failure says so)."""
         w = self.pending
         if w is None:
             return
         seq, ok, failed, full = writes
         if seq != w.seq * self.ck.world or ok + failed < self.ck.world:
             return  # a vote about an earlier save, or writes still running
-        self.resolve(w, failed > 0, full > 0, step)
+        self.resolve(w, failed > 0, full > 0, step, last=last)
 
-    def flush(self, step: int) -> float:
+    def flush(self, step: int, last: bool = False) -> float:
         """Wait for this rank's write in flight (logged), agree with the others on the outcome
         (a collective: every rank calls it at the same step), then commit or report it.
-        Returns the seconds waited."""
+        `last`: the run's last step, no save follows. Returns the seconds waited."""
         w = self.pending
         if w is None:
             return 0.0
@@ -144,12 +148,15 @@ class AsyncSaver:
         err = w.error
         failed = ckpt_files.reduce_max(torch.tensor([int(err is not None), int(err is not None and disk_full(err))]),
                                        self.ck.strategy.acc.device)
-        self.resolve(w, bool(failed[0]), bool(failed[1]), step, waited)
+        self.resolve(w, bool(failed[0]), bool(failed[1]), step, waited, last=last)
         return waited
 
-    def resolve(self, w: BackgroundWrite, failed: bool, full: bool, step: int, waited: float = 0.0) -> None:
+    def resolve(self, w: BackgroundWrite, failed: bool, full: bool, step: int, waited: float = 0.0,
+                last: bool = False) -> None:
         """Every rank, at the same step: commit (rank 0) or report the write; `step` is the
-        loop's step now (the metrics row), the checkpoint's is checkpoint/step."""
+        loop's step now (the metrics row), the checkpoint's is checkpoint/step. A failure is kept
+        in `lost` until a later save commits (every rank, except a commit failing on rank 0 only:
+        the end of the run agrees on it, Checkpointer.unsaved_at_end)."""
         ck = self.ck
         self.pending = None
         if w.error is not None and not io_error(w.error):
@@ -158,12 +165,13 @@ class AsyncSaver:
         if failed:
             # One line for a full disk (whichever ranks hit it): rank 0's. Another error is also
             # reported by the rank it happened on.
+            why = (f"disk full (no space left on {ck.root})" if full
+                   else describe(w.error, ck.root) if w.error is not None
+                   else "its write failed on another rank (that rank's line says why)")
+            self.lost = f"checkpoint {w.final.name} was not saved: {why}"
             if ck.is_main:
                 ckpt_files.remove_tree(w.tmp)
-                why = (f"disk full (no space left on {ck.root})" if full
-                       else describe(w.error, ck.root) if w.error is not None
-                       else "its write failed on another rank (that rank's line says why)")
-                self.warn_not_saved(w, why)
+                self.warn_not_saved(w, why, last)
             elif w.error is not None and not full:
                 print(f"zerotrain: WARNING: rank {ck.rank}: checkpoint {w.final} was not saved: "
                       f"{describe(w.error, ck.root)}", flush=True)
@@ -174,9 +182,11 @@ class AsyncSaver:
                 nbytes = ck.saver.commit(w.tmp, w.final, w.step)
             except (OSError, CheckpointError) as e:
                 ckpt_files.remove_tree(w.tmp)
-                self.warn_not_saved(w, describe(e, ck.root))
+                self.lost = f"checkpoint {w.final.name} was not saved: {describe(e, ck.root)}"
+                self.warn_not_saved(w, describe(e, ck.root), last)
                 return
         ck._last_saved = w.final
+        self.lost = None
         if ck.is_main:
             ck._say(f"checkpoint {w.final} saved ({nbytes / 2**20:.1f} MiB; the loop was blocked {w.blocked_s:.2f} s, "
                     f"written in the background in {w.write_s:.2f} s)")
@@ -184,11 +194,14 @@ class AsyncSaver:
                     "checkpoint/wait_s": w.waited_s + waited, "checkpoint/bytes": nbytes,
                     "checkpoint/snapshot_bytes": self.snapshot_bytes}, step)
 
-    def warn_not_saved(self, w: BackgroundWrite, why: str) -> None:
+    def warn_not_saved(self, w: BackgroundWrite, why: str, last: bool = False) -> None:
+        """Rank 0's one line for a save that failed. `last`: no save follows (the run's last
+        step): the run ends with an error instead (Checkpointer.unsaved_at_end)."""
         prev = self.ck.latest_path()
         print(f"zerotrain: WARNING: checkpoint {w.final} was not saved: {why}; "
               + (f"the previous checkpoint {prev} is kept; " if prev else "")
-              + "training goes on and the next save tries again", flush=True)
+              + ("this was the run's last save: it ends with an error" if last
+                 else "training goes on and the next save tries again"), flush=True)
 
     def close(self) -> None:
         """Wait for the write in flight (no collective: also after a failure on some ranks); a

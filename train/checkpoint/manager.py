@@ -156,14 +156,41 @@ class Checkpointer:
         without checkpoint.async: the step then never enters async_save.py)."""
         return self.async_saver.write_status() if self.background else (0.0, 0.0, 0.0, 0.0)
 
-    def poll(self, writes: tuple, step: int) -> None:
-        """The vote's sum over the ranks: commit or report the background write once every rank's ended."""
+    def poll(self, writes: tuple, step: int, last: bool = False) -> None:
+        """The vote's sum over the ranks: commit or report the background write once every rank's
+        ended (`last`: no save follows in this run)."""
         if self.background:
-            self.async_saver.poll(writes, step)
+            self.async_saver.poll(writes, step, last)
 
-    def flush(self, step: int) -> float:
+    def flush(self, step: int, last: bool = False) -> float:
         """Wait for the background write in flight and settle it (a collective); the seconds waited."""
-        return self.async_saver.flush(step)
+        return self.async_saver.flush(step, last)
+
+    def unsaved_at_end(self, step: int) -> str | None:
+        """The run's last step, every rank: wait for the background write in flight and settle it,
+        then agree whether the newest save this run tried failed with no later one committed (a
+        collective under checkpoint.async; a synchronous save that fails raises instead). Returns
+        the one line the run ends with (the last good checkpoint, the steps no checkpoint holds),
+        or None: the run's saves are complete."""
+        if not self.background:
+            return None
+        self.flush(step, last=True)
+        lost = self.async_saver.lost
+        anywhere = ckpt_files.reduce_max(torch.tensor([int(lost is not None)]), self.strategy.acc.device)
+        if not int(anywhere[0]):
+            return None
+        return self.lost_line(lost or "the save failed on rank 0 (its line says why)", step)
+
+    def lost_line(self, why: str, step: int) -> str:
+        """One line for a run whose last save failed: why, the last good checkpoint and the steps
+        after it that no checkpoint holds (a scheduler must not read this run as a success)."""
+        prev = self.latest_path()
+        good = int(Path(prev).name.removeprefix("step_")) if prev else 0
+        kept = (f"the last good checkpoint is {prev} (step {good})" if prev
+                else "no checkpoint of this run exists")
+        lost = step - good
+        return (f"the run's last save failed ({why}); {kept}: {lost} step{'s' if lost != 1 else ''} "
+                f"({good + 1}-{step}) are in no checkpoint; fix the cause, then --resume auto")
 
     def close(self) -> None:
         """Wait for the background write in flight (no collective)."""

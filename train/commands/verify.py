@@ -7,7 +7,7 @@ every step:
   - the reference: 1 process, plain PyTorch in fp32, the same global batch (the accumulation
     steps times the data-parallel world) and so the same samples in each step (the sampler's
     global order does not depend on the world size: tests/test_stages.py, tests/test_fit.py);
-  - the run checked: the chosen DeepSpeed JSON (--ds-config, else the run file's) on N
+  - the run checked: the chosen strategy file (--strategy, else the run file's) on N
     processes (torchrun).
 Then it compares, step by step, the three numbers every strategy reports the same way: the
 loss (mean over the global batch), the global gradient norm before clipping (Strategy.step's)
@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -54,13 +55,17 @@ from zerotrain.train.cli_args import ArgumentParser, Value
 from zerotrain.train.errors import ConfigError, UserError, user_errors
 
 USAGE = """usage: zerotrain verify RUN_FILE [--strategy F] [--nproc N] [--steps K] [--matrix] [--keep DIR]
-                        [--section.key VALUE ...]
+                        [--master-port P] [--section.key VALUE ...]
 
 Runs RUN_FILE's model, data, batch and optimizer settings for K optimizer steps twice: as a
 1-process fp32 reference with the same global batch, and under the DeepSpeed JSON F (default:
-the run file's distributed.ds_config) on N processes. After each step it compares the loss,
-the global gradient norm and a checksum of the updated parameters, prints a table and the
-first step and quantity that differ beyond the tolerance, and exits 0 (agree) or 1 (differ).
+the run file's distributed.ds_config) on N processes. Before step 1 it compares the optimizer's
+parameter groups (which parameters decay, lr, betas, eps, weight decay); after each step the
+loss, the global gradient norm, a checksum of the update theta_t - theta_0 (relative to the
+update's own size) and a checksum of the parameters; it prints a table and the first step and
+quantity that differ beyond the tolerance, and exits 0 (agree) or 1 (differ). A bf16/fp16 JSON
+is also checked as an fp32 copy of itself (same strategy, fp32 band): what the 16-bit band is
+too wide to see.
 
   --strategy F    the strategy file to check (a ds_configs JSON: ddp.json plain DDP, zero*.json
                   DeepSpeed, fsdp2*.json FSDP2); --ds-config F is the same flag
@@ -72,7 +77,9 @@ first step and quantity that differ beyond the tolerance, and exits 0 (agree) or
                   packing and SP stay on in every row. One row each (2 to 3 launches a strategy:
                   minutes per row on a small CPU machine)
   --only S        with --matrix: only the rows whose name contains S (e.g. zero3, accum, sp2)
-  --keep DIR      keep the runs (metrics.jsonl, logs) in DIR instead of a temporary directory
+  --keep DIR      keep the runs (metrics.jsonl, logs) in DIR (default: a temporary directory,
+                  removed at the end)
+  --master-port P the rendezvous port of the multi-process launches (default: a free one)
   --section.key V a run-file override applied to both runs (e.g. --train.grad_accum_steps 2)
   --debug         tracebacks instead of one-line errors
 
@@ -80,12 +87,16 @@ Tolerances (relative): fp32 1e-5 (grad_norm: at least 2^-24 x sqrt(parameters), 
 fp32 norm's own rounding on CPU); bf16 and fp16 runs are compared with the bands in
 docs/troubleshooting.md. Where a step after the first is beyond its band, one more 1-process
 launch measures the run's rounding floor (the reference again, summed in another order; for a
-bf16/fp16 run the JSON on 1 process) and that step's tolerance becomes max(band, 4 x floor):
+bf16/fp16 run 1-process DDP in that precision, never the checked JSON) and that step's
+tolerance becomes max(band, 4 x floor):
 the table's floor and tolerance columns. Checkpoints, exports, evaluation and samples are off in both runs;
 train.max_steps is K (so the LR schedule is that of a K-step run, the same in both).
 """
 
-QUANTITIES = ("loss", "grad_norm", "param_checksum")
+QUANTITIES = ("loss", "grad_norm", "update", "param_checksum")
+# What a bf16/fp16 run is compared in: its 16-bit weights quantize the update itself (an update of
+# lr ~1e-4 on a weight of ~0.02 is a few bf16 steps), so the update is compared in its fp32 copy.
+HALF_QUANTITIES = ("loss", "grad_norm", "param_checksum")
 # Relative tolerance per precision of the run checked; the reference is always fp32.
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-2}  # bf16, fp16: docs/troubleshooting.md#zerotrain-verify
 # A step's tolerance, where the fixed band fails: max(band, FLOOR_FACTOR x the two fp32 references'
@@ -94,6 +105,7 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-2}  # bf16, fp16: docs/troub
 # docs/troubleshooting.md#zerotrain-verify).
 FLOOR_FACTOR = 4
 CHECKSUM = "debug/param_checksum"
+UPDATE = "debug/update_checksum"
 MAIN = Path(__file__).resolve().parent.parent / "main.py"  # the training program: train/main.py
 
 def matrix_strategies() -> tuple[tuple[str, bool], ...]:
@@ -114,6 +126,7 @@ class Options:
     only: str | None
     debug: bool
     overrides: list
+    master_port: int | None = None
 
 
 @dataclass
@@ -127,6 +140,7 @@ class Result:
     precision: str = "fp32"
     n_params: int = 0  # from the run's memory plan (fp32 reference: parameter bytes / 4)
     threads: int = 0  # torch's CPU intra-op threads (config.json; 0: not recorded)
+    groups: list | None = None  # the optimizer's parameter groups before step 1 (param_groups.json)
 
 
 def parse(argv: list[str]) -> Options:
@@ -138,6 +152,7 @@ def parse(argv: list[str]) -> Options:
     p.add_argument("--keep", action=Value)
     p.add_argument("--matrix", action="store_true")
     p.add_argument("--only", action=Value)
+    p.add_argument("--master-port", action=Value, convert=int)
     p.add_argument("--debug", action="store_true")
     known, rest = p.parse_known_args(argv)
     if not known.run_file or known.run_file.startswith("-"):
@@ -146,8 +161,13 @@ def parse(argv: list[str]) -> Options:
         raise ConfigError(f"--nproc and --steps must be >= 1 (got {known.nproc}, {known.steps})")
     if known.only and not known.matrix:
         raise ConfigError("--only filters the rows of --matrix; add --matrix or drop --only")
+    if known.master_port is not None and not 1 <= known.master_port <= 65535:
+        raise ConfigError(f"--master-port {known.master_port}: a TCP port is 1-65535; pick a free one, or drop "
+                          f"the flag for a free one")
+    if known.ds_config and known.ds_config.split(":")[0] != "auto" and not Path(known.ds_config).is_file():
+        raise ConfigError(f"--strategy {known.ds_config}: no such file; name a strategy file (ds_configs/*.json)")
     return Options(known.run_file, known.ds_config, known.nproc, known.steps, known.matrix, known.keep,
-                   known.only, known.debug, parse_overrides(rest))
+                   known.only, known.debug, parse_overrides(rest), known.master_port)
 
 
 def main(argv: list[str]) -> int:
@@ -158,10 +178,14 @@ def main(argv: list[str]) -> int:
         cfg = load_config(opts.run_file, opts.overrides)  # a bad run file: one line now, not in a launch
         work = Path(opts.keep) if opts.keep else Path(tempfile.mkdtemp(prefix="zerotrain-verify-"))
         work.mkdir(parents=True, exist_ok=True)
-        plan = _Plan(opts, cfg, work)
-        if opts.matrix:
-            return plan.matrix()
-        return plan.single()
+        try:
+            plan = _Plan(opts, cfg, work)
+            if opts.matrix:
+                return plan.matrix()
+            return plan.single()
+        finally:
+            if not opts.keep:  # the runs' logs and metrics: kept only where --keep asks
+                shutil.rmtree(work, ignore_errors=True)
     return 2
 
 
@@ -183,17 +207,52 @@ class _Plan:
 
     def single(self) -> int:
         ref = self.reference()
+        json_name = self.opts.ds_config or self.cfg.distributed.ds_config or self.machine_default()
         got = self.launch("checked", self.opts.ds_config, self.opts.nproc)
         label = f"{got.name} x{self.opts.nproc}"
-        rows, first = compare(ref, got, self.opts.steps)
+        checks = [(got, label)]
+        if got.precision != "fp32" and got.ok:
+            # The 16-bit band (1e-2) is far wider than a wrong LR, decay or update: the same
+            # strategy in fp32 is judged by the fp32 band, the update compared too (its floor, if
+            # needed, is the reference again: never a run of the checked code path).
+            copy = self.fp32_copy(self.opts.ds_config)
+            if copy is None:
+                print(f"verify: {json_name} is not a file (--ds-config auto?): no fp32 copy checked; name the JSON "
+                      f"with --strategy to check it in fp32 too", flush=True)
+            else:
+                twin = self.launch("checked_fp32", copy, self.opts.nproc)
+                checks.append((twin, f"{twin.name} x{self.opts.nproc} as fp32"))
+        print(f"zerotrain verify: {self.opts.run_file}, {self.opts.steps} steps; reference: 1 process, DDP (fp32); "
+              f"checked: {label}, {json_name}" + (", and its fp32 copy" if len(checks) > 1 else ""))
+        failed = False
+        for res, lab in checks:
+            rows, first, floor, groups = self.judge(ref, res)
+            print(table(rows, lab))
+            if groups:
+                print(f"FAIL: the optimizer's parameter groups differ before step 1 ({lab}): {groups}")
+            print(verdict(first, res, lab, ref, floor, json_name + (" as fp32" if res is not got else "")))
+            failed = failed or first is not None or bool(groups)
+        if len(checks) > 1 and not failed:
+            band = TOLERANCE.get(got.precision, TOLERANCE["fp32"])
+            print(f"  ({got.precision}'s band {band:g} cannot see a strategy error smaller than that: the fp32 copy "
+                  f"is what rules out a wrong LR, decay or update, down to {TOLERANCE['fp32']:g})")
+        return 1 if failed else 0
+
+    @staticmethod
+    def machine_default() -> str:
+        """The JSON a run that names none uses (ds_configs/zero2*.json for this machine)."""
+        from zerotrain.train.launch.ds_config_choice import default_ds_config
+        return str(paths.DS_CONFIGS / default_ds_config()[0])
+
+    def judge(self, ref: Result, got: Result):
+        """One checked run against the reference: (table rows, first divergence or None, the
+        floor reference if one was measured, the parameter-group difference or "")."""
+        qs = QUANTITIES if got.precision == "fp32" else HALF_QUANTITIES
+        rows, first = compare(ref, got, self.opts.steps, quantities=qs)
         floor = self.floor_if_needed(ref, got, first)
         if floor is not None:
-            rows, first = compare(ref, got, self.opts.steps, floor)
-        print(f"zerotrain verify: {self.opts.run_file}, {self.opts.steps} steps; reference: 1 process, DDP (fp32); "
-              f"checked: {label}")
-        print(table(rows, label))
-        print(verdict(first, got, label, ref, floor))
-        return 0 if first is None else 1
+            rows, first = compare(ref, got, self.opts.steps, floor, quantities=qs)
+        return rows, first, floor, group_difference(ref.groups, got.groups) if got.ok else ""
 
     def matrix(self) -> int:
         rows = [c for c in combinations(self.cfg, self.opts.nproc) if not self.opts.only or self.opts.only in c.name]
@@ -210,9 +269,12 @@ class _Plan:
             floor = floor or self.floor_if_needed(ref, got, first)  # measured once, for every row
             if first is not None and floor is not None and got.ok:
                 _, first = compare(ref, got, self.opts.steps, floor)
-            failed += first is not None
+            groups = group_difference(ref.groups, got.groups) if got.ok else ""
+            failed += first is not None or bool(groups)
             label = f"{c.name}: {got.name} x{c.world}{c.note}"
-            print(f"  {label:<60} {verdict(first, got, label, ref, floor)}", flush=True)
+            line = verdict(first, got, label, ref, floor, str(paths.DS_CONFIGS / f"{c.strategy}.json") + " in fp32")
+            print(f"  {label:<60} " + (f"FAIL: the optimizer's parameter groups differ before step 1: {groups}; "
+                                       if groups else "") + line, flush=True)
         return 1 if failed else 0
 
     # ------------------------------------------------------------------ launches
@@ -231,14 +293,15 @@ class _Plan:
         if first is None or not got.ok or first[0] == 1:
             return None
         step, q = first[0], first[1]
-        # fp32: the trusted path (1-process fp32 DDP) again. bf16/fp16: the checked JSON itself on
-        # 1 process, so the floor is how far this precision alone carries the run from fp32.
+        # fp32: the trusted path (1-process fp32 DDP) again. bf16/fp16: 1-process DDP in that
+        # precision, so the floor is how far this precision alone carries the run from fp32, from a
+        # code path other than the one checked (a 1-process run of the checked JSON shares its bugs).
         half = got.precision != "fp32"
-        what = f"the checked JSON in {got.precision} on 1 process" if half else "the reference again"
+        what = f"1-process DDP in {got.precision}" if half else "the reference again"
         print(f"verify: step {step} {q} is beyond the fixed band; measuring this run's rounding floor: {what}, "
               f"summed in another order (one more 1-process launch)", flush=True)
         threads = ref.threads or 1
-        floor = self.launch("floor", self.opts.ds_config if half else self.fp32_json("ddp"), 1, floor=True,
+        floor = self.launch(f"floor_{got.precision}", self.precision_json("ddp", got.precision), 1, floor=True,
                             env={"OMP_NUM_THREADS": str(1 if threads > 1 else 2)})
         if not floor.ok:
             print(f"verify: the floor reference failed (its log: {floor.log}); judging against the fixed band only")
@@ -247,9 +310,27 @@ class _Plan:
 
     def fp32_json(self, base: str) -> str:
         """A shipped JSON with bf16 and fp16 off, written into the work dir."""
-        data = json.loads((paths.DS_CONFIGS / f"{base}.json").read_text())
-        data["bf16"], data["fp16"] = {"enabled": False}, {"enabled": False}
-        out = self.work / f"{base}_fp32.json"
+        return self.precision_json(base, "fp32")
+
+    def precision_json(self, base: str, precision: str) -> str:
+        """A shipped JSON in `precision` (fp32, bf16, fp16), written into the work dir."""
+        return self.copy_in(paths.DS_CONFIGS / f"{base}.json", precision, f"{base}_{precision}.json")
+
+    def fp32_copy(self, ds_config: str | None) -> str | None:
+        """The checked JSON (else the run file's) with bf16 and fp16 off: the same strategy in
+        fp32; None where that JSON is not a file (--ds-config auto)."""
+        src = Path(ds_config or self.cfg.distributed.ds_config or self.machine_default())
+        if not src.is_file():
+            src = paths.DS_CONFIGS / src.name
+        if not src.is_file():
+            return None
+        return self.copy_in(src, "fp32", f"{src.stem}_as_fp32.json")
+
+    def copy_in(self, src: Path, precision: str, name: str) -> str:
+        data = json.loads(Path(src).read_text())
+        data["bf16"] = {"enabled": precision == "bf16"}
+        data["fp16"] = {"enabled": True} if precision == "fp16" else {"enabled": False}
+        out = self.work / name
         out.write_text(json.dumps(data, indent=1))
         return str(out)
 
@@ -263,7 +344,8 @@ class _Plan:
             cmd = [sys.executable, str(MAIN), *args]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-                   "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(MAIN), *args]
+                   "--master_addr", "127.0.0.1", "--master_port", str(self.opts.master_port or _free_port()),
+                   str(MAIN), *args]
         log = self.work / f"{name}.log"
         print(f"verify: running {name} ({world} process{'es' if world > 1 else ''}), log {log}", flush=True)
         with open(log, "w") as f:
@@ -368,6 +450,10 @@ def read_result(name: str, run_dir: Path, ok: bool, log: Path) -> Result:
             steps.setdefault(s, {}).update(loss=r["loss"], grad_norm=r.get("grad_norm"))
         if CHECKSUM in r:
             steps.setdefault(s, {}).update(param_checksum=r[CHECKSUM], checksum_scale=math.sqrt(r[CHECKSUM + "_sq"]))
+        if UPDATE in r:
+            steps.setdefault(s, {}).update(update=r[UPDATE])
+            if "debug/update_sq" in r:  # a 1-process run: the update's own scale
+                steps[s]["update_scale"] = math.sqrt(r["debug/update_sq"])
     label, precision = name, "fp32"
     rank0 = run_dir / "ranks" / "rank0.json"
     if rank0.exists():
@@ -379,7 +465,29 @@ def read_result(name: str, run_dir: Path, ok: bool, log: Path) -> Result:
         precision = resolved.get("precision", "fp32")
         param_bytes = ((resolved.get("memory_plan") or {}).get("device_bytes") or {}).get("params") or 0
         n_params = param_bytes // (4 if precision == "fp32" else 2)
-    return Result(label, run_dir, ok, log, steps, precision, n_params, threads)
+    groups_file = run_dir / "param_groups.json"
+    groups = json.loads(groups_file.read_text())["groups"] if groups_file.exists() else None
+    return Result(label, run_dir, ok, log, steps, precision, n_params, threads, groups)
+
+
+def group_difference(ref: list | None, got: list | None) -> str:
+    """What differs between two runs' optimizer parameter groups (param_groups.json) before step
+    1: the number of groups, the parameters in each (which decay), lr, betas, eps, weight decay.
+    "" where they agree or a run did not record them."""
+    if ref is None or got is None:
+        return ""
+    if len(ref) != len(got):
+        return f"{len(ref)} groups in the reference, {len(got)} in the run checked"
+    out = []
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a["names"] != b["names"]:
+            moved = sorted(set(a["names"]) ^ set(b["names"]))
+            out.append(f"group {i} (weight_decay {a['weight_decay']}) holds other parameters: "
+                       + (", ".join(moved[:4]) + (" ..." if len(moved) > 4 else "") if moved else "another order"))
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if a.get(key) != b.get(key):
+                out.append(f"group {i} {key} {a.get(key)} in the reference, {b.get(key)} in the run checked")
+    return "; ".join(out)
 
 
 def tolerance(q: str, got: Result, ref: Result) -> float:
@@ -403,22 +511,25 @@ def rel_diff(a, b, scale=None) -> float:
     return 0.0 if scale == 0 else abs(a - b) / scale
 
 
-def compare(ref: Result, got: Result, steps: int, floor: Result | None = None):
+def compare(ref: Result, got: Result, steps: int, floor: Result | None = None, quantities=QUANTITIES):
     """The table's rows (step, quantity, reference, checked, floor, tolerance, rel. diff, within)
     and the first row beyond its tolerance (None: they agree). The tolerance is the band of
     `got`'s precision, or, where the rounding-floor reference `floor` is given, max(band,
     FLOOR_FACTOR x the two references' difference at that step) from step 2 on (floor None in the
     row: not measured; step 1 is always judged by the band: no rounding has been amplified there,
     and every bug of the distribution shows from the first step it is in). A step either run lacks
-    (it failed) is a divergence at that step."""
+    (it failed) is a divergence at that step. The update (theta_t - theta_0) is relative to the
+    reference update's own size: a wrong decay or LR is a fraction of the update, where it is a
+    hair of the parameters."""
     rows, first = [], None
     for step in range(1, steps + 1):
-        for q in QUANTITIES:
+        for q in quantities:
             theirs = ref.steps.get(step, {})
             a, b = theirs.get(q), got.steps.get(step, {}).get(q)
             # The checksum relative to its size for random signs (Strategy.param_checksum): the
-            # typical relative change of one parameter, whatever the sum's cancellation.
-            scale = theirs.get("checksum_scale") if q == "param_checksum" else None
+            # typical relative change of one parameter (update: of the update), whatever the sum's
+            # cancellation.
+            scale = {"param_checksum": theirs.get("checksum_scale"), "update": theirs.get("update_scale")}.get(q)
             d = rel_diff(a, b, scale)
             tol, fl = tolerance(q, got, ref), None
             if floor is not None:
@@ -445,19 +556,23 @@ def table(rows, label: str) -> str:
     return "\n".join(lines)
 
 
-def verdict(first, got: Result, label: str, ref: Result | None = None, floor: Result | None = None) -> str:
+def verdict(first, got: Result, label: str, ref: Result | None = None, floor: Result | None = None,
+            json_name: str = "") -> str:
     what = ("two fp32 references summed in different orders" if floor is None or floor.precision == "fp32" else
-            f"the fp32 reference against this JSON in {floor.precision} on 1 process, summed in another order")
+            f"the fp32 reference against 1-process DDP in {floor.precision}, summed in another order")
+    named = f" ({json_name})" if json_name else ""
     floored = "" if floor is None else (f"; the fixed band alone failed, so from step 2 on the tolerance is "
                                         f"max(band, {FLOOR_FACTOR} x the rounding floor: {what})")
     if first is None:
         tol = TOLERANCE.get(got.precision, TOLERANCE["fp32"])
         g = tolerance("grad_norm", got, ref) if ref is not None else tol
         extra = f", grad_norm within {g:.1e} (an fp32 norm's rounding)" if g > tol else ""
-        return (f"OK: loss, grad_norm and param_checksum agree at every step within {tol:g} relative ({got.precision})"
-                f"{extra}{floored}")
+        qs = "loss, grad_norm, update and param_checksum" if got.precision == "fp32" else \
+            "loss, grad_norm and param_checksum"
+        return (f"OK: {qs} agree at every step within {tol:g} relative ({got.precision}){extra}{floored}; "
+                f"the optimizer's parameter groups agree" + (f"; checked{named}" if named else ""))
     step, q, a, b, fl, tol, d, _ = first
     why = "" if got.ok else f" ({label} failed: see {got.log})"
     return (f"FAIL: first divergence at step {step}, {q}: reference {_num(a)} vs {_num(b)}, relative difference "
             f"{d:.2e} > {tol:.3g} ({got.precision}){why}{floored}; docs/troubleshooting.md#zerotrain-verify says "
-            f"what it points to")
+            f"what it points to" + (f"; checked{named}" if named else ""))

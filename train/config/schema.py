@@ -60,7 +60,12 @@ class DpoConfig:
     beta: float = 0.1
     """DPO / SimPO: the reward scale beta; IPO: the regularisation tau (the margin target is 1 / (2 tau))."""
     gamma: float = 0.5
-    """SimPO only: the target reward margin gamma (the paper's gamma / beta ratio times beta)."""
+    """SimPO only: the target reward margin gamma, absolute (not a gamma / beta ratio): TRL's
+    CPOConfig.simpo_gamma."""
+    ipo_sum: bool = False
+    """IPO only: false (the default), each sequence's log-ratio log pi - log ref is divided by its
+    completion length (its response tokens), as TRL's DPOTrainer computes loss_type "ipo"; true,
+    summed over the completion (Azar et al.'s sampled form as written: zerotrain's IPO before)."""
     reference: str = "live"
     """Where the reference log-probabilities come from (sigmoid, ipo): "live", computed in the
     same step without gradient, under model.lora by the same model with its adapters off (no
@@ -234,7 +239,10 @@ class DebugConfig:
     param_checksum: bool = False
     """After every optimizer step, log debug/param_checksum: a checksum of every parameter as
     the step left it (Strategy.param_checksum; under ZeRO-3 each parameter is gathered, a
-    collective and a host read per step). `zerotrain verify` turns it on to compare strategies."""
+    collective and a host read per step), and debug/update_checksum, the checksum of what the
+    steps changed since step 1 (1-process runs also debug/update_sq, its scale, from a host copy
+    of the weights); before step 1, <run_dir>/param_groups.json (the optimizer's groups).
+    `zerotrain verify` turns it on to compare strategies."""
     reverse_micro_batches: bool = False
     """Run each optimizer step's micro-batches in reverse order: the same samples and the same
     gradient, summed in another order (floating-point rounding only; with 3 or more micro-batches

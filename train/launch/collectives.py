@@ -10,12 +10,20 @@ an all-gather of the collective's fingerprint (operation, shapes, dtypes) on a s
   rank, a save or an evaluation on some ranks only): every rank raises at once, naming both
   fingerprints; `explain` makes that one line per rank, with the step and the phase of the loop
   (train/process_group.py `at`, set at each step, stop vote, evaluation and save);
+- ranks at collectives of *different process groups* (a user's all-reduce on the default group
+  on one rank while the other is in DeepSpeed's gradient reduction on a group of its own): each
+  group's check sees only that the other rank never came. So every collective called through
+  torch.distributed's Python functions (DeepSpeed's included) is recorded while it runs
+  (`_record_python_collectives`: operation, shapes, dtype, group, caller), and a rank that waited
+  in vain asks the missing one what it is in: a rank in a collective answers with it, and both
+  lines name the two collectives, their groups and callers;
 - a rank that does not come at all (stuck in its data loader, an endless loop, one collective
   fewer): the monitored barrier names it after the collective timeout, which is
   debug.collectives_timeout_s from the end of the run's first step on (distributed.timeout_s
   before: ranks may be far apart at start-up; `shorten`). The waiting rank then asks the missing one,
   through the rendezvous store, for its Python stack: a thread in every rank (StackOnRequest)
-  prints it (faulthandler, every thread) with one line saying where it stands, and ends it.
+  prints it (faulthandler, every thread) with one line saying where it stands, and ends it;
+  unless that rank's own record or its main thread's stack says it is in a collective (above).
 
 Cost: a barrier and a small all-gather per collective (bench/collective_checks.py,
 BENCHMARKS.md), hence a switch that `zerotrain verify` turns on, not a default.
@@ -70,6 +78,7 @@ def enable(cfg) -> int:
     dist.set_debug_level(dist.DebugLevel.DETAIL)
     _STATE.setdefault("default_timeout", distributed_c10d.default_pg_timeout)
     _ddp_logs_no_construction()
+    _record_python_collectives()
     _STATE.update(on=True, short_s=cfg.debug.collectives_timeout_s, helpers=[])
     if _keep_the_checks_groups():
         _STATE.update(timeout_s=cfg.distributed.timeout_s, timeout_key="distributed.timeout_s",
@@ -156,6 +165,95 @@ def _ddp_logs_no_construction() -> None:
     dist.Logger = Logger
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
+               "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce", "all_to_all",
+               "all_to_all_single", "gather", "scatter", "barrier", "all_reduce_coalesced")
+_RUNNING: list = []   # this rank's collectives in progress (the main thread's, innermost last)
+
+
+def _record_python_collectives() -> None:
+    """Wrap torch.distributed's collective functions so that each call is recorded while it runs
+    (what a peer asks for when it waited in vain: `_in_collective`). Set before DeepSpeed builds
+    its communication backend, which keeps references to these functions. Costs a list append
+    and pop per collective, with the check only."""
+    import functools
+    for name in COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is None or getattr(fn, "zerotrain_records", False):
+            continue
+
+        def make(fn, name):
+            @functools.wraps(fn)
+            def recorded(*args, **kwargs):
+                entry = (name, args, kwargs, sys._getframe(1))
+                _RUNNING.append(entry)
+                try:
+                    return fn(*args, **kwargs)
+                except BaseException:
+                    _STATE["failed_in"] = describe(entry)  # read once this rank's line is due
+                    raise
+                finally:
+                    _RUNNING.remove(entry)
+            recorded.zerotrain_records = True
+            return recorded
+        setattr(dist, name, make(fn, name))
+
+
+def _shapes(obj) -> str:
+    import torch
+    if isinstance(obj, torch.Tensor):
+        return f"{list(obj.shape)} ({str(obj.dtype).removeprefix('torch.')})"
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, torch.Tensor) for t in obj):
+        return f"{len(obj)} x {_shapes(obj[0])}"
+    return ""
+
+
+def _caller(frame) -> str:
+    """The first frame outside torch.distributed and DeepSpeed's comm layer: file:line function."""
+    while frame is not None and any(p in frame.f_code.co_filename
+                                    for p in ("torch/distributed", "deepspeed/comm", "deepspeed/utils/nvtx")):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    f = frame.f_code.co_filename
+    short = f.split("site-packages/")[-1] if "site-packages/" in f else os.path.relpath(f) if f.startswith("/") else f
+    return f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
+def describe(entry) -> str:
+    """One recorded collective: operation, shapes, group, caller."""
+    name, args, kwargs, frame = entry
+    tensors = next((a for a in list(args) + list(kwargs.values()) if _shapes(a)), None)
+    group = kwargs.get("group")
+    if group is None:
+        group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+    if group is None or group == dist.GroupMember.WORLD:
+        where = "the default group"
+    else:
+        try:
+            where = f"a group of ranks {dist.get_process_group_ranks(group)} other than the default one"
+        except Exception:  # noqa: BLE001
+            where = "a group other than the default one"
+    shape = _shapes(tensors) if tensors is not None else ""
+    return f"{name}{' of ' + shape if shape else ''} on {where}, called from {_caller(frame)}"
+
+
+def _in_collective() -> str | None:
+    """What this rank is in, where it is in a collective: its record (the innermost running, or
+    the one that just failed), else a collective frame in its main thread's stack; None: it is not."""
+    if _RUNNING:
+        return describe(_RUNNING[-1])
+    if _STATE.get("failed_in"):
+        return _STATE["failed_in"]
+    main = sys._current_frames().get(threading.main_thread().ident)
+    frame = main
+    while frame is not None:
+        if "torch/distributed/distributed_c10d.py" in frame.f_code.co_filename:
+            return f"{frame.f_code.co_name} (torch.distributed), called from {_caller(frame)}"
+        frame = frame.f_back
+    return None
+
+
 def timeout_s(cfg) -> int:
     """The collective timeout a run's process group is made with (`enable` says which)."""
     return _STATE["start_s"] if cfg.debug.collectives and _STATE["on"] else cfg.distributed.timeout_s
@@ -209,9 +307,18 @@ def explain(exc: BaseException) -> str | None:
     if m:
         a, fa, b, fb = m.group(1), m.group(2), m.group(3), m.group(4)
         (op_a, shape_a, dt_a, seq), (op_b, shape_b, dt_b, _) = _fingerprint(fa), _fingerprint(fb)
-        return (f"[rank {me}] zerotrain: error: collective mismatch at {where}: rank {a} runs {op_a} of shape "
-                f"{shape_a} ({dt_a}) where rank {b} runs {op_b} of shape {shape_b} ({dt_b}) (collective "
-                f"#{seq}); ranks {min(a, b, key=int)} and {max(a, b, key=int)} differ. Every rank must run the same collectives in the same "
+        ours = f"{op_a} of shape {shape_a} ({dt_a})"
+        theirs = f"{op_b} of shape {shape_b} ({dt_b})"
+        if "?" in (shape_b, dt_b) or a != me:
+            # torch decoded the other rank's fingerprint from a gather that itself mismatched (it
+            # then reads e.g. "SCATTER of shape ?"): ask that rank what it runs, through the store.
+            mine = ours + (f", called from {_STATE['failed_in'].split(', called from ')[-1]}"
+                           if _STATE.get("failed_in") else "")
+            told = _exchange(me, mine, b if a == me else a)
+            if told:
+                theirs = told
+        return (f"[rank {me}] zerotrain: error: collective mismatch at {where}: rank {a} runs {ours} where rank {b} "
+                f"runs {theirs} (collective #{seq}); ranks {min(a, b, key=int)} and {max(a, b, key=int)} differ. Every rank must run the same collectives in the same "
                 f"order: look for work done on some ranks only (a save, an evaluation or a reduction under "
                 f"`if rank == ...`) or a tensor whose shape depends on the rank (docs/troubleshooting.md "
                 f"\"Collective mismatch\"). {_checkpoint_line()}")
@@ -223,7 +330,11 @@ def explain(exc: BaseException) -> str | None:
     if m or root:
         missing = [int(r) for r in re.findall(r"\d+", m.group(1))] if m else [int(root.group(1))]
         waited = int(m.group(2)) / 1000 if m else _STATE["timeout_s"]
-        _ask_for_stacks(missing, waited)
+        answers = _ask_for_stacks(missing, waited)
+        mine = _STATE.get("failed_in") or _in_collective() or "a collective"
+        if answers:  # they are in collectives of other groups: name both, and tell them what this rank runs
+            _tell(list(answers), f"{me}|{mine}")
+            return _mismatch_line(me, mine, answers, where, waited)
         who = "rank" + ("s " if len(missing) > 1 else " ") + ", ".join(map(str, missing))
         return (f"[rank {me}] zerotrain: error: {who} did not come to the collective at {where} within "
                 f"{waited:.0f} s ({_STATE['timeout_key']}): stuck outside any collective (a data loader, an "
@@ -231,6 +342,46 @@ def explain(exc: BaseException) -> str | None:
                 f"output (\"[rank {missing[0]}] zerotrain: error: this rank is stuck\"). "
                 f"{_checkpoint_line()}")
     return None
+
+
+def _mismatch_line(me: str, mine: str, others: dict, where: str, waited: float) -> str:
+    """One rank's line where ranks wait in collectives of different process groups."""
+    theirs = "; ".join(f"rank {r} runs {a}" for r, a in sorted(others.items(), key=lambda x: int(x[0])))
+    ranks = ", ".join(sorted([me, *map(str, others)], key=lambda r: int(r) if r.isdigit() else -1))
+    return (f"[rank {me}] zerotrain: error: collective mismatch at {where}: rank {me} runs {mine}, where {theirs}; "
+            f"ranks {ranks} differ (collectives of different process groups never meet: found after {waited:.0f} s, "
+            f"{_STATE['timeout_key']}). Every rank must run the same collectives in the same order: look for a "
+            f"collective under `if rank == ...` in the code named (docs/troubleshooting.md \"Collective "
+            f"mismatch\"). {_checkpoint_line()}")
+
+
+def _tell(ranks: list[int], what: str) -> None:
+    """Tell ranks that answered they are in a collective what this rank runs (they print their line)."""
+    store = peers.store_client()
+    if store is None:
+        return
+    try:
+        for r in ranks:
+            store.set(_stack_key(r) + "/peer", what)
+    except Exception:  # noqa: BLE001 - the store is gone
+        pass
+
+
+def _exchange(me: str, mine: str, other: str, wait_s: float = 10.0) -> str | None:
+    """Publish what this rank runs and read what `other` published (None after wait_s)."""
+    store = peers.store_client()
+    if store is None:
+        return None
+    start = peers.PEERS["roster"][0]["start"]
+    try:
+        store.set(f"zerotrain/runs/{start}/{me}", mine)
+        key = f"zerotrain/runs/{start}/{other}"
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not store.check([key]):
+            time.sleep(0.05)
+        return store.get(key).decode() if store.check([key]) else None
+    except Exception:  # noqa: BLE001 - the store is gone
+        return None
 
 
 def report(exc: BaseException) -> bool:
@@ -243,7 +394,9 @@ def report(exc: BaseException) -> bool:
     if line is None:
         return False
     say(line)
-    if not _MISSING.search(_texts(exc)):  # a rank that never came prints its stack instead (_ask_for_stacks)
+    # A rank that never came prints its stack instead (_ask_for_stacks); ranks at different
+    # collectives (of one group or of several) each print their own line: wait for theirs.
+    if not _MISSING.search(_texts(exc)) or "collective mismatch" in line:
         _wait_for_the_others_lines()
     return True
 
@@ -274,21 +427,27 @@ def _stack_key(rank: int) -> str:
     return f"zerotrain/stack/{peers.PEERS['roster'][0]['start']}/{rank}"
 
 
-def _ask_for_stacks(ranks: list[int], waited_s: float, wait_s: float = 15.0) -> None:
+def _ask_for_stacks(ranks: list[int], waited_s: float, wait_s: float = 15.0) -> dict[int, str]:
     """Ask each rank in `ranks` for its stack, and wait (at most wait_s) until they printed it:
-    this rank exiting first would have the launcher stop them before they do."""
+    this rank exiting first would have the launcher stop them before they do. Returns the
+    answers of those that are in a collective ({rank: what it runs}): they print no stack."""
     store = peers.store_client()
     if store is None:
-        return
+        return {}
     me = os.environ.get("RANK", "?")
+    answers = {}
     try:
         for r in ranks:
             store.set(_stack_key(r), f"{me}:{waited_s:.0f}")
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not store.check([_stack_key(r) + "/done" for r in ranks]):
             time.sleep(0.1)
+        for r in ranks:
+            if store.check([_stack_key(r) + "/in"]):
+                answers[r] = store.get(_stack_key(r) + "/in").decode()
     except Exception:  # noqa: BLE001 - the store's host is gone: nothing more to ask
         pass
+    return answers
 
 
 class StackOnRequest(threading.Thread):
@@ -308,6 +467,26 @@ class StackOnRequest(threading.Thread):
         t.start()
         return t
 
+    def answer(self, store, key: str, inside: str, waited: str) -> None:
+        """Asked while in a collective (of another group than the asker's): say which, then print
+        this rank's own line once the asker said what it runs, and end (this rank's collective
+        would wait until the asker's exit; the launcher then stops it before its own line)."""
+        store.set(key + "/in", inside)
+        store.set(key + "/done", "1")
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline and not store.check([key + "/peer"]):
+            time.sleep(0.1)
+        if not store.check([key + "/peer"]):
+            return
+        asker, theirs = store.get(key + "/peer").decode().split("|", 1)
+        say(_mismatch_line(str(self.rank), inside, {asker: theirs}, process_group.where(), float(waited)))
+        try:
+            store.set(f"zerotrain/desync/{peers.PEERS['roster'][0]['start']}/{self.rank}", "1")
+        except Exception:  # noqa: BLE001
+            pass
+        time.sleep(1.0)
+        os._exit(1)
+
     def run(self):
         store = peers.store_client(timeout_s=max(2.0, ASK_EVERY_S * 4))
         if store is None:
@@ -319,6 +498,10 @@ class StackOnRequest(threading.Thread):
                 if not store.check([key]):
                     continue
                 asker, waited = store.get(key).decode().split(":")
+                inside = _in_collective()
+                if inside is not None:  # checked against its own record and stack: not stuck, elsewhere
+                    self.answer(store, key, inside, waited)
+                    continue
             except Exception:  # noqa: BLE001 - the store is gone (the run ended): stop asking
                 return
             say(f"[rank {self.rank}] zerotrain: error: this rank is stuck outside any collective at "

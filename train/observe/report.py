@@ -197,8 +197,10 @@ def summary(t, result: dict, elapsed: float, sample: str | None, exported: str |
     peak = t.log.peak_mem if getattr(t, "log", None) is not None else 0
     if peak:
         lines.append("  memory       " + _measured_text(t, peak))
-    if ckpt:
-        lines.append(f"  checkpoint   {ckpt}")
+    lost = t.stop is not None and t.stop.name == "save_failed"
+    if ckpt or lost:
+        lines.append(f"  checkpoint   {ckpt or 'none'}"
+                     + (" (the last good one: the run's last save failed; exit code 2)" if lost else ""))
     el = getattr(t, "elastic", None)
     if el is not None and el.restarts:
         lines.append(f"  elastic      {el.restarts} restart{'s' if el.restarts != 1 else ''} of job {el.run_id}, "

@@ -18,7 +18,11 @@ def _shape(p) -> tuple:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: not norms, biases or embeddings (the usual GPT/Llama recipe)."""
+    """Decay matrices only: not norms, biases or embeddings (the usual GPT/Llama recipe). Each
+    group also keeps its parameters' names ("names"; the optimizer carries the key along, also
+    where ZeRO swaps "params" for flat partitions): `zerotrain verify` compares which parameters
+    decay (Strategy.param_groups)."""
+    named = {id(p): n for n, p in model.named_parameters()}
     decay, no_decay, seen = [], [], set()
     for module in model.modules():
         for p in module.parameters(recurse=False):
@@ -26,7 +30,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
                 continue
             seen.add(id(p))
             (no_decay if len(_shape(p)) < 2 or isinstance(module, torch.nn.Embedding) else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": ps, "weight_decay": wd, "names": [named.get(id(p), "?") for p in ps]}
+              for ps, wd in ((decay, weight_decay), (no_decay, 0.0))]
     return [g for g in groups if g["params"]]
 
 

@@ -130,6 +130,22 @@ class Strategy:
         ranks/rank<R>.json."""
         return {}
 
+    def frozen_like_policy(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A frozen module run beside the prepared model (DPO's reference copy, built before
+        prepare), made to compute as the model does: under Accelerate's mixed precision (DDP
+        bf16/fp16) its forward gets the same autocast and fp32 outputs Accelerate gave the model's,
+        so that at step 1 the policy and the reference give the same log-probs bit for bit (the
+        rewards exactly 0, the DPO loss exactly log 2). Returns the module."""
+        if not getattr(self.acc, "native_amp", False):
+            return module
+        from types import MethodType
+
+        from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+        autocast = get_mixed_precision_context_manager(self.acc.native_amp, self.acc.autocast_handler)
+        forward = module.forward.__func__ if hasattr(module.forward, "__func__") else module.forward
+        module.forward = MethodType(convert_outputs_to_fp32(autocast(forward)), module)
+        return module
+
     # ------------------------------------------------------------------ one step
     def input_dtype(self) -> Optional[torch.dtype]:
         """The dtype float inputs are cast to (the parameters' own when they are 16-bit); None: keep."""
@@ -149,18 +165,31 @@ class Strategy:
         DeepSpeed computed over the reduced partitions). Each engine still computes it itself."""
         raise NotImplementedError
 
-    def param_checksum(self) -> tuple[float, float]:
+    def param_checksum(self, origin: list | None = None) -> tuple[float, float, float]:
         """A checksum of every parameter as the last step left it, the same numbers for the same
         values under every backend and world size (`zerotrain verify` compares them): the
         parameters' projection on a fixed pseudo-random direction w (param_projection), in the
         model's parameter order, and ||w * p||^2, its size were the signs random (a difference
         divided by its square root reads as the typical relative change of one element). Whole
         parameters here; ZeRO-3 gathers each first. Every rank calls it (a collective where the
-        backend gathers)."""
-        total, offset = torch.zeros(2, dtype=torch.float64), 0
-        for p in self.engine.parameters():
-            total, offset = total + param_projection(p, offset), offset + p.numel()
-        return float(total[0]), float(total[1])
+        backend gathers).
+
+        `origin` (a 1-process run: it holds a host copy of the whole model): an empty list is
+        filled with each parameter's fp32 copy now; a filled one gives the third number,
+        ||w * (p - origin)||^2, the size of the update since then (verify's scale for comparing
+        what the steps changed). 0.0 without it."""
+        total, offset = torch.zeros(3, dtype=torch.float64), 0
+        for i, p in enumerate(self.engine.parameters()):
+            total, offset = total + param_projection(p, offset, _origin_of(origin, i, p)), offset + p.numel()
+        return float(total[0]), float(total[1]), float(total[2])
+
+    def param_groups(self) -> list[dict]:
+        """The optimizer's parameter groups as it holds them before step 1: the names of the
+        parameters in each (as train/optim/optimizer.py grouped them), and the hyperparameters
+        the optimizer itself holds (lr, betas, eps, weight_decay). `zerotrain verify` compares them."""
+        return [{"names": list(g.get("names", ())), "lr": g.get("lr"), "betas": list(g.get("betas", ())),
+                 "eps": g.get("eps"), "weight_decay": g.get("weight_decay")}
+                for g in self.raw_optimizer.param_groups]
 
     # ------------------------------------------------------------------ fp16 and counters
     @property
@@ -221,12 +250,26 @@ class Strategy:
 _GOLDEN = 0.6180339887498949  # the direction's frequency: irrational, so no two elements share a weight pattern
 
 
-def param_projection(p: torch.Tensor, offset: int) -> torch.Tensor:
-    """[sum_i w_i p_i, sum_i (w_i p_i)^2] in float64, p flattened, w_i = cos((offset + i) x golden
-    ratio): element i of the whole model (offset: the elements of the parameters before p)
-    always gets the same weight, so a change to any element moves the sum, and a symmetric
-    update cannot cancel out the way it would in a plain sum."""
+def param_projection(p: torch.Tensor, offset: int, origin: torch.Tensor | None = None) -> torch.Tensor:
+    """[sum_i w_i p_i, sum_i (w_i p_i)^2, sum_i (w_i (p_i - origin_i))^2] in float64, p flattened,
+    w_i = cos((offset + i) x golden ratio): element i of the whole model (offset: the elements of
+    the parameters before p) always gets the same weight, so a change to any element moves the
+    sum, and a symmetric update cannot cancel out the way it would in a plain sum. The third: 0
+    without `origin`."""
     flat = p.detach().reshape(-1).to(torch.float64)
     idx = torch.arange(offset, offset + flat.numel(), dtype=torch.float64, device=flat.device)
-    weighted = flat * torch.cos(idx * _GOLDEN)
-    return torch.stack([weighted.sum(), weighted.square().sum()]).cpu()
+    w = torch.cos(idx * _GOLDEN)
+    weighted = flat * w
+    moved = ((flat - origin.to(flat.device, torch.float64)) * w).square().sum() if origin is not None \
+        else torch.zeros((), dtype=torch.float64, device=flat.device)
+    return torch.stack([weighted.sum(), weighted.square().sum(), moved]).cpu()
+
+
+def _origin_of(origin: list | None, i: int, p: torch.Tensor) -> torch.Tensor | None:
+    """Parameter i's copy in `origin` (Strategy.param_checksum); an empty list's first pass copies."""
+    if origin is None:
+        return None
+    if len(origin) <= i:
+        origin.append(p.detach().reshape(-1).to("cpu", torch.float32, copy=True))
+        return None
+    return origin[i]

@@ -98,6 +98,10 @@ class ZeroStrategy(Strategy):
         facts = {}
         if self.precision != "fp32":
             workload.keep_norm_stats_fp32(self.engine)  # 16-bit parameters, fp32 BatchNorm statistics
+        if testhooks.fire("plant_decay_all", world=self.acc.num_processes):  # zerotrain verify's tests
+            wd = max(g["weight_decay"] for g in self.raw_optimizer.param_groups)
+            for g in self.raw_optimizer.param_groups:  # norms and biases decay too
+                g["weight_decay"] = wd
         if not self.partitions_parameters and testhooks.fire("plant_drop_partition", world=self.acc.num_processes,
                                                              rank=self.acc.process_index):
             internals.drop_partition_gradients(self.engine.optimizer)  # zerotrain verify's tests
@@ -105,6 +109,13 @@ class ZeroStrategy(Strategy):
             from zerotrain.models import partition_counts
             facts["zero3"] = partition_counts(workload.model)
         return facts
+
+    def frozen_like_policy(self, module: torch.nn.Module) -> torch.nn.Module:
+        """DeepSpeed bf16/fp16 keeps the model's parameters themselves in 16 bits: the frozen
+        copy (built in fp32 before prepare) is cast to the same dtype, so it computes as the
+        model did before its first step (Strategy.frozen_like_policy)."""
+        dtype = next(self.engine.parameters()).dtype
+        return module.to(dtype) if dtype != torch.float32 else module
 
     # ------------------------------------------------------------------ one step
     def input_dtype(self) -> Optional[torch.dtype]:
@@ -115,6 +126,22 @@ class ZeroStrategy(Strategy):
     def backward(self, loss) -> None:
         if testhooks.fire("plant_grad_times_world", world=self.acc.num_processes):  # zerotrain verify's tests
             loss = loss * self.acc.num_processes
+        groups = self.raw_optimizer.param_groups
+        if testhooks.fire("plant_lr_behind", world=self.acc.num_processes):  # zerotrain verify's tests
+            last_set, used = getattr(self, "_planted_lr", (0.0, 0.0))  # (the trainer's last LR, the one used)
+            if groups[0]["lr"] != used:  # the trainer set a new step's LR: run the one before it
+                last_set, used = groups[0]["lr"], last_set
+                self._planted_lr = (last_set, used)
+            for g in groups:
+                g["lr"] = used
+        if self.partitions_parameters and testhooks.fire("plant_wd_off", world=self.acc.num_processes):
+            decays = [g["weight_decay"] for g in groups]  # zerotrain verify's tests: the step without decay
+            for g in groups:
+                g["weight_decay"] = 0.0
+            super().backward(loss)
+            for g, wd in zip(groups, decays):
+                g["weight_decay"] = wd
+            return
         super().backward(loss)
 
     def step(self, clip: float):
@@ -123,18 +150,20 @@ class ZeroStrategy(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def param_checksum(self) -> tuple[float, float]:
+    def param_checksum(self, origin: list | None = None) -> tuple[float, float, float]:
         """ZeRO-3 holds 1/world of each parameter: gathered one at a time (every rank), so the
-        checksum covers the whole model with one parameter's extra memory."""
+        checksum covers the whole model with one parameter's extra memory (`origin`: the base
+        class's, a whole copy)."""
         if not self.partitions_parameters:
-            return super().param_checksum()
+            return super().param_checksum(origin)
         import deepspeed
-        from zerotrain.train.strategy.base import param_projection
-        total, offset = torch.zeros(2, dtype=torch.float64), 0
-        for p in self.engine.parameters():
+        from zerotrain.train.strategy.base import _origin_of, param_projection
+        total, offset = torch.zeros(3, dtype=torch.float64), 0
+        for i, p in enumerate(self.engine.parameters()):
             with deepspeed.zero.GatheredParameters([p]):
-                total, offset = total + param_projection(p, offset), offset + p.numel()
-        return float(total[0]), float(total[1])
+                total = total + param_projection(p, offset, _origin_of(origin, i, p))
+                offset += p.numel()
+        return float(total[0]), float(total[1]), float(total[2])
 
     # ------------------------------------------------------------------ fp16 and counters
     @property

@@ -30,7 +30,7 @@ from zerotrain.train.errors import ConfigError
 from zerotrain.train.launch import collectives, device_env, ds_config_choice
 from zerotrain.train.launch import distributed as dist_
 from zerotrain.train.launch import elastic as elastic_
-from zerotrain.train.launch import host_settings, hub_fetch, shm_buffers
+from zerotrain.train.launch import host_settings, hub_fetch, launcher_watch, shm_buffers
 from zerotrain.train.launch import sequence_parallel as sp_
 from zerotrain.train.observe import trackers
 from zerotrain.train.observe.metrics import Loggers
@@ -80,6 +80,7 @@ def set_up_runtime(cfg: RunConfig) -> Runtime:
     """The launcher's world, this process's threads and TF32, the run directory, and under
     torchrun's agent whether this start is a restart of the same job."""
     launcher = dist_.normalize_env()
+    launcher_watch.watch(launcher, int(os.environ["RANK"]))  # a SIGTERM to the 1-node `deepspeed` runner reaches us
     collectives.enable(cfg)  # debug.collectives: before any process group exists
     world = int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()
@@ -291,6 +292,9 @@ def prepare(rt: Runtime, dist: Distributed, model: Model, loaders: Loaders) -> P
     if released is not None:
         facts["shm_buffer_released"] = str(released)
     facts.update(strategy.after_prepare(workload))
+    pref = workload.preference
+    if pref is not None and pref.reference is not None:  # DPO's frozen copy: in the policy's precision
+        pref.reference = strategy.frozen_like_policy(pref.reference)
     if dist.sp is not None:
         facts["sequence_parallel"] = dist.sp.record()
     # What the steps will run with, once every library has started (Accelerate sets a count where

@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from zerotrain.train import process_group, testhooks
-from zerotrain.train.errors import TrainingDiverged
+from zerotrain.train.errors import CheckpointError, TrainingDiverged
 from zerotrain.train.observe import report
 from zerotrain.train.observe.metrics import reduce_window
 from zerotrain.train.observe.perf import device_peak_flops, throughput
@@ -158,33 +158,59 @@ class Checkpointing:
         return self.cadence.due(tick.step, tick.agreed(self)[0], tick.done) is not None
 
     def on_step(self, tick: Tick) -> None:
-        self.ckpt.poll(tick.agreed(self)[1:], tick.step)
         periodic = self.due(tick) and tick.stop_reason is None
         final = tick.last and (self.save_at_end or tick.stop_reason is not None)
-        if periodic or final or testhooks.fire("desync_save", step=tick.step, rank=self.rank):
-            process_group.at("save", tick.step)  # desync_save: a test's save on one rank only
-            self.ckpt.save(self.snapshot())
-        if periodic:
-            self.cadence.saved()
-        if tick.last:
-            self.ckpt.flush(tick.step)
+        self.ckpt.poll(tick.agreed(self)[1:], tick.step, last=tick.last and not (periodic or final))
+        try:
+            if periodic or final or testhooks.fire("desync_save", step=tick.step, rank=self.rank):
+                process_group.at("save", tick.step)  # desync_save: a test's save on one rank only
+                self.ckpt.save(self.snapshot())
+            if periodic:
+                self.cadence.saved()
+            lost = self.ckpt.unsaved_at_end(tick.step) if tick.last else None
+        except CheckpointError as e:
+            if not tick.last:
+                raise  # a synchronous save mid-run: the run stops here, its error says why
+            lost = self.ckpt.lost_line(str(e), tick.step)  # every rank raised (Checkpointer._on_every_rank)
+        if lost is not None:
+            # The run must not end as a success over a lost save: a failure stop (summary, exit 2).
+            tick.stop(StopReason("save_failed", lost, failure=CheckpointError))
 
 
 class ParamChecksum:
-    """debug.param_checksum: every step, the parameters' checksum as the step left them
+    """debug.param_checksum: every step, the parameters' checksum as the step left it
     (Strategy.param_checksum), logged as debug/param_checksum and its scale
-    debug/param_checksum_sq next to the step's loss and grad_norm (`zerotrain verify` reads them)."""
+    debug/param_checksum_sq next to the step's loss and grad_norm, and what the steps changed:
+    debug/update_checksum, the checksum of theta_t - theta_0 (the checksum is linear: this step's
+    less the one before step 1), and in a 1-process run (it keeps a host copy of the weights
+    before step 1) debug/update_sq, that update's own scale. Before step 1, rank 0 writes the
+    optimizer's parameter groups to <run_dir>/param_groups.json (Strategy.param_groups).
+    `zerotrain verify` reads them all."""
 
     name = "param_checksum"
 
-    def __init__(self, strategy):
-        self.strategy = strategy
+    def __init__(self, strategy, world: int, run_dir, is_main: bool):
+        self.strategy, self.run_dir, self.is_main = strategy, run_dir, is_main
+        self.origin: list | None = [] if world == 1 else None
+        self.start: float | None = None
+
+    def before_step(self, step: int) -> None:
+        if self.start is not None:
+            return
+        self.start = self.strategy.param_checksum(self.origin)[0]  # every rank: a gather under ZeRO-3
+        if self.is_main:
+            import json
+            from pathlib import Path
+            Path(self.run_dir, "param_groups.json").write_text(
+                json.dumps({"step": step, "groups": self.strategy.param_groups()}, indent=1) + "\n")
 
     def on_step(self, tick: Tick) -> None:
         if tick.out is None:
             return
-        value, sq = self.strategy.param_checksum()  # every rank: a gather under ZeRO-3
-        tick.add_metrics({"debug/param_checksum": value, "debug/param_checksum_sq": sq})
+        value, sq, moved = self.strategy.param_checksum(self.origin)  # every rank: a gather under ZeRO-3
+        tick.add_metrics({"debug/param_checksum": value, "debug/param_checksum_sq": sq,
+                          "debug/update_checksum": value - self.start,
+                          **({"debug/update_sq": moved} if self.origin is not None else {})})
 
 
 class StepDone:

@@ -50,7 +50,7 @@ def preference(cfg: RunConfig, workload: Workload, strategy: Strategy, device):
     d, lora = cfg.train.dpo, workload.lora is not None
     reference = None
     if d.loss != "simpo" and d.reference == "precomputed":  # read with the data (load_data): no copy
-        return Preference(d.loss, d.beta, d.gamma, precomputed=True)
+        return Preference(d.loss, d.beta, d.gamma, precomputed=True, ipo_sum=d.ipo_sum)
     if d.loss != "simpo" and not lora:
         strategy.check_frozen_copy(f"train.dpo.loss {d.loss}")
         if cfg.model.init_from:
@@ -58,4 +58,4 @@ def preference(cfg: RunConfig, workload: Workload, strategy: Strategy, device):
                               "model.init_from is loaded; export those weights as an hf: directory and name it in "
                               "model.name, or add model.lora")
         reference = frozen_copy(workload.model).to(device)
-    return Preference(d.loss, d.beta, d.gamma, reference=reference, lora=lora)
+    return Preference(d.loss, d.beta, d.gamma, reference=reference, lora=lora, ipo_sum=d.ipo_sum)

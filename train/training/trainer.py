@@ -193,7 +193,8 @@ class Trainer:
         steps = [components_.StepTimer(window, self.batch.accum), components_.MemoryProbe(report),
                  components_.HealthCheck(self.health, reads), self.log]
         if self.cfg.debug.param_checksum:  # before an evaluation's forward (ZeRO-3 leaves parameters in flight)
-            steps.append(components_.ParamChecksum(self.strategy))
+            steps.append(components_.ParamChecksum(self.strategy, self.topo.world_size, self.run_dir,
+                                                      self.acc.is_main_process))
         steps.append(self.evaluation)
         steps.extend(self.features)
         if save is not None:
