@@ -132,6 +132,11 @@ def clean_env(monkeypatch):
     yield
     os.environ.clear()
     os.environ.update(saved)
+    # An in-process DDP run can leave its Reducer and gloo group in a reference cycle; freed later
+    # inside a forked DataLoader worker (test_data_loading.py), gloo's destructor waits forever
+    # for threads the fork did not copy. Free them here, in the process that owns the threads.
+    import gc
+    gc.collect()
 
 
 @pytest.fixture

@@ -643,13 +643,13 @@ def test_the_planner_counts_a_reference_copy_only_for_a_live_reference_of_full_f
 # ----------------------------------------------------------------------------- precision of the reference
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("ds", ["ddp", "zero2"])
+@pytest.mark.parametrize("ds", ["ddp", "zero2", "fsdp2"])
 def test_bf16_step_one_rewards_are_exactly_zero_with_the_frozen_copy(tmp_path, ds):
     """The shipped bf16 JSONs (1 process, gpt-tiny, dropout 0): before any update the policy and
     its frozen copy are the same model, so they must give the same log-probs bit for bit: every
     reward 0, the accuracy 0 (no margin > 0), the loss -log sigmoid(0) = log 2, as TRL's
     DPOTrainer with bf16=True gives. The copy is built in fp32 before prepare; it runs as the
-    policy does (DDP: Accelerate's autocast; ZeRO: the engine's 16-bit parameters)."""
+    policy does (DDP: Accelerate's autocast; ZeRO: the engine's 16-bit parameters; FSDP2: a bf16 copy)."""
     from zerotrain.train.data.make_preferences import write
     train, _ = write(tmp_path / "d" / "train.jsonl", 64, 16, 0)
     run_dir = tmp_path / "run"

@@ -165,7 +165,7 @@ def parse(argv: list[str]) -> Options:
         raise ConfigError(f"--master-port {known.master_port}: a TCP port is 1-65535; pick a free one, or drop "
                           f"the flag for a free one")
     if known.ds_config and known.ds_config.split(":")[0] != "auto" and not Path(known.ds_config).is_file():
-        raise ConfigError(f"--strategy {known.ds_config}: no such file; name a strategy file (ds_configs/*.json)")
+        raise ConfigError(f"--ds-config {known.ds_config}: no such file; name a strategy file (ds_configs/*.json; --strategy is the same flag)")
     return Options(known.run_file, known.ds_config, known.nproc, known.steps, known.matrix, known.keep,
                    known.only, known.debug, parse_overrides(rest), known.master_port)
 

@@ -165,13 +165,24 @@ class FSDP2Strategy(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def param_checksum(self) -> tuple[float, float]:
-        """Each parameter gathered whole in turn (every rank: a collective)."""
-        total, offset = torch.zeros(2, dtype=torch.float64), 0
-        for p in self.engine.parameters():
+    def param_checksum(self, origin: list | None = None) -> tuple[float, float, float]:
+        """Each parameter gathered whole in turn (every rank: a collective); `origin` as the base
+        class's (a 1-process run's whole copy)."""
+        from zerotrain.train.strategy.base import _origin_of
+        total, offset = torch.zeros(3, dtype=torch.float64), 0
+        for i, p in enumerate(self.engine.parameters()):
             whole = p.full_tensor() if hasattr(p, "full_tensor") else p
-            total, offset = total + param_projection(whole, offset), offset + whole.numel()
-        return float(total[0]), float(total[1])
+            total, offset = total + param_projection(whole, offset, _origin_of(origin, i, whole)), offset + whole.numel()
+        return float(total[0]), float(total[1]), float(total[2])
+
+    def frozen_like_policy(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Under bf16 the units compute with their parameters cast to bf16 (MixedPrecisionPolicy;
+        buffers stay as they are): the frozen copy's parameters are cast the same way, so at step 1
+        it gives the policy's log-probs."""
+        if self.precision == "bf16":
+            for p in module.parameters():
+                p.data = p.data.to(torch.bfloat16)
+        return module
 
     # ------------------------------------------------------------------ checkpoints and memory
     def make_holder(self, raw_model, rank: int, world: int):
@@ -220,12 +231,15 @@ def shard(model: torch.nn.Module, device, reshard_after_forward: bool, precision
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else None,
-                              reduce_dtype=torch.float32)
+    half = torch.bfloat16 if precision == "bf16" else None
+    # Only the root casts its float inputs: a block gets the activations the model computed (a
+    # model that keeps its residual stream in fp32 keeps it here, as under ZeRO's bf16 weights).
+    unit_mp = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for unit in units(model):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=unit_mp)
     # The root keeps its own parameters (embeddings, head) gathered after forward: its backward comes last.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False,
+                mp_policy=MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32))
     # A parameter without a gradient on one rank (a sparse-MoE expert its tokens did not reach)
     # joins its unit's reduce-scatter with zeros, so every rank reduces the same tensors.
     model.set_reduce_scatter_unused_params(True)
