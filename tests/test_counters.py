@@ -1,8 +1,8 @@
 """tokens_per_s and data/pad_fraction count what ran: tokens_per_s the real (non-pad) tokens the
 model's training forwards ran on, data/pad_fraction the padding of the batches as built, for
 every layout of padded data: sft rows packed, sft rows padded per batch (data.pad_to longest),
-preference pairs as padded rows and packed. Each run logs every step; the forwards' inputs are
-recorded in the process and the two metrics are checked against them."""
+preference pairs as padded rows (to seq_len, or per batch) and packed. Each run logs every step;
+the forwards' inputs are recorded in the process and the two metrics are checked against them."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ LAYOUTS = {
     "sft padded per batch": ("sft", 256, ["--data.pad_to", "longest"]),
     "preference pairs": ("preference", 64, ["--train.objective", "dpo"]),
     "preference pairs packed": ("preference", 64, ["--train.objective", "dpo", "--data.packing", "true"]),
+    "preference pairs padded per batch": ("preference", 256, ["--train.objective", "dpo", "--data.pad_to", "longest"]),
 }
 
 
@@ -80,7 +81,7 @@ def test_tokens_per_s_and_pad_fraction_count_the_batches_that_ran(layout, tmp_pa
         built_seen |= {ids.shape[-1] for ids in ran}
         assert row["tokens_per_s"] * row["step_time_s"] == pytest.approx(real, rel=1e-9), (layout, s, row)
         assert row["data/pad_fraction"] == pytest.approx(1 - real / built, rel=1e-9, abs=1e-12), (layout, s, row)
-    if layout == "sft padded per batch":
+    if layout in ("sft padded per batch", "preference pairs padded per batch"):
         assert max(built_seen) < seq, built_seen  # the batches really were shorter than seq_len
     if layout == "preference pairs packed":
         # fewer rows than the 2 x micro-batch padded rows: packing changed what ran

@@ -152,3 +152,92 @@ def test_longest_padding_trains_the_same_records_to_the_same_losses(tmp_path):
             assert r["tokens_per_s"] * r["step_time_s"] == pytest.approx(real[r["step"]], rel=1e-9), (k, r)
             assert r["data/pad_fraction"] == pytest.approx(1 - real[r["step"]] / built[r["step"]], rel=1e-9), (k, r)
         assert k == "seq_len" or any(built[s] < 8 * 2 * SEQ for s in built), built  # shorter than seq_len rows
+
+
+# ----------------------------------------------------------------------------- preference pairs
+
+def preference_pairs(n: int, seed: int) -> list[dict]:
+    """heavy_tailed's records as pairs: a short rejected response beside each chosen one."""
+    rng = random.Random(seed)
+    return [{"prompt": r["prompt"], "chosen": r["response"], "rejected": r["response"][::-1] + f" {rng.randint(0, 9)}"}
+            for r in heavy_tailed(n, seed)]
+
+
+def test_preference_pad_to_takes_longest_or_seq_len_and_not_with_packing():
+    assert DataConfig(kind="preference", path="x.jsonl").pad_to == "seq_len"
+    assert DataConfig(kind="preference", path="x.jsonl", pad_to="longest").pad_to == "longest"
+    with pytest.raises(ConfigError, match='data.pad_to must be one of longest, seq_len'):
+        DataConfig(kind="preference", path="x.jsonl", pad_to="max")
+    with pytest.raises(ConfigError, match="data.pad_to longest does not apply with data.packing true .* set one"):
+        DataConfig(kind="preference", path="x.jsonl", pad_to="longest", packing=True)
+
+
+def test_longest_pairs_are_the_fixed_pairs_without_their_common_pad_columns(tmp_path):
+    from zerotrain.train.data.preference import LongestPairs
+    path = write_jsonl(tmp_path / "p.jsonl", preference_pairs(120, 0))
+    make = lambda pad_to: build_data(DataConfig(kind="preference", path=str(path), seq_len=SEQ,  # noqa: E731
+                                                val_fraction=0.1, pad_to=pad_to), SEQ, 0)
+    fixed, longest = make("seq_len"), make("longest")
+    assert "padded to each batch's longest sequence (a multiple of 64, at most 256)" in longest.describe
+    assert "chosen and rejected padded to 256" in fixed.describe
+    view = LongestPairs(longest.train)
+    keys = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+    lengths = []
+    for rows in list(GlobalBatchSampler(len(fixed.train), micro=4, world=1, accum=1, seed=3))[:15]:
+        a = torch.utils.data.default_collate([fixed.train[i] for i in rows])
+        b = view.collate([view[i] for i in rows])
+        T = b["chosen_input_ids"].size(1)
+        assert all(b[k].size(1) == T for k in keys)  # one length for both sides: one forward
+        longest_seq = max(int(view[i][k].numel()) for i in rows for k in ("chosen_input_ids", "rejected_input_ids"))
+        assert T % PAD_MULTIPLE == 0 and longest_seq <= T <= SEQ and T - longest_seq < PAD_MULTIPLE
+        for k in keys:
+            assert torch.equal(a[k][:, :T], b[k]), k
+        assert (a["chosen_labels"][:, T:] == IGNORE_INDEX).all() and (a["rejected_labels"][:, T:] == IGNORE_INDEX).all()
+        lengths.append(T)
+    assert min(lengths) < SEQ and {64, 128} & set(lengths), lengths  # short batches really are shorter
+
+
+def test_preference_longest_padding_trains_to_the_seq_len_losses(tmp_path, clean_env, fresh_accelerate):
+    """DPO in-process, fp32 DDP on one process, micro 4 x accum 2: data.pad_to longest against
+    seq_len gives the same step losses, rewards and validation loss to fp32 rounding (only the
+    matmuls' shapes differ; measured |diff| printed), while the forwards ran on fewer positions:
+    most micro-batches on rows shorter than seq_len."""
+    from accelerate.state import AcceleratorState
+
+    from zerotrain.models.workload import Workload
+    from zerotrain.train.main import main
+    path = write_jsonl(tmp_path / "p.jsonl", preference_pairs(64, 1))
+    widths: dict[str, list] = {}
+    logits = Workload.logits
+
+    def run(pad_to: str) -> list[dict]:
+        seen = widths.setdefault(pad_to, [])
+
+        def recording(self, model, batch):
+            if torch.is_grad_enabled():  # the policy's training forwards (not the reference, not evaluation)
+                seen.append(batch["input_ids"].shape[-1])
+            return logits(self, model, batch)
+        Workload.logits = recording
+        AcceleratorState._reset_state(reset_partial_state=True)  # each main() starts its own, as a launch does
+        try:
+            run_dir = tmp_path / pad_to
+            assert main(["--model.name", "gpt-tiny", "--model.seq_len", str(SEQ), "--data.kind", "preference",
+                         "--data.path", str(path), "--data.seq_len", str(SEQ), "--data.val_fraction", "0.125",
+                         "--data.pad_to", pad_to, "--train.objective", "dpo", "--train.max_steps", "4",
+                         "--train.micro_batch_size", "4", "--train.grad_accum_steps", "2", "--train.eval_every", "2",
+                         "--train.sample_tokens", "0", "--optim.lr", "3e-3", "--optim.warmup_steps", "1",
+                         "--logging.progress", "false", "--logging.every_steps", "1", "--logging.trackers", "jsonl",
+                         "--checkpoint.save_at_end", "false", "--checkpoint.export", "false",
+                         "--train.run_dir", str(run_dir), "--ds-config", fp32(tmp_path, "ddp")]) == 0
+        finally:
+            Workload.logits = logits
+        return metrics(run_dir)
+    rows = {k: run(k) for k in ("seq_len", "longest")}
+    assert set(widths["seq_len"]) == {SEQ} and len(widths["longest"]) == len(widths["seq_len"]) == 8, widths
+    short = [w for w in widths["longest"] if w < SEQ]
+    assert len(short) >= len(widths["longest"]) // 2 and sum(widths["longest"]) < sum(widths["seq_len"]), widths
+    for key in ("loss", "val/loss", "rewards/margins"):
+        got = {k: [r[key] for r in v if key in r] for k, v in rows.items()}
+        assert got["seq_len"], key
+        print(key, "max |longest - seq_len|:", max(abs(a - b) for a, b in zip(got["longest"], got["seq_len"])))
+        assert got["longest"] == pytest.approx(got["seq_len"], rel=1e-5, abs=1e-6), (key, got)

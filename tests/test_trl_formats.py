@@ -326,3 +326,34 @@ def test_a_precomputed_reference_needs_one_jsonl_file(tmp_path, capsys):
     assert e.value.code == 2 and "is not one JSONL file" in capsys.readouterr().err
     code, err = run_main(capsys, args)
     assert code == 2 and "is not one JSONL file" in err and len(err.strip().splitlines()) == 1, err
+
+
+# ----------------------------------------------------------------------------- prompt / response boundary
+
+def test_prompt_and_response_are_tokenized_apart_where_joint_tokenization_differs(tmp_path):
+    """zerotrain tokenizes a pair's prompt and each response apart and concatenates the ids
+    (docs/workloads.md, "Tokens"); TRL's DPOTrainer 1.16 tokenizes the joined text. With a
+    byte-level BPE a prompt ending in a space ("A: " + "7") is where the two differ: the joined
+    text makes " 7" one pre-token, apart it is " " then "7". Pinned here: what zerotrain builds
+    (prompt ids, then the response ids, then EOS; labels exactly the response and EOS) and that the
+    joint tokenization is really different for this pair, as the docs state."""
+    from zerotrain.models.losses import IGNORE_INDEX
+    from zerotrain.train.data.sft import hf_encoder
+    d = tmp_path / "tok"
+    make_tokenizer(d, [random_text(3000, s) for s in range(2)] + ["A: 7 A: 8 Q: 7 " * 50], vocab_size=300)
+    enc = hf_encoder(str(d), True)
+    prompt, chosen, rejected = "A: ", "7", "78"
+    assert enc.encode(prompt + chosen) != enc.encode(prompt) + enc.encode(chosen)  # the boundary differs jointly
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+    data = build_data(DataConfig(kind="preference", path=str(path), seq_len=32, val_fraction=0), 32, 0, str(d))
+    for seqs, resp in ((data.train.chosen, chosen), (data.train.rejected, rejected)):
+        rec = seqs.record(0)
+        ids = enc.bos + enc.encode(prompt) + enc.encode(resp) + [enc.eos]   # apart, then concatenated
+        assert rec["input_ids"].tolist() == ids[:-1]
+        labels = rec["labels"][rec["labels"] != IGNORE_INDEX].tolist()
+        assert labels == enc.encode(resp) + [enc.eos]
+        joint = enc.bos + enc.encode(prompt + resp) + [enc.eos]
+        assert joint != ids  # what TRL's joint tokenization would give instead
+    doc = (REPO / "docs" / "workloads.md").read_text()
+    assert "tokenized apart" in doc and '"A: " + "7"' in doc

@@ -286,11 +286,25 @@ class PreferenceData(DataSection):
     (best-fit-decreasing), each sequence attending only inside itself with positions restarting
     (the document mask; no FlashAttention needed): fewer, fuller rows than two padded rows per
     pair. The same pairs per micro-batch, the same loss and gradients (docs/workloads.md)."""
+    pad_to: str = "seq_len"
+    """Without packing, how far a micro-batch's chosen and rejected rows are right-padded:
+    "seq_len" = every row to data.seq_len; "longest" = to the longest sequence of the micro-batch
+    (either side) rounded up to a multiple of 64, at most seq_len, as data.kind sft's. The same
+    pairs per step and the same loss to fp32 rounding (trailing pads are never attended to by a
+    real token). Padded to seq_len regardless, as the banner notes, where a run needs one length
+    (data.kind sft's pad_to lists when). The default stays seq_len: a precomputed reference
+    (train.dpo.reference) is computed on seq_len rows, and the live one then sees the same shapes.
+    data.packing builds its own rows: "longest" is refused with it."""
     num_workers: Optional[int] = None
     """DataLoader worker processes per rank. None = 0: the records are in memory."""
 
     def __post_init__(self):
         self._check()
+        if self.pad_to not in PAD_TO:
+            raise ConfigError(f'data.pad_to must be one of {", ".join(PAD_TO)} (got "{self.pad_to}")')
+        if self.packing and self.pad_to == "longest":
+            raise ConfigError("data.pad_to longest does not apply with data.packing true (packed pairs fill rows of "
+                              "data.seq_len); set one of them: data.packing false or data.pad_to seq_len")
 
 
 @dataclass

@@ -12,7 +12,9 @@ Tokens. Each record gives two sequences, prompt + chosen and prompt + rejected, 
 data.kind sft tokenizes a record (train/data/sft.py: the tokenizer's chat template turn by turn,
 else the plain format: BOS + prompt + response + EOS; bytes with NUL as EOS for the GPT presets).
 Only response tokens (and the template's end-of-turn markup or the EOS after them) are labels;
-the prompt and the padding are IGNORE_INDEX.
+the prompt and the padding are IGNORE_INDEX. The prompt and the response are tokenized apart and
+their ids concatenated (as sft does), not as one joined text as TRL's DPOTrainer does: where a
+tokenizer merges across the boundary (a prompt ending in a space) the ids differ from TRL's.
 
 Truncation. The prompt is kept whole; each response is cut at its end, so that prompt +
 response is at most data.seq_len + 1 tokens (seq_len inputs, seq_len labels). A prompt that
@@ -24,7 +26,8 @@ data.seq_len. A record whose chosen response is identical to its rejected one ca
 preference: it is skipped, counted, and the first one is named in one warning line.
 
 Samples. One record = one sample: chosen_input_ids, chosen_labels, rejected_input_ids,
-rejected_labels, each data.seq_len long (right-padded, as sft's samples). The objective
+rejected_labels, each data.seq_len long (right-padded, as sft's samples; with data.pad_to
+longest, LongestPairs pads a micro-batch only to its longest sequence). The objective
 (models/preference.py) concatenates them along the batch: one forward for both. With
 data.packing each sample also carries chosen_length / rejected_length (the sequence's input
 tokens after truncation), and the objective packs the micro-batch's sequences into rows of
@@ -87,6 +90,46 @@ class PreferencePairs(Dataset):
         if self.reference is not None:
             out["reference_chosen_logps"] = torch.tensor(self.reference[0][i])
             out["reference_rejected_logps"] = torch.tensor(self.reference[1][i])
+        return out
+
+
+class LongestPairs(Dataset):
+    """data.pad_to longest: the loader's view of PreferencePairs. Its samples are the pairs
+    unpadded; `collate` right-pads the micro-batch's chosen and rejected rows to one length, the
+    longest sequence of either side rounded up to a multiple of PAD_MULTIPLE, at most seq_len
+    (one length for both: the objective concatenates them into one forward). Same pairs, same
+    order as the seq_len layout; only trailing pad columns are left out, which no real token
+    attends to, so the log-probs and the loss are the seq_len layout's."""
+
+    def __init__(self, pairs: PreferencePairs):
+        self.pairs = pairs
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, i: int) -> dict:
+        p = self.pairs
+        c, r = p.chosen.record(i), p.rejected.record(i)
+        out = {"chosen_input_ids": c["input_ids"], "chosen_labels": c["labels"],
+               "rejected_input_ids": r["input_ids"], "rejected_labels": r["labels"]}
+        if p.reference is not None:
+            out["reference_chosen_logps"] = torch.tensor(p.reference[0][i])
+            out["reference_rejected_logps"] = torch.tensor(p.reference[1][i])
+        return out
+
+    def collate(self, samples: list[dict]) -> dict:
+        from zerotrain.train.data.sft import PAD_MULTIPLE, pad_sample
+        longest = max(s[f"{side}_input_ids"].numel() for s in samples for side in SIDES)
+        T = min(self.pairs.chosen.seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+        out = {}
+        for side in SIDES:
+            rows = [pad_sample({"input_ids": s[f"{side}_input_ids"], "labels": s[f"{side}_labels"]}, T,
+                               self.pairs.chosen.pad) for s in samples]
+            out[f"{side}_input_ids"] = torch.stack([r["input_ids"] for r in rows])
+            out[f"{side}_labels"] = torch.stack([r["labels"] for r in rows])
+        if "reference_chosen_logps" in samples[0]:
+            for key in ("reference_chosen_logps", "reference_rejected_logps"):
+                out[key] = torch.stack([s[key] for s in samples])
         return out
 
 
@@ -281,6 +324,9 @@ def build_preference(cfg: PreferenceData, seq_len: Optional[int], tokenizer: Opt
         if split_pairs is not None:
             split_pairs.packing = cfg.packing
     fmt = "chat template" if enc.render else "plain format"
+    from zerotrain.train.data.sft import PAD_MULTIPLE
+    layout = (f"packed into rows of {seq_len}" if cfg.packing else f"padded to {seq_len}" if cfg.pad_to == "seq_len"
+              else f"padded to each batch's longest sequence (a multiple of {PAD_MULTIPLE}, at most {seq_len})")
     labelled = sum(int((s.trained.sum() - s.trained[s.offsets[:-1]].sum())) for s in (train.chosen, train.rejected))
     skipped = f", {same} with chosen == rejected skipped" if same else ""
     return DataBundle(train=train, val=val, task="lm", items_per_sample=2 * seq_len, vocab_size=enc.vocab_size,
@@ -288,8 +334,9 @@ def build_preference(cfg: PreferenceData, seq_len: Optional[int], tokenizer: Opt
                       describe=f"preference pairs {cfg.path} ({len(train)} records{skipped}, {labelled} response tokens, "
                                f"format {', '.join(sorted(formats))}, "
                                f"{'bytes' if enc.name == 'bytes' else 'tokenizer ' + enc.name} {fmt}, chosen and "
-                               f"rejected {'packed into rows of' if cfg.packing else 'padded to'} {seq_len}; {split})",
+                               f"rejected {layout}; {split})",
                       extra={"max_token": max(int(train.chosen.ids.max()), int(train.rejected.ids.max())),
                              "token_file": str(path), "tokenizer": enc.name, "preference": True,
                              "tokenizer_sha256": enc.identity(), "chat_template": enc.render is not None,
-                             "skipped_identical": same, "formats": sorted(formats), "packed": "data.packing" if cfg.packing else None})
+                             "skipped_identical": same, "formats": sorted(formats), "packed": "data.packing" if cfg.packing else None,
+                             "pad_to": None if cfg.packing else cfg.pad_to, "layout": layout})

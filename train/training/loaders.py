@@ -53,7 +53,7 @@ def build_loaders(cfg: RunConfig, sampler, bundle: DataBundle, b: Batch, world: 
 
 def _padded_sets(cfg: RunConfig, bundle: DataBundle, sp_size: int, workload: Optional[Workload]):
     """(training set, validation set, collate_fn, pad_to): with data.pad_to longest, instruction
-    data padded to each batch's longest sample, unless the run needs one length
+    data and preference pairs padded to each batch's longest sample, unless the run needs one length
     (train/data/sft.py fixed_length_reason: then padded to seq_len, and the banner's data line
     says why)."""
     # data.kind py: the factory's own collate_fn (None: torch's default_collate)
@@ -64,8 +64,12 @@ def _padded_sets(cfg: RunConfig, bundle: DataBundle, sp_size: int, workload: Opt
         fixed = sft.fixed_length_reason(sp_size, cfg.hardware.compile, w is not None and w.moe is not None,
                                         w is not None and bool(w.model_loss))
         if fixed is None:
-            train_set = sft.LongestPadding(bundle.train)
-            val_set = sft.LongestPadding(bundle.val) if bundle.val is not None else None
+            if bundle.extra.get("preference"):  # pairs: chosen and rejected rows padded to one length
+                from zerotrain.train.data.preference import LongestPairs as view
+            else:
+                view = sft.LongestPadding
+            train_set = view(bundle.train)
+            val_set = view(bundle.val) if bundle.val is not None else None
             collate = train_set.collate
         else:  # the banner's data line says so
             pad_to = "seq_len"
