@@ -415,6 +415,68 @@ def test_a_failed_final_save_exits_non_zero_naming_the_last_good_checkpoint(tmp_
         subprocess.run(["umount", str(mnt)])
 
 
+# ---------------------------------------------------------------------------- unwritable checkpoint directory
+
+@pytest.fixture
+def read_only_checkpoints(tmp_path):
+    """A run dir whose checkpoints/ is a read-only tmpfs mount (what a read-only volume or another
+    owner's directory does; root writes through permission bits, not through a read-only mount)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    run = tmp_path / "run"
+    ck = run / "checkpoints"
+    ck.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ck)]).returncode != 0:
+        pytest.skip("cannot mount tmpfs here")
+    try:
+        yield run
+    finally:
+        subprocess.run(["umount", str(ck)])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_unwritable_checkpoint_directory_is_one_line_and_exit_2_before_training(
+        rank, read_only_checkpoints, tmp_path, capsys, clean_env, fresh_accelerate, monkeypatch):
+    """checkpoint.async into a run dir whose checkpoints/ cannot be written: every rank (here rank
+    0 of one process, and rank 1 of two, which stops before any collective) stops before the data
+    and the model with one line naming the directory and the fix, exit 2; no step runs."""
+    run = read_only_checkpoints
+    if rank:
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", "29577")
+    code, err = run_main(capsys, [*TINY, "--ds-config", fp32(tmp_path, "ddp"), "--train.max_steps", "6",
+                                  "--train.eval_every", "0", "--checkpoint.async", "true",
+                                  "--checkpoint.every_steps", "3", "--train.run_dir", str(run),
+                                  "--distributed.timeout_s", "20"])  # rank 1 alone: a check that came too late waits
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(("[rank 1] " if rank else "") + "zerotrain: error: "), err
+    ck = run / "checkpoints"
+    assert (f"the checkpoint directory {ck} is not writable (Read-only file system); make it writable" in lines[0]
+            and "--train.run_dir" in lines[0]), err
+    assert not (run / "metrics.jsonl").exists() and not any(ck.iterdir())  # nothing trained, nothing saved
+
+
+def test_a_save_refused_by_permissions_names_the_directory_and_the_fix(tmp_path):
+    """A checkpoint directory made read-only during the run (after the start's check): the save's
+    error names the directory and what to do, not only the OS error."""
+    import errno
+
+    from zerotrain.train.checkpoint.save import describe
+    root = tmp_path / "checkpoints"
+    err = OSError(errno.EROFS, "Read-only file system", str(root / ".tmp-step_00000003"))
+    line = describe(err, root)
+    assert line.startswith(f"the checkpoint directory {root} is not writable (Read-only file system); make it "
+                           f"writable") and "--train.run_dir" in line, line
+    # safetensors' own error for a refused write: "(os error 13)"
+    assert "is not writable" in describe(Exception("Permission denied (os error 13)"), root)
+    assert "is not writable" not in describe(OSError(errno.EIO, "I/O error"), root)
+
+
 # ---------------------------------------------------------------------------- long run
 
 @pytest.mark.soak

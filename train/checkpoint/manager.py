@@ -37,7 +37,7 @@ from zerotrain.train.checkpoint import files as ckpt_files
 from zerotrain.train.checkpoint.async_save import AsyncSaver
 from zerotrain.train.checkpoint.files import MOMENTS
 from zerotrain.train.checkpoint.load import Loader, restore_counters
-from zerotrain.train.checkpoint.save import Saver, disk_full, io_error
+from zerotrain.train.checkpoint.save import Saver, describe, disk_full, io_error, not_writable
 from zerotrain.train.checkpoint.state import Stateful, TrainState
 from zerotrain.train.errors import CheckpointError
 
@@ -134,6 +134,8 @@ class Checkpointer:
                                       + (f"the previous checkpoint {prev} is intact; " if prev else "")
                                       + "free space or point train.run_dir at a larger disk, then --resume auto") \
                     from None
+            if not_writable(err):
+                raise CheckpointError(f"{what} failed: {describe(err, self.root)}") from None
             if io_error(err):
                 raise CheckpointError(f"{what} failed: {err}") from None
             raise err  # a bug, not the disk: keep the traceback

@@ -37,9 +37,27 @@ def io_error(err: BaseException) -> bool:
     return isinstance(err, (OSError, CheckpointError)) or type(err).__name__ == "SafetensorError"
 
 
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # permission denied, not permitted, read-only mount
+
+
+def not_writable(err: BaseException) -> bool:
+    """A write refused by permissions or a read-only mount (safetensors reports it as "(os error N)")."""
+    return (isinstance(err, OSError) and err.errno in NOT_WRITABLE) or \
+        any(f"(os error {n})" in str(err) for n in NOT_WRITABLE)
+
+
+def unwritable(path: Path, err: BaseException) -> str:
+    """What a user reads for a directory the run cannot write into: the path, why, and the two fixes."""
+    why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+    return (f"{path} is not writable ({why}); make it writable (fix its permissions or owner, or remount it "
+            f"read-write) or point --train.run_dir at a writable directory")
+
+
 def describe(err: BaseException, root: Path) -> str:
     if disk_full(err):
         return f"disk full (no space left on {root})"
+    if not_writable(err):
+        return f"the checkpoint directory {unwritable(root, err)}"
     return str(err) if io_error(err) else f"{type(err).__name__}: {err}"
 
 

@@ -87,7 +87,7 @@ def set_up_runtime(cfg: RunConfig) -> Runtime:
     matmul_precision = hardware.apply_tf32(cfg, cuda)
     local_world = dist_.node_layout(os.environ, int(os.environ["RANK"]), world)[2]
     run_dir = Path(cfg.train.run_dir)
-    _check_run_dir(run_dir)
+    _check_run_dir(run_dir, cfg.checkpoint.export)
     elastic = _elastic_join(cfg, run_dir, world, launcher)
     # A restart of the same job resumes and keeps its global batch: derived, cfg stays as loaded.
     resume, train = elastic.layout(cfg) if elastic is not None else (cfg.checkpoint.resume, cfg.train)
@@ -99,15 +99,25 @@ def set_up_runtime(cfg: RunConfig) -> Runtime:
                    sp_size=sp_size, batch=batch, resume=resume)
 
 
-def _check_run_dir(run_dir: Path):
+def _check_run_dir(run_dir: Path, export: bool):
+    """On every rank, before the data and the model: the run directory can be written, and so can
+    the checkpoint directory and (with checkpoint.export) the export directory where an earlier
+    run left them (a read-only mount, another owner), so that a save does not fail only at its
+    first step, or in a background write. A ConfigError naming the directory and the fix."""
+    from zerotrain.train.checkpoint.save import unwritable
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
     except OSError as e:
-        raise ConfigError(f"train.run_dir {run_dir} is not writable ({e.strerror}); choose another directory "
-                          f"with --train.run_dir") from None
+        raise ConfigError(f"train.run_dir {unwritable(run_dir, e)}") from None
+    for d, what in ((run_dir, "train.run_dir"), (run_dir / "checkpoints", "the checkpoint directory"),
+                    (run_dir / "export", "the export directory (checkpoint.export)")):
+        if d.is_dir() and (export or d.name != "export"):
+            try:
+                probe = d / f".write-test-{os.getpid()}"
+                probe.write_text("ok")
+                probe.unlink()
+            except OSError as e:
+                raise ConfigError(f"{what} {unwritable(d, e)}") from None
 
 
 def _elastic_join(cfg: RunConfig, run_dir: Path, world: int, launcher: str) -> Optional[ElasticRun]:
