@@ -49,7 +49,8 @@ def main(argv=None) -> int:
             run = work / f"{name}-{r}"
             cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
                    str(REPO / "train" / "main.py"), "--config", str(REPO / "examples" / "default.yaml"),
-                   "--strategy", str(cfg), "--model.d_model", "256", "--model.n_layer", "4", "--data.seq_len", "256",
+                   "--strategy", str(cfg), "--model.d_model", "256", "--model.n_layer", "4", "--model.seq_len", "256",
+                   "--data.seq_len", "256",
                    "--train.micro_batch_size", "8", "--train.max_steps", str(a.steps), "--train.eval_every", "0",
                    "--logging.every_steps", "1", "--logging.progress", "false", "--train.sample_tokens", "0",
                    "--checkpoint.every_steps", "10", "--checkpoint.export", "false", "--train.run_dir", str(run)]
