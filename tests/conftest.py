@@ -145,8 +145,26 @@ def fresh_accelerate():
     run starts its own as a launched one does, whatever ran in this pytest process before."""
     from accelerate.state import AcceleratorState
     AcceleratorState._reset_state(reset_partial_state=True)
+    _forget_deepspeed_groups()
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
+    _forget_deepspeed_groups()
+
+
+def _forget_deepspeed_groups():
+    """DeepSpeed caches process groups in module globals (deepspeed.utils.groups: _WORLD_GROUP, ...);
+    after an earlier in-process engine's group is destroyed, the next engine in this pytest process
+    would broadcast over the stale one ("Group ... is not registered"). A launched run has one."""
+    import sys
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    import torch.distributed as dist
+    for name, value in list(vars(groups).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(groups, name, None)
+        elif isinstance(value, dict) and any(isinstance(v, dist.ProcessGroup) for v in value.values()):
+            value.clear()
 
 
 @pytest.fixture(scope="session")

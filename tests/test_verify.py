@@ -55,7 +55,7 @@ def test_verify_runs_without_dropout_and_says_so(tmp_path):
     proc = verify(tmp_path, fp32(tmp_path, "zero2"), "--model.dropout=0.2")
     assert "verify: model.dropout 0.2 set to 0 in every run" in proc.stdout, proc.stdout[-3000:]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "OK: loss, grad_norm and param_checksum agree at every step" in proc.stdout
+    assert "OK: loss, grad_norm, update and param_checksum agree at every step" in proc.stdout
 
 
 # (planted bug, strategy, extra flags, the step and quantity where it first shows)
