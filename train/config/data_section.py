@@ -96,6 +96,11 @@ def _check_document_mask(cfg):
         raise ConfigError(f"data.eos_id must be a token id >= 0 (got {cfg.eos_id})")
 
 
+def _check_pad_to(pad_to: str):
+    if pad_to not in PAD_TO:
+        raise ConfigError(f'data.pad_to must be one of {", ".join(PAD_TO)} (got "{pad_to}")')
+
+
 @dataclass
 class TextData(DataSection):
     """byte-level language modelling on text (default corpus: this Python's standard library sources)."""
@@ -242,8 +247,7 @@ class SftData(DataSection):
 
     def __post_init__(self):
         self._check()
-        if self.pad_to not in PAD_TO:
-            raise ConfigError(f'data.pad_to must be one of {", ".join(PAD_TO)} (got "{self.pad_to}")')
+        _check_pad_to(self.pad_to)
 
 
 @dataclass
@@ -300,8 +304,7 @@ class PreferenceData(DataSection):
 
     def __post_init__(self):
         self._check()
-        if self.pad_to not in PAD_TO:
-            raise ConfigError(f'data.pad_to must be one of {", ".join(PAD_TO)} (got "{self.pad_to}")')
+        _check_pad_to(self.pad_to)
         if self.packing and self.pad_to == "longest":
             raise ConfigError("data.pad_to longest does not apply with data.packing true (packed pairs fill rows of "
                               "data.seq_len); set one of them: data.packing false or data.pad_to seq_len")

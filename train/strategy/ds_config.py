@@ -115,7 +115,7 @@ class DSSetup:
 
     def describe(self) -> str:
         import zerotrain.train.strategy.registry as registry
-        own = registry.get(self.backend).describe if self.backend in {b.name for b in registry.backends()} else None
+        own = registry.get(self.backend).describe
         if own is not None:
             return own(self)
         if not self.is_deepspeed:
