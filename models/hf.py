@@ -14,7 +14,6 @@ calls `save_hf_config` here for config.json, generation config and tokenizer fil
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Optional
 import torch
 
 from zerotrain.models.errors import CheckpointError, ConfigError, DataError
+from zerotrain.models.partitioned import builds_empty, hook_of
 from zerotrain.models.spec import ModelSpec
 from zerotrain.models.workload import Workload, restore_buffers
 
@@ -160,7 +160,7 @@ def _check_zero3(init_context):
     """Under ZeRO-3 transformers must see the DeepSpeed config, or from_pretrained would load
     whole weights into already-partitioned (empty) parameters."""
     from transformers.integrations import is_deepspeed_zero3_enabled as zero3_on  # backend-test: transformers' own global
-    want = init_context is not contextlib.nullcontext
+    want = hook_of(init_context) is not None
     if want != zero3_on():
         raise RuntimeError(f"ZeRO-3 construction expected={want} but transformers reports "
                            f"is_deepspeed_zero3_enabled()={zero3_on()}: the Accelerator's "
@@ -195,7 +195,12 @@ def build_hf(spec: ModelSpec, data, init_context):
     files = weight_files(d)
     # fp32 master weights; DeepSpeed bf16 / Accelerate autocast decide the compute dtype.
     remote = spec.config.trust_remote_code
-    if files:
+    if builds_empty(init_context):
+        # Shapes only (FSDP2 on ranks but 0): the backend fills every tensor from rank 0's build,
+        # which reads the weights and checks them against config.json.
+        with init_context():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=remote)
+    elif files:
         try:
             model, info = AutoModelForCausalLM.from_pretrained(str(d), config=config, dtype=torch.float32,
                                                                local_files_only=True, output_loading_info=True,
@@ -223,7 +228,7 @@ def build_hf(spec: ModelSpec, data, init_context):
     attention = model.config._attn_implementation  # what transformers runs (its default when none was asked)
     if data.extra.get("packed"):  # the flag that packs documents into rows (data.packing, data.document_mask)
         check_packing(model, spec.name, data.extra["packed"])
-    if init_context is not contextlib.nullcontext:
+    if hook_of(init_context) is not None:
         _restore_buffers(model, config, d, files, remote)
     if spec.config.activation_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):

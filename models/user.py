@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from zerotrain.models.errors import ConfigError
+from zerotrain.models.partitioned import builds_empty
 from zerotrain.models.spec import ModelSpec
 from zerotrain.models.workload import Workload
 
@@ -228,7 +229,14 @@ def build_user(spec: ModelSpec, data, init_context=contextlib.nullcontext) -> Wo
     from zerotrain.models.moe import detect
     kind = loss_kind(spec, data.task)
     _check_data(spec, kind, data)
-    with init_context():
+    try:
+        with init_context():
+            model = call(spec.name, spec.config.kwargs)
+    except Exception as e:  # a constructor that needs values (e.g. .item()) cannot run on the meta device
+        if not builds_empty(init_context):
+            raise
+        print(f"zerotrain: {spec.name} cannot be constructed on the meta device ({type(e).__name__}: "
+              f"{str(e).splitlines()[0][:120] if str(e) else ''}); built whole on this rank instead", flush=True)
         model = call(spec.name, spec.config.kwargs)
     n = sum(_numel(p) for p in model.parameters())
     info = detect(model, None)

@@ -316,7 +316,7 @@ def build_vision(cfg: VisionModel, data, init_context):
     partition = hook_of(init_context)
     with init_context(), gathering_inits(partition):
         model = construct(name, num_classes, image_size)
-    if init_context is not contextlib.nullcontext:
+    if partition is not None:
         # zero.Init made the BatchNorm statistics bf16; the file's (or fresh) fp32 values go in next.
             restore_buffers(model, reference_build(name, num_classes, image_size))
     if weights is not None:

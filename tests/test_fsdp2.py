@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, TINY, ds_variant, metrics, run_train
+from helpers import REPO, TINY, ds_variant, metrics, rank_infos, run_train
 
 STEPS = 8
 BASE = [*TINY, "--data.max_bytes", "2000", "--train.max_steps", str(STEPS), "--optim.schedule", "constant",
@@ -87,9 +87,12 @@ def test_zero3_checkpoint_resumes_under_fsdp2_on_one_process(work, z3):
 
 @pytest.mark.multiproc
 def test_fsdp2_trains_what_zero3_trains(z3, fsdp):
+    """From the same initial values: rank 1 built the model on the meta device and its shards were
+    filled from rank 0's build (ZeRO-3 builds partitioned, from every rank's own construction)."""
     assert_close(losses(fsdp), losses(z3), range(1, STEPS + 1))
     cfg = json.loads((fsdp / "config.json").read_text())
     assert cfg["resolved"]["backend"] == "fsdp2" and cfg["resolved"]["reshard_after_forward"] is True
+    assert [r["model_built"] for r in rank_infos(fsdp)] == ["whole", "meta device, filled from rank 0"]
 
 
 @pytest.mark.multiproc
@@ -122,7 +125,10 @@ def test_fsdp2_resume_with_another_global_batch_is_one_line(work, fsdp):
 @pytest.mark.multiproc
 def test_fsdp2_kept_after_forward_with_accumulation_and_export_loads_in_transformers(work, tmp_path):
     """reshard_after_forward false, 2 micro-batches a step, on a tiny transformers Llama: the
-    export is sharded safetensors that transformers loads, equal to the checkpoint's masters."""
+    export is sharded safetensors that transformers loads, equal to the checkpoint's masters.
+    Rank 1 built the model on the meta device (from config.json alone): every parameter it trained
+    started from rank 0's pretrained values (3 AdamW steps of lr 1e-4 move an element by ~3e-4;
+    a shard left unfilled would be off by the weights' own size, ~0.02 to 1)."""
     from helpers import make_tokenizer, random_text, save_tiny
     from transformers import AutoModelForCausalLM
     make_tokenizer(tmp_path / "tok", [random_text(4000, s) for s in range(3)])
@@ -134,6 +140,7 @@ def test_fsdp2_kept_after_forward_with_accumulation_and_export_loads_in_transfor
                               "2", "--train.max_steps", "3", "--train.eval_every", "0", "--logging.progress", "false",
                               "--train.sample_tokens", "0", "--checkpoint.export", "true", "--checkpoint.export_dtype",
                               "fp32", "--checkpoint.max_shard_size", "20KB", "--checkpoint.save_at_end", "true",
+                              "--optim.lr", "1e-4", "--optim.warmup_steps", "0",
                               "--strategy", ds, "--train.run_dir", str(run)])
     export = run / "export"
     assert len(list(export.glob("model-*.safetensors"))) > 1  # sharded
@@ -141,6 +148,10 @@ def test_fsdp2_kept_after_forward_with_accumulation_and_export_loads_in_transfor
     base = AutoModelForCausalLM.from_pretrained(str(model_dir))
     changed = [n for n, p in loaded.named_parameters() if not (p == dict(base.named_parameters())[n]).all()]
     assert len(changed) == len(list(base.parameters()))  # every parameter trained and exported
+    start = dict(base.named_parameters())
+    drift = max(float((p - start[n]).abs().max()) for n, p in loaded.named_parameters())
+    assert drift < 3e-3, drift
+    assert [r["model_built"] for r in rank_infos(run)] == ["whole", "meta device, filled from rank 0"]
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["resolved"]["reshard_after_forward"] is False
 

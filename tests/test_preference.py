@@ -649,14 +649,17 @@ def test_bf16_step_one_rewards_are_exactly_zero_with_the_frozen_copy(tmp_path, d
     its frozen copy are the same model, so they must give the same log-probs bit for bit: every
     reward 0, the accuracy 0 (no margin > 0), the loss -log sigmoid(0) = log 2, as TRL's
     DPOTrainer with bf16=True gives. The copy is built in fp32 before prepare; it runs as the
-    policy does (DDP: Accelerate's autocast; ZeRO: the engine's 16-bit parameters; FSDP2: a bf16 copy)."""
+    policy does (DDP: Accelerate's autocast; ZeRO: the engine's 16-bit parameters; FSDP2: a bf16 copy).
+    FSDP2 runs on 2 processes: rank 1 builds the model and its copy on the meta device, and both
+    get rank 0's values (a copy left unfilled would give other log-probs, not rewards of 0)."""
     from zerotrain.train.data.make_preferences import write
     train, _ = write(tmp_path / "d" / "train.jsonl", 64, 16, 0)
     run_dir = tmp_path / "run"
-    run_train("python", 1, ["--config", "examples/dpo.yaml", "--data.path", str(train), "--train.max_steps", "1",
-                            "--train.eval_every", "0", "--logging.every_steps", "1", "--model.dropout", "0",
-                            "--checkpoint.export", "false", "--train.run_dir", str(run_dir),
-                            "--ds-config", f"ds_configs/{ds}.json"])
+    launcher, nproc = ("torchrun", 2) if ds == "fsdp2" else ("python", 1)
+    run_train(launcher, nproc, ["--config", "examples/dpo.yaml", "--data.path", str(train), "--train.max_steps", "1",
+                                "--train.eval_every", "0", "--logging.every_steps", "1", "--model.dropout", "0",
+                                "--checkpoint.export", "false", "--train.run_dir", str(run_dir),
+                                "--ds-config", f"ds_configs/{ds}.json"])
     step1 = next(r for r in metrics(run_dir) if "loss" in r)
     assert json.loads((run_dir / "config.json").read_text())["resolved"]["precision"] == "bf16"
     assert (step1["rewards/chosen"], step1["rewards/rejected"], step1["rewards/margins"]) == (0.0, 0.0, 0.0), step1

@@ -226,6 +226,25 @@ def test_model_loss_is_what_forward_returns():
     assert stats["loss"].shape == (5,) and torch.allclose(stats["loss"], want.expand(5))
 
 
+def test_where_the_backend_builds_on_the_meta_device_a_constructor_that_needs_values_is_built_whole(capsys):
+    """FSDP2 builds the model on the meta device on ranks but 0 (models/partitioned.py EmptyInit):
+    a factory that reads its parameters' values in its constructor cannot run there, so it is built
+    whole on that rank instead, with one line saying so; one that needs no values gets shapes only."""
+    from zerotrain.models import build_workload, resolve
+    from zerotrain.models.config import ModelConfig
+    from zerotrain.models.partitioned import EmptyInit
+    data = SimpleNamespace(task="regress", extra={}, seq_len=None)
+    plain = build_workload(resolve(ModelConfig(name="py:user_models.own_loss:regressor", loss="model")), data,
+                           EmptyInit())
+    assert {p.device.type for p in plain.model.parameters()} == {"meta"}
+    assert capsys.readouterr().out == ""
+    needy = build_workload(resolve(ModelConfig(name="py:user_models.own_loss:rescaled", loss="model")), data,
+                           EmptyInit())
+    assert {p.device.type for p in needy.model.parameters()} == {"cpu"} and needy.model.scale > 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "cannot be constructed on the meta device" in out[0] and "built whole" in out[0], out
+
+
 # ----------------------------------------------------------------------------- 2 processes
 
 @pytest.mark.multiproc

@@ -130,6 +130,11 @@ class Strategy:
         ranks/rank<R>.json."""
         return {}
 
+    def place_frozen_copy(self, module: torch.nn.Module, device) -> torch.nn.Module:
+        """DPO's frozen copy of the model as built (models/preference.py frozen_copy), before the
+        model is prepared, put on `device` with the values every rank starts from."""
+        return module.to(device)
+
     def frozen_like_policy(self, module: torch.nn.Module) -> torch.nn.Module:
         """A frozen module run beside the prepared model (DPO's reference copy, built before
         prepare), made to compute as the model does: under Accelerate's mixed precision (DDP

@@ -13,6 +13,10 @@ keeps them from the forward to the backward (ZeRO-2-like memory for the paramete
 one all-gather fewer). bf16 computes in bf16 (FSDP2's MixedPrecisionPolicy) over fp32 master
 shards; fp32 computes in fp32.
 
+Every rank but 0 builds the model on the meta device; rank 0 builds it as every backend does,
+and its values fill each rank's shards as the model is sharded (`init_context`, `shard`): one
+whole copy in the job, the initial values of every other backend.
+
 Accelerate builds the process group, splits the global batch and runs backward; it does not
 prepare the model: its own FSDP plugin needs a GPU, while zerotrain shards the same way on
 CPUs (gloo) and GPUs, here. Checkpoints go through `ShardHolder`: a parameter's shard is a
@@ -94,6 +98,8 @@ class FSDP2Strategy(Strategy):
     backend = "fsdp2"
     #: where the model is sharded (the Accelerator's device: build_accelerator sets it)
     device = torch.device("cpu")
+    #: this rank's model was built on the meta device (build_optimizer: shard)
+    built_empty = False
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -135,12 +141,29 @@ class FSDP2Strategy(Strategy):
         self.device = acc.device
         return acc
 
+    def init_context(self):
+        """Every rank but 0 builds the model on the meta device (shapes, no memory); rank 0 builds it
+        as every backend does, and `shard` fills each rank's shards from that build. One whole copy
+        in the job (rank 0's, on its host) instead of one per rank, and the initial values are the
+        ones every other backend starts from (the same seed, the same construction)."""
+        import torch.distributed as dist
+        if dist.get_rank() == 0:
+            return super().init_context()
+        from zerotrain.models.partitioned import EmptyInit
+        return EmptyInit()
+
+    def place_frozen_copy(self, module, device):
+        """DPO's frozen copy is whole on every rank: made from the model before it is sharded, so
+        on ranks but 0 it has shapes only; rank 0's values are broadcast into it."""
+        fill_from_rank0(module, device)
+        return module
+
     def build_optimizer(self, model, optim_cfg):
         """AdamW over the shards: FSDP2 replaces each parameter by its DTensor shard, so the model is
         sharded here, before the optimizer that steps the shards exists. The fused kernel (CUDA and
         CPU) skips a non-finite step on the device (found_inf), as DDP's does."""
         from zerotrain.train.optim.optimizer import adamw
-        shard(model, self.device, self.reshard_after_forward, self.precision)
+        self.built_empty = shard(model, self.device, self.reshard_after_forward, self.precision)
         return adamw(model, optim_cfg, fused=True)
 
     def prepare(self, acc, model, raw_optimizer, *loaders):
@@ -185,6 +208,10 @@ class FSDP2Strategy(Strategy):
         return module
 
     # ------------------------------------------------------------------ checkpoints and memory
+    def after_prepare(self, workload) -> dict:
+        """How this rank's model came to be: on the meta device and filled from rank 0, or whole."""
+        return {"model_built": "meta device, filled from rank 0" if self.built_empty else "whole"}
+
     def make_holder(self, raw_model, rank: int, world: int):
         return ShardHolder(raw_model, self.raw_optimizer, rank, world)
 
@@ -224,12 +251,63 @@ def units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return out
 
 
-def shard(model: torch.nn.Module, device, reshard_after_forward: bool, precision: str) -> None:
-    """fully_shard each unit, then the root, over a one-dimensional mesh of every rank, on `device`."""
+def shard_range(shape: tuple, rank: int, world: int) -> tuple[int, int]:
+    """The element range [a, b) of a flattened parameter of `shape` that `rank` holds: FSDP2 splits
+    its R rows like torch.chunk, rank r owning rows [min(R, r*ceil(R/W)), min(R, (r+1)*ceil(R/W)))."""
+    n = 1
+    for d in shape:
+        n *= d
+    rows = shape[0] if shape else 1
+    per_row, chunk = (n // rows if rows else 0), -(-rows // world)
+    return min(rows, rank * chunk) * per_row, min(rows, (rank + 1) * chunk) * per_row
+
+
+def _named_states(module: torch.nn.Module) -> list:
+    """(name, tensor) of every parameter, then every buffer (persistent or not): what a build
+    gives a module, in the same order on every rank."""
+    return list(module.named_parameters()) + list(module.named_buffers())
+
+
+def fill_from_rank0(module: torch.nn.Module, device) -> None:
+    """A module whole on every rank, with rank 0's values: ranks that built it on the meta device
+    get memory on `device` and every parameter and buffer is broadcast from rank 0."""
+    import torch.distributed as dist
+    if any(t.is_meta for _, t in _named_states(module)):
+        _empty_on(module, device)
+    else:
+        module.to(device)
+    if dist.get_world_size() > 1:
+        with torch.no_grad():
+            for _, t in _named_states(module):
+                _broadcast(t.data)
+
+
+def _empty_on(module: torch.nn.Module, device) -> None:
+    """Memory on `device` for every meta tensor of `module`, a tensor shared by two modules (tied
+    embeddings) still one tensor (Module.to_empty would make it two)."""
+    made: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    new = torch.empty_like(t, device=device)
+                    made[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
+                table[name] = made[id(t)]
+
+
+def shard(model: torch.nn.Module, device, reshard_after_forward: bool, precision: str) -> bool:
+    """fully_shard each unit, then the root, over a one-dimensional mesh of every rank, on `device`
+    (each unit moved there as it is sharded: never the whole model at once), then every rank's
+    shards and buffers filled from rank 0's build (the other ranks built on the meta device:
+    FSDP2Strategy.init_context). True where this rank's model was built on the meta device."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    model.to(device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Rank 0's whole values, kept from before fully_shard replaces each parameter by its shard.
+    whole = {name: t.detach() for name, t in model.named_parameters()} if rank == 0 and world > 1 else None
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     half = torch.bfloat16 if precision == "bf16" else None
     # Only the root casts its float inputs: a block gets the activations the model computed (a
@@ -243,6 +321,36 @@ def shard(model: torch.nn.Module, device, reshard_after_forward: bool, precision
     # A parameter without a gradient on one rank (a sparse-MoE expert its tokens did not reach)
     # joins its unit's reduce-scatter with zeros, so every rank reduces the same tensors.
     model.set_reduce_scatter_unused_params(True)
+    return _fill_shards(model, whole, device, rank, world) if world > 1 else False
+
+
+def _fill_shards(model: torch.nn.Module, whole: Optional[dict], device, rank: int, world: int) -> bool:
+    """Every parameter broadcast whole from rank 0 (`whole`: its values, on rank 0 only), one at a
+    time, each rank keeping its shard; every buffer broadcast as it is. A rank that built on the
+    meta device gets its memory first (to_empty: shards and buffers on `device`); True there."""
+    import torch.distributed as dist
+    empty = any(_local(t).is_meta for _, t in _named_states(model))
+    if empty:
+        model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            shape = tuple(p.shape)  # the whole parameter's (a DTensor's global shape)
+            if whole is not None:
+                full = whole[name].to(device=device, dtype=p.dtype)
+            else:
+                full = torch.empty(shape, dtype=p.dtype, device=device)
+            dist.broadcast(full, 0)
+            a, b = shard_range(shape, rank, world)
+            _local(p).view(-1).copy_(full.view(-1)[a:b])
+        for _, t in model.named_buffers():
+            _broadcast(t.data)
+    return empty
+
+
+def _broadcast(t: torch.Tensor) -> None:
+    """`t` in place from rank 0 (a bool tensor as its bytes: gloo reduces no bool)."""
+    import torch.distributed as dist
+    dist.broadcast(t.view(torch.uint8) if t.dtype == torch.bool else t, 0)
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -259,9 +367,7 @@ class ShardHolder(TorchOptimizerHolder):
         stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
         for name, p in named_unique_params(model):
             shape, n = tuple(p.shape), p.numel()
-            rows = shape[0] if shape else 1
-            per_row, chunk = (n // rows if rows else 0), -(-rows // world)
-            a, b = min(rows, rank * chunk) * per_row, min(rows, (rank + 1) * chunk) * per_row
+            a, b = shard_range(shape, rank, world)
             if _local(p).numel() != b - a:
                 raise RuntimeError(f"FSDP2 holds {_local(p).numel()} elements of {name} on rank {rank}, "
                                    f"not the {b - a} of torch.chunk's rows")

@@ -57,5 +57,5 @@ def preference(cfg: RunConfig, workload: Workload, strategy: Strategy, device):
             raise ConfigError("train.dpo: the reference of full fine-tuning is a copy of the model as built, before "
                               "model.init_from is loaded; export those weights as an hf: directory and name it in "
                               "model.name, or add model.lora")
-        reference = frozen_copy(workload.model).to(device)
+        reference = strategy.place_frozen_copy(frozen_copy(workload.model), device)
     return Preference(d.loss, d.beta, d.gamma, reference=reference, lora=lora, ipo_sum=d.ipo_sum)
