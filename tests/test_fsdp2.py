@@ -270,3 +270,39 @@ def test_an_accelerate_fsdp_yaml_picks_or_checks_the_fsdp2_file(monkeypatch, tmp
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ConfigError, match="fsdp_version 1"):
         resolve_ds_config_path(None, "accelerate")
+
+
+# ------------------------------------------------------------------ features under FSDP2
+@pytest.mark.multiproc
+@pytest.mark.full
+def test_fsdp2_packed_lora_with_activation_checkpointing_and_async_saves_resumes_exactly(tmp_path):
+    """What a fine-tuning user combines, under FSDP2 on 2 processes: a tiny transformers Llama,
+    packed instruction data, LoRA adapters, activation checkpointing and asynchronous saves. It
+    trains, the rows are packed (little padding), and a resume from the async save of step 4
+    continues bit for bit."""
+    from helpers import make_tokenizer, random_text, save_tiny
+    make_tokenizer(tmp_path / "tok", [random_text(4000, s) for s in range(3)])
+    model_dir = save_tiny("llama", tmp_path / "llama", vocab=384, tokenizer_dir=tmp_path / "tok")
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps({"prompt": random_text(20 + 7 * (i % 5), i) + ":",
+                                        "response": random_text(30 + 11 * (i % 3), 100 + i)}) + "\n"
+                            for i in range(48)))
+    run = tmp_path / "run"
+    args = ["--model.name", f"hf:{model_dir}", "--data.kind", "sft", "--data.path", str(path),
+            "--data.seq_len", "64", "--data.packing", "true", "--data.val_fraction", "0", "--train.max_steps", "6",
+            "--train.eval_every", "0", "--train.micro_batch_size", "2", "--optim.lr", "3e-3", "--optim.schedule",
+            "constant", "--optim.warmup_steps", "0", "--logging.every_steps", "1", "--logging.progress", "false",
+            "--train.sample_tokens", "0", "--model.lora.r", "4", "--model.activation_checkpointing", "true",
+            "--checkpoint.async", "true", "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "10",
+            "--checkpoint.export", "false", "--strategy", fp32_json(tmp_path, "fsdp2"), "--train.run_dir", str(run)]
+    run_train("torchrun", 2, args, env={"HF_HUB_OFFLINE": "1"})
+    rows = [r for r in metrics(run) if "loss" in r]
+    whole = {r["step"]: r["loss"] for r in rows}
+    assert sorted(whole) == list(range(1, 7)) and whole[6] < whole[1]
+    assert max(r["data/pad_fraction"] for r in rows) < 0.25, [r["data/pad_fraction"] for r in rows]
+    assert (run / "checkpoints" / "step_00000004").is_dir()
+    again = tmp_path / "again"
+    shutil.copytree(run, again)
+    run_train("torchrun", 2, [*args[:-1], str(again), "--resume", str(again / "checkpoints" / "step_00000004")],
+              env={"HF_HUB_OFFLINE": "1"})
+    assert {s: l for s, l in losses(again).items() if s > 4} == {5: whole[5], 6: whole[6]}
