@@ -100,12 +100,13 @@ def main(argv=None) -> int:
     model = ["--model.name", "gpt-small-cpu", "--model.d_model", str(a.d_model), "--model.n_layer", str(a.n_layer)]
     data = ["--data.kind", "preference", "--data.path", str(pairs), "--data.seq_len", str(a.seq_len),
             "--train.objective", "dpo", "--train.micro_batch_size", str(a.micro)]
-    # The reference log-probs, once, with the run's model at its starting weights (train.seed).
+    # The reference log-probs, once, with the run's model at its starting weights (train.seed), computed as
+    # the runs below compute (fp32: one form under DDP and ZeRO-3).
     cfg = tmp / "run.yaml"
     cfg.write_text("train:\n  objective: dpo\n")
     t0 = time.time()
     subprocess.run([sys.executable, "-m", "zerotrain.train.cli", "prepare", "--reference", "--config", str(cfg),
-                    *model, *data], cwd=REPO, env=_env(tmp), check=True)
+                    *model, *data, "--strategy", str(_ds(tmp, "ddp.json"))], cwd=REPO, env=_env(tmp), check=True)
     prepare_s = time.time() - t0
     common = [*model, *data, "--train.max_steps", str(a.steps), "--train.eval_every", "0",
               "--train.sample_tokens", "0", "--logging.every_steps", "5", "--logging.progress", "false",

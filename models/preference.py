@@ -51,6 +51,9 @@ import torch.nn.functional as F
 from zerotrain.models.losses import IGNORE_INDEX, token_logps
 
 LOSSES = ("sigmoid", "ipo", "simpo")
+#: the batch keys of precomputed reference log-probs (train.dpo.reference precomputed): no input of
+#: the model but what the loss subtracts, read in fp32 (never cast to the 16-bit input dtype)
+REFERENCE_KEYS = ("reference_chosen_logps", "reference_rejected_logps")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")
 
@@ -204,7 +207,7 @@ class Preference:
         if not self.needs_reference:
             ref = None
         elif self.precomputed:
-            ref = torch.cat([batch["reference_chosen_logps"], batch["reference_rejected_logps"]]).float()
+            ref = torch.cat([batch[k] for k in REFERENCE_KEYS]).float()
         else:
             ref = self.reference_logps(workload, model, rows, 2 * b)
         logps, n = self._logps(workload, model, rows, 2 * b)
@@ -258,7 +261,7 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return ref.eval()
 
 
-__all__ = ["LOSSES", "METRICS", "Preference", "dataset_reference_logps", "frozen_copy", "pack_sequences", "pair_losses", "segment_logps",
+__all__ = ["LOSSES", "METRICS", "REFERENCE_KEYS", "Preference", "dataset_reference_logps", "frozen_copy", "pack_sequences", "pair_losses", "segment_logps",
            "sequence_logps"]
 
 

@@ -495,9 +495,19 @@ def test_a_few_hundred_steps_raise_held_out_accuracy_well_above_chance(tmp_path)
 
 # ----------------------------------------------------------------------------- precomputed reference
 
+FP32_DDP = str(Path(__file__).resolve().parent.parent / "ds_configs" / "ddp_fp32.json")
+
+
 def _prepare_reference(args: list[str]) -> None:
     from zerotrain.train.commands.prepare import main as prepare_main
     assert prepare_main(["--reference"] + args) == 0
+
+
+def _strategy(path: str, cfg):
+    """The Strategy of a strategy file, as prepare makes it (no batch, no process group)."""
+    from zerotrain.train.strategy import for_setup
+    from zerotrain.train.strategy.ds_config import load_ds_setup
+    return for_setup(load_ds_setup(path, cfg, None, cfg.train.max_steps, cuda=False, sizes_later=True))
 
 
 def test_precomputed_reference_gives_the_live_frozen_copy_loss_and_gradients_in_process(tmp_path):
@@ -512,7 +522,7 @@ def test_precomputed_reference_gives_the_live_frozen_copy_loss_and_gradients_in_
     seq_len, seed = 48, 11
     args = ["--model.name", "gpt-tiny", "--data.kind", "preference", "--data.path", str(path), "--data.seq_len",
             str(seq_len), "--data.val_fraction", "0.34", "--train.objective", "dpo", "--train.seed", str(seed),
-            "--train.dpo.reference", "precomputed"]
+            "--train.dpo.reference", "precomputed", "--strategy", FP32_DDP]
     _prepare_reference(args)
     assert (tmp_path / "d.reference.safetensors").is_file()
     _prepare_reference(args)  # up to date: nothing to do
@@ -585,7 +595,8 @@ def test_a_stale_reference_file_is_refused_in_one_line(tmp_path, capsys):
                   "ds_configs/ddp.json", "--checkpoint.save_at_end", "false"]
     code, err = run_main(capsys, run)  # no file yet
     assert code == 2 and len(err.strip().splitlines()) == 1 and "prepare --reference" in err, err
-    _prepare_reference(args)
+    assert "--strategy <its strategy file>" in err, err  # made with the run's strategy file
+    _prepare_reference(args + ["--strategy", "ds_configs/ddp.json"])
     capsys.readouterr()
     for change, expected in ((["--data.seq_len", "24"], "data.seq_len differs"),
                              (["--train.seed", "5"], "train.seed differs")):
@@ -660,6 +671,73 @@ def test_bf16_step_one_rewards_are_exactly_zero_with_the_frozen_copy(tmp_path, d
                                 "--train.eval_every", "0", "--logging.every_steps", "1", "--model.dropout", "0",
                                 "--checkpoint.export", "false", "--train.run_dir", str(run_dir),
                                 "--ds-config", f"ds_configs/{ds}.json"])
+    step1 = next(r for r in metrics(run_dir) if "loss" in r)
+    assert json.loads((run_dir / "config.json").read_text())["resolved"]["precision"] == "bf16"
+    assert (step1["rewards/chosen"], step1["rewards/rejected"], step1["rewards/margins"]) == (0.0, 0.0, 0.0), step1
+    assert step1["rewards/accuracies"] == 0.0 and abs(step1["loss"] - math.log(2)) <= 1e-7, step1
+
+
+def test_a_reference_made_in_another_precision_is_refused_in_one_line(tmp_path, capsys):
+    """The file records how its log-probs were computed (the strategy file's precision and backend
+    form); a bf16 run refuses one made in fp32, in one line naming the file, both forms and the
+    command with its own strategy file (exit 2), before anything is built. A file from before the
+    form was recorded counts as fp32: an fp32 run still reads it, a bf16 run refuses it."""
+    from safetensors.numpy import load_file
+
+    from zerotrain.train.data import reference
+    path = write_jsonl(tmp_path / "d.jsonl", _records(4, 8))
+    args = ["--model.name", "gpt-tiny", "--data.kind", "preference", "--data.path", str(path), "--data.seq_len", "32",
+            "--data.val_fraction", "0", "--train.objective", "dpo", "--train.dpo.reference", "precomputed"]
+    run = args + ["--train.max_steps", "1", "--train.micro_batch_size", "2", "--train.run_dir", str(tmp_path / "run"),
+                  "--checkpoint.save_at_end", "false", "--checkpoint.export", "false"]
+    _prepare_reference(args + ["--strategy", FP32_DDP])
+    made = tmp_path / "d.reference.safetensors"
+    assert reference.read_meta(made)["compute"] == "fp32"
+    capsys.readouterr()
+    for strategy in ("ds_configs/ddp.json", "ds_configs/zero2.json"):
+        code, err = run_main(capsys, run + ["--ds-config", strategy])
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"{made} was computed in fp32, but this run computes in bf16" in err, err
+        assert f"zerotrain prepare --reference --config <this run's file> --strategy {strategy}" in err, err
+    assert "bf16 autocast with fp32 outputs (ddp) on cpu" in run_main(capsys, run + ["--ds-config", "ds_configs/ddp.json"])[1]
+
+    # A file without "compute" (written before it was recorded, in fp32): fp32 runs read it.
+    meta = {k: v for k, v in reference.read_meta(made).items() if k != "compute"}
+    t = load_file(made)
+    reference.write(made, t["lines"], t["chosen_logps"], t["rejected_logps"], meta)
+    code, err = run_main(capsys, run + ["--ds-config", "ds_configs/ddp.json"])
+    assert code == 2 and "was computed in fp32, but this run computes in bf16" in err, err
+    from zerotrain.train.config import DpoConfig, RunConfig, TrainConfig
+    from zerotrain.train.training.preference_setup import attach_reference, check_reference_compute
+    cfg = RunConfig(model=ModelConfig(name="gpt-tiny"), data=DataConfig(kind="preference", path=str(path), seq_len=32,
+                                                                          val_fraction=0.0),
+                    train=TrainConfig(objective="dpo", dpo=DpoConfig(reference="precomputed")))
+    data = pref(path, 32, val_fraction=0.0)
+    attach_reference(cfg, resolve(cfg.model), 32, data)
+    for fp32_file in (FP32_DDP, FP32_DDP.replace("ddp_fp32", "zero2_fp32")):  # one form under every backend
+        check_reference_compute(data, _strategy(fp32_file, cfg), "cpu")
+    assert np.array_equal(np.sort(data.train.reference[0]), np.sort(t["chosen_logps"]))  # the file's values
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("ds", ["ddp", "zero2", "zero3"])
+def test_bf16_step_one_rewards_are_exactly_zero_with_a_precomputed_reference(tmp_path, ds, capsys):
+    """`prepare --reference --strategy <the run's bf16 JSON>` computes the log-probs as the run's
+    policy computes its own at step 1 (Strategy.frozen_like_policy: DDP's autocast with fp32
+    outputs, ZeRO's bf16 module), and a ZeRO run reads them in fp32 (not cast to its bf16 input
+    dtype), so a bf16 run starts as TRL's DPOTrainer with bf16=True and the live copy do: every
+    reward 0, accuracy 0, the loss exactly log 2. ZeRO-3: full fine-tuning's only reference there.
+    (Before, prepare computed in fp32: step-1 loss 0.693132 under ddp.json, 0.694225 under zero2.json.)"""
+    from zerotrain.train.data.make_preferences import write
+    train, _ = write(tmp_path / "d" / "train.jsonl", 64, 16, 0)
+    common = ["--config", "examples/dpo.yaml", "--data.path", str(train), "--model.dropout", "0",
+              "--train.dpo.reference", "precomputed"]
+    _prepare_reference([*common, "--strategy", f"ds_configs/{ds}.json"])
+    assert "computed in bf16" in capsys.readouterr().out
+    run_dir = tmp_path / "run"
+    run_train("python", 1, [*common, "--train.max_steps", "1", "--train.eval_every", "0", "--logging.every_steps", "1",
+                            "--checkpoint.export", "false", "--train.run_dir", str(run_dir),
+                            "--ds-config", f"ds_configs/{ds}.json"])
     step1 = next(r for r in metrics(run_dir) if "loss" in r)
     assert json.loads((run_dir / "config.json").read_text())["resolved"]["precision"] == "bf16"
     assert (step1["rewards/chosen"], step1["rewards/rejected"], step1["rewards/margins"]) == (0.0, 0.0, 0.0), step1

@@ -8,7 +8,7 @@ instruction records -> a prepared set for data.kind = sft.
     zerotrain prepare corpus/ --out data/corpus --tokenizer models/my-llama  # shards + manifest, all cores
     zerotrain prepare data.parquet --text-field text --out data/corpus      # local HF dataset files
     zerotrain prepare --verify data/corpus                                  # sha256 of every shard
-    zerotrain prepare --reference --config examples/dpo.yaml                # DPO reference log-probs, once
+    zerotrain prepare --reference --config examples/dpo.yaml --strategy ds_configs/ddp.json  # DPO reference, once
 
 --out DIR (no .bin suffix): shards of --shard-tokens tokens + DIR/manifest.json, tokenized on
 --workers processes (identical shards for any number), resumable after an interruption by
@@ -27,14 +27,21 @@ and sha256: training refuses a set made with another tokenizer or template setti
 a source that has changed since. A bad record stops prepare with one line naming file:line
 (exit 2) and leaves no output. Layout: train/data/sft_file.py.
 
---reference --config RUN.yaml [--section.key VALUE ...]: for a run with data.kind preference,
-the reference log-probabilities of every record of data.path (and of its <name>.val.jsonl), from
-the run's model at its starting weights (model.name built as the run builds it, train.seed; the
-base model under model.lora), in fp32 on one device (CUDA if there is one), written beside each
-file as <name>.reference.safetensors (train/data/reference.py). A run with
-train.dpo.reference precomputed then reads them instead of running a reference model. Re-running
-with nothing changed does nothing; a file made for other data, tokenizer, seq_len, model or seed
-is refused by training in one line.
+--reference --config RUN.yaml [--strategy FILE.json] [--section.key VALUE ...]: for a run with
+data.kind preference, the reference log-probabilities of every record of data.path (and of its
+<name>.val.jsonl), from the run's model at its starting weights (model.name built as the run
+builds it, train.seed; the base model under model.lora), on one device (CUDA if there is one),
+written beside each file as <name>.reference.safetensors (train/data/reference.py). They are
+computed the way the run's policy computes its own at step 1 under the run's strategy file and
+precision (DDP bf16: autocast with fp32 outputs; ZeRO bf16/fp16: the model in 16 bits; FSDP2
+bf16: bf16 parameters; fp32: fp32 under every backend), so a bf16 run starts with rewards
+exactly 0 and the loss exactly log 2. The strategy file is the run's: --strategy (--ds-config is
+the same flag), else the run file's distributed.ds_config, else the one a run without either
+takes on this machine; make the file with the strategy file the run will use (not auto). The
+file records that form, and a run whose strategy file computes otherwise refuses it in one line.
+A run with train.dpo.reference precomputed then reads them instead of running a reference model.
+Re-running with nothing changed does nothing; a file made for other data, tokenizer, seq_len,
+model, seed or strategy precision is refused by training in one line.
 
 Streams: files are read in 4 MiB pieces (cut at line ends) and tokenized ~16 MiB at a
 time, so corpora larger than memory work. (A file over 4 MiB is thus tokenized piecewise:
@@ -150,7 +157,7 @@ def write_tokens(files: Iterable[Path], tokenizer, out: Path, progress: Callable
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--reference" in argv:
+    if "--reference" in argv and not {"-h", "--help"} & set(argv):  # (with --help: this command's help, below)
         rest = [a for a in argv if a != "--reference"]
         with user_errors("--debug" in rest):
             return prepare_reference([a for a in rest if a != "--debug"])
@@ -181,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(<out>, <out stem>.trained.bin/.offsets.bin/.index.bin, <out stem>.json)")
     p.add_argument("--no-chat-template", action="store_true",
                    help="with --sft: do not use the tokenizer's chat template (for runs with data.chat_template false)")
+    p.add_argument("--reference", action="store_true",
+                   help="with --config RUN.yaml [--strategy FILE.json] [--section.key VALUE ...] (and no inputs): a DPO "
+                        "run's reference log-probs, computed as the run's strategy file computes (--strategy, alias "
+                        "--ds-config, else the run file's distributed.ds_config); see below")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     a = p.parse_args(argv)
     with user_errors(a.debug):
@@ -372,8 +383,9 @@ def _reference_in_chunks(workload, pairs, device, out: Path, want: dict):
 
 
 def prepare_reference(argv: list[str]) -> int:
-    """`prepare --reference --config RUN.yaml [overrides]`: the reference log-probs of a DPO run's
-    pairs (train/data/reference.py), computed once with the run's model at its starting weights."""
+    """`prepare --reference --config RUN.yaml [--strategy FILE.json] [overrides]`: the reference
+    log-probs of a DPO run's pairs (train/data/reference.py), computed once with the run's model at
+    its starting weights, as the run's strategy file makes it compute."""
     import dataclasses
 
     import torch
@@ -389,8 +401,6 @@ def prepare_reference(argv: list[str]) -> int:
     from zerotrain.train.training.preference_setup import reference_identity
 
     a = parse_train_args(argv)
-    if a.ds_config:
-        raise ConfigError("prepare --reference runs on one device: give no --ds-config")
     cfg = load_config(a.config, a.overrides)
     from zerotrain.train.launch import hub_fetch
     hub_fetch.fetch(cfg, 0)  # Hub ids into the cache (one process here)
@@ -412,13 +422,15 @@ def prepare_reference(argv: list[str]) -> int:
     source = Path(cfg.data.path).expanduser()
     sources = [source] + ([val_path(source)] if val_path(source).is_file() and val_path(source) != source else [])
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    strategy = _reference_strategy(a.ds_config, cfg, device)
+    compute = strategy.compute_form(device.type)
     workload = None
     for src in sources:
         t0 = time.perf_counter()
         pairs, _, _ = read_pairs(src, enc, seq_len)
         if pairs is None:
             continue
-        want = reference_identity(cfg, spec, seq_len, bundle, src)
+        want = reference_identity(cfg, spec, seq_len, bundle, src, compute)
         out = reference.reference_path(src)
         if out.is_file():
             try:
@@ -431,10 +443,31 @@ def prepare_reference(argv: list[str]) -> int:
             base = resolve(dataclasses.replace(cfg.model, lora=None)) if cfg.model.lora is not None else spec
             set_seed(cfg.train.seed)
             workload = build_workload(base, bundle)
+            # as the run's policy computes at step 1 under its strategy file (in bf16: its rewards exactly 0)
+            workload.model = strategy.frozen_like_policy(workload.model.to(device))
         chosen, rejected = _reference_in_chunks(workload, pairs, device, out, want)
         reference.write(out, pairs.lines, chosen, rejected, want)
         reference.partial_path(out).unlink(missing_ok=True)
         print(f"wrote {out}: reference log-probs of {len(pairs):,} records of {src} (model {cfg.model.name}"
-              f"{', base without adapters' if cfg.model.lora is not None else ''}, seq_len {seq_len}, {device.type}) "
-              f"in {time.perf_counter() - t0:.1f}s", flush=True)
+              f"{', base without adapters' if cfg.model.lora is not None else ''}, seq_len {seq_len}, computed in "
+              f"{compute} as {strategy.path} runs) in {time.perf_counter() - t0:.1f}s", flush=True)
     return 0
+
+
+def _reference_strategy(cli: str | None, cfg, device):
+    """The Strategy of the run's strategy file (--strategy / --ds-config, else distributed.ds_config,
+    else the file a run without one takes on this machine), made from the file alone: prepare is
+    one plain process, so nothing of it needs an Accelerator, an engine or a process group. Its
+    frozen_like_policy and compute_form say how the run's policy computes (train/strategy/)."""
+    from zerotrain.train.launch.ds_config_choice import resolve_ds_config_path
+    from zerotrain.train.plan.memory_check import is_auto
+    from zerotrain.train.strategy import for_setup
+    from zerotrain.train.strategy.ds_config import load_ds_setup
+    given = cli or cfg.distributed.ds_config
+    if given and is_auto(given):
+        raise ConfigError(f"prepare --reference: the strategy file {given} (--strategy / distributed.ds_config) is "
+                          f"chosen when the run starts, but the reference is computed as one file computes: pass "
+                          f"--strategy with the file the run uses (its start-up banner names it)")
+    path = resolve_ds_config_path(given, "python")
+    # The batch keys are the run's (its world size is unknown here); precision, backend and the rest are checked.
+    return for_setup(load_ds_setup(path, cfg, None, cfg.train.max_steps, cuda=device.type == "cuda", sizes_later=True))

@@ -72,8 +72,9 @@ class DpoConfig:
     extra memory), else by a frozen copy of the initial model (one more copy of the weights per
     rank; not under ZeRO-3, whose parameters are partitioned); or "precomputed", read from
     <data.path stem>.reference.safetensors (and the validation file's), written once by
-    `zerotrain prepare --reference` with the run's model at its starting weights: no reference
-    forward and no copy, so full fine-tuning has a reference under ZeRO-3 too."""
+    `zerotrain prepare --reference` with the run's model at its starting weights, computed as the
+    run's strategy file computes (its precision; prepare's --strategy): no reference forward and
+    no copy, so full fine-tuning has a reference under ZeRO-3 too."""
 
     def __post_init__(self):
         if self.loss not in ("sigmoid", "ipo", "simpo"):

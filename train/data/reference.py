@@ -9,11 +9,16 @@ and writes, beside each file, <name>.reference.safetensors:
     rejected_logps  fp32  (N,)   log ref(rejected | prompt)
 
 and, as the file's metadata, what the numbers depend on: the JSONL file's size and sha256, the
-tokenizer (by content) and chat-template setting, data.seq_len (truncation), model.name and
-train.seed. The key is the line number, not a rank's or a split's position, so any number of
-ranks, any validation split and any order read the same values. A run with
-train.dpo.reference precomputed checks every one of those against its own and refuses a file
-that differs (one line naming the file, what changed, and the command that remakes it).
+tokenizer (by content) and chat-template setting, data.seq_len (truncation), model.name,
+train.seed, and how the model computes ("compute": the run's strategy file's precision and
+backend form, Strategy.compute_form, e.g. "fp32" or "bf16 autocast with fp32 outputs (ddp) on
+cpu"). The log-probs are computed the way the run's policy computes its own at step 1
+(Strategy.frozen_like_policy), so in bf16 the step-1 rewards are exactly 0 as with the live
+reference; fp32 is one form under every backend. The key is the line number, not a rank's or a
+split's position, so any number of ranks, any validation split and any order read the same
+values. A run with train.dpo.reference precomputed checks every one of those against its own and
+refuses a file that differs (one line naming the file, what changed, and the command that
+remakes it). A file from before "compute" was recorded was computed in fp32, and is read as such.
 (The token counts are not stored: sigmoid and ipo need none, simpo needs no reference.)
 """
 
@@ -44,17 +49,24 @@ def sha256_file(path: Path) -> str:
 
 
 def identity(source: Path, tokenizer_sha256: str, chat_template: bool, seq_len: int, model: str,
-             seed: int) -> dict[str, str]:
-    """What a file of reference log-probs depends on (its safetensors metadata, all strings)."""
-    return {"format": FORMAT, "version": "1", "source_size": str(source.stat().st_size),
+             seed: int, compute: str | None) -> dict[str, str]:
+    """What a file of reference log-probs depends on (its safetensors metadata, all strings);
+    `compute`: how the model computes (Strategy.compute_form; None leaves it out: a run reads the
+    file with its data, before its strategy exists, and checks it with check_compute then)."""
+    meta = {"format": FORMAT, "version": "1", "source_size": str(source.stat().st_size),
             "source_sha256": sha256_file(source), "tokenizer_sha256": tokenizer_sha256,
             "chat_template": json.dumps(bool(chat_template)), "seq_len": str(seq_len), "model": model,
             "seed": str(seed)}
+    return meta if compute is None else {**meta, "compute": compute}
 
 
 WHAT = {"source_size": "the data file's size", "source_sha256": "the data file's content (sha256)",
         "tokenizer_sha256": "the tokenizer", "chat_template": "data.chat_template", "seq_len": "data.seq_len",
         "model": "model.name", "seed": "train.seed", "format": "the format", "version": "the format version"}
+
+#: what a file written before a key was recorded holds for it: "compute" came later, and every
+#: file before it was computed in fp32
+BEFORE = {"compute": "fp32"}
 
 
 def write(path: Path, lines: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, meta: dict[str, str]) -> None:
@@ -100,15 +112,36 @@ def read_meta(path: Path) -> dict[str, str]:
         return dict(f.metadata() or {})
 
 
+def _command(strategy: str | None) -> str:
+    """The command that makes the file for this run (`strategy`: its strategy file, when known)."""
+    return f"zerotrain prepare --reference --config <this run's file> --strategy {strategy or '<its strategy file>'}"
+
+
+def _compute_differs(path: Path, have: str, want: str, strategy: str | None) -> DataError:
+    return DataError(f"train.dpo.reference precomputed: {path} was computed in {have}, but this run computes in "
+                     f"{want}{f' ({strategy})' if strategy else ''}, so its reference would not be the step-1 "
+                     f"policy; re-run `{_command(strategy)}`")
+
+
+def check_compute(source: Path, want: str, strategy: str) -> None:
+    """The reference file of `source` (already read by load) was computed in the form `want`
+    (Strategy.compute_form of the run's `strategy` file); DataError, one line, if not."""
+    path = reference_path(source)
+    have = read_meta(path).get("compute", BEFORE["compute"])
+    if have != want:
+        raise _compute_differs(path, have, want, strategy)
+
+
 def load(source: Path, expected: dict[str, str], lines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(chosen, rejected) reference log-probs of the records at JSONL `lines` of `source`, from
     its reference file once checked against `expected` (identity()); DataError, one line, if it
     is missing, stale or lacks a record."""
     path = reference_path(source)
-    remake = "re-run `zerotrain prepare --reference` with this run's config"
+    command = _command(None)
+    remake = f"re-run `{command}`"
     if not path.is_file():
         raise DataError(f"train.dpo.reference precomputed: {path} does not exist (the reference log-probs of "
-                        f"{source}); make it with `zerotrain prepare --reference --config <this run's file>`")
+                        f"{source}); make it with `{command}`")
     try:
         meta = read_meta(path)
         from safetensors.numpy import load_file
@@ -118,9 +151,12 @@ def load(source: Path, expected: dict[str, str], lines: np.ndarray) -> tuple[np.
         raise DataError(f"train.dpo.reference precomputed: {path} is not a reference file ({type(e).__name__}: "
                         f"{str(e)[:120]}); {remake}") from None
     for k, want in expected.items():
-        if meta.get(k) != want:
+        have = meta.get(k, BEFORE.get(k))
+        if k == "compute" and have != want:  # the strategy file or the device: both forms whole
+            raise _compute_differs(path, have, want, None)
+        if have != want:
             raise DataError(f"train.dpo.reference precomputed: {path} is stale: {WHAT.get(k, k)} differs (file "
-                            f"{str(meta.get(k))[:16]}, run {want[:16]}); {remake}")
+                            f"{str(have)[:16]}, run {want[:16]}); {remake}")
     index = {int(n): i for i, n in enumerate(keys)}
     missing = [int(n) for n in lines if int(n) not in index]
     if missing:

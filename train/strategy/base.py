@@ -136,20 +136,34 @@ class Strategy:
         return module.to(device)
 
     def frozen_like_policy(self, module: torch.nn.Module) -> torch.nn.Module:
-        """A frozen module run beside the prepared model (DPO's reference copy, built before
-        prepare), made to compute as the model does: under Accelerate's mixed precision (DDP
-        bf16/fp16) its forward gets the same autocast and fp32 outputs Accelerate gave the model's,
-        so that at step 1 the policy and the reference give the same log-probs bit for bit (the
-        rewards exactly 0, the DPO loss exactly log 2). Returns the module."""
-        if not getattr(self.acc, "native_amp", False):
+        """A frozen module run beside the model (DPO's reference: the live copy, built before
+        prepare, or `zerotrain prepare --reference`'s model), made to compute as the model does at
+        step 1: under Accelerate's mixed precision (DDP bf16/fp16) its forward gets the autocast
+        and fp32 outputs Accelerate gives the model's (torch.autocast on the module's device in the
+        precision's dtype: build_accelerator passes no AutocastKwargs), so that the policy and the
+        reference give the same log-probs bit for bit (the rewards exactly 0, the DPO loss exactly
+        log 2). It reads only the strategy file, never the Accelerator, engine or process group:
+        prepare runs it in a plain process. Call it once the module is on its device. Returns the module."""
+        dtype = HALF_DTYPES.get(self.precision)
+        if dtype is None:
             return module
         from types import MethodType
 
-        from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
-        autocast = get_mixed_precision_context_manager(self.acc.native_amp, self.acc.autocast_handler)
+        from accelerate.utils import convert_outputs_to_fp32
+        device = next(module.parameters()).device
         forward = module.forward.__func__ if hasattr(module.forward, "__func__") else module.forward
-        module.forward = MethodType(convert_outputs_to_fp32(autocast(forward)), module)
+        module.forward = MethodType(convert_outputs_to_fp32(torch.autocast(device.type, dtype=dtype)(forward)), module)
         return module
+
+    def compute_form(self, device_type: str) -> str:
+        """How frozen_like_policy makes a module compute on `device_type` ("cuda", "cpu"), in words
+        that differ wherever two runs' log-probs of the same weights can: what a precomputed DPO
+        reference file records (train/data/reference.py) so that a run computing otherwise
+        refuses it. fp32 is "fp32" under every backend and device (the files made before the form
+        was recorded were fp32)."""
+        if self.precision == "fp32":
+            return "fp32"
+        return f"{self.precision} autocast with fp32 outputs ({self.backend}) on {device_type}"
 
     # ------------------------------------------------------------------ one step
     def input_dtype(self) -> Optional[torch.dtype]:
@@ -251,6 +265,9 @@ class Strategy:
         CPU", fp32, 2 ranks, huge pages off)."""
         raise NotImplementedError
 
+
+#: the 16-bit precisions' dtypes (a strategy file's "bf16"/"fp16"): what the frozen reference computes in
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 _GOLDEN = 0.6180339887498949  # the direction's frequency: irrational, so no two elements share a weight pattern
 

@@ -213,18 +213,23 @@ def _check_block(path, block: dict, name: str, checks: dict):
                               f'use "auto" or change the run config')
 
 
-def load_ds_setup(path: str, cfg: RunConfig, batch: Batch, max_steps: int, cuda: bool,
+def load_ds_setup(path: str, cfg: RunConfig, batch: Batch | None, max_steps: int, cuda: bool,
                   hidden_size: int | None = None, sizes_later: bool = False,
                   launcher_precision: str | None = None) -> DSSetup:
     """Read the DeepSpeed JSON at `path`, validate it against the run config and fill every
     "auto". The "auto" ZeRO sizes need the model width; `sizes_later` (zerotrain check, before
     any data is read) leaves them for the run to fill. `launcher_precision`: accelerate's
-    mixed_precision, for an "enabled": "auto" (default: ACCELERATE_MIXED_PRECISION)."""
+    mixed_precision, for an "enabled": "auto" (default: ACCELERATE_MIXED_PRECISION). `batch`
+    None (`zerotrain prepare --reference`: one process computing what the run's model computes,
+    world size unknown): _fill_batch_unchecked."""
     ds = copy.deepcopy(read_ds_json(path))
     precision, why = resolve_precision(path, ds, cuda, launcher_precision)
     check_fp16_device(path, precision, cuda)
     fill_precision(ds, precision)
-    _match_batch(path, ds, cfg, batch)
+    if batch is not None:
+        _match_batch(path, ds, cfg, batch)
+    else:
+        _fill_batch_unchecked(path, ds, cfg)
     _check_optimizer(path, ds, cfg.optim)
     _check_scheduler(path, ds, cfg.optim, max_steps)
     import zerotrain.train.strategy.registry as registry
@@ -239,6 +244,18 @@ def _match_batch(path, ds: dict, cfg: RunConfig, batch: Batch):
     _match(path, ds, "gradient_accumulation_steps", batch.accum, "train.grad_accum_steps")
     _match(path, ds, "train_batch_size", batch.global_size,
            f"global batch (micro {batch.micro} x accum {batch.accum} x world {batch.world})")
+    _match(path, ds, "gradient_clipping", float(cfg.train.grad_clip), "train.grad_clip")
+
+
+def _fill_batch_unchecked(path, ds: dict, cfg: RunConfig):
+    """Without the world size (load_ds_setup with no batch): the batch keys left "auto" are filled
+    for one process and the ones the JSON pins are kept unchecked; none of them changes what a
+    forward computes, and the run checks them against its own batch at start."""
+    one = cfg.train.batch(1)
+    for key, value in (("train_micro_batch_size_per_gpu", one.micro), ("gradient_accumulation_steps", one.accum),
+                       ("train_batch_size", one.global_size)):
+        if is_auto(ds.get(key, "auto")):
+            ds[key] = value
     _match(path, ds, "gradient_clipping", float(cfg.train.grad_clip), "train.grad_clip")
 
 

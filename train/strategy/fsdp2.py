@@ -201,11 +201,16 @@ class FSDP2Strategy(Strategy):
     def frozen_like_policy(self, module: torch.nn.Module) -> torch.nn.Module:
         """Under bf16 the units compute with their parameters cast to bf16 (MixedPrecisionPolicy;
         buffers stay as they are): the frozen copy's parameters are cast the same way, so at step 1
-        it gives the policy's log-probs."""
+        it gives the policy's log-probs (the precision from the strategy file: no process group needed)."""
         if self.precision == "bf16":
             for p in module.parameters():
                 p.data = p.data.to(torch.bfloat16)
         return module
+
+    def compute_form(self, device_type: str) -> str:
+        if self.precision != "bf16":
+            return "fp32"
+        return f"bf16 parameters, buffers as built (fsdp2) on {device_type}"
 
     # ------------------------------------------------------------------ checkpoints and memory
     def after_prepare(self, workload) -> dict:

@@ -16,7 +16,7 @@ import zerotrain.train.strategy.registry as registry
 from zerotrain.models.partitioned import PartitionedInit
 from zerotrain.train import testhooks
 from zerotrain.train.errors import ConfigError
-from zerotrain.train.strategy.base import Strategy
+from zerotrain.train.strategy.base import HALF_DTYPES, Strategy
 from zerotrain.train.strategy.option import Option
 
 # Strategy.malloc_figures by stage, from the cgroup peaks of BENCHMARKS.md "Host allocator on CPU".
@@ -111,11 +111,17 @@ class ZeroStrategy(Strategy):
         return facts
 
     def frozen_like_policy(self, module: torch.nn.Module) -> torch.nn.Module:
-        """DeepSpeed bf16/fp16 keeps the model's parameters themselves in 16 bits: the frozen
-        copy (built in fp32 before prepare) is cast to the same dtype, so it computes as the
-        model did before its first step (Strategy.frozen_like_policy)."""
-        dtype = next(self.engine.parameters()).dtype
-        return module.to(dtype) if dtype != torch.float32 else module
+        """DeepSpeed bf16/fp16 casts the whole model to 16 bits (module.half()/.bfloat16() when
+        the engine is made: parameters and floating buffers): the frozen module (built in fp32) is
+        cast the same way, so it computes as the model did before its first step
+        (Strategy.frozen_like_policy; the dtype from the strategy file, no engine needed)."""
+        dtype = HALF_DTYPES.get(self.precision)
+        return module.to(dtype) if dtype is not None else module
+
+    def compute_form(self, device_type: str) -> str:
+        if self.precision == "fp32":
+            return "fp32"
+        return f"{self.precision} parameters and buffers (deepspeed) on {device_type}"
 
     # ------------------------------------------------------------------ one step
     def input_dtype(self) -> Optional[torch.dtype]:

@@ -38,7 +38,8 @@ from zerotrain.train.plan import memory_check
 from zerotrain.train.plan import memory_plan as plan_
 from zerotrain.train.training import hardware, rank_file
 from zerotrain.train.training.loaders import Loaders, build_loaders
-from zerotrain.train.training.preference_setup import attach_reference, preference
+from zerotrain.train.training.preference_setup import (attach_reference, check_reference_compute, precomputed_reference,
+                                                        preference)
 from zerotrain.train.training.evaluate import Evaluator, cast_floats
 from zerotrain.train.training.features import Services as FeatureServices
 from zerotrain.train.training.features import build_features
@@ -154,7 +155,7 @@ def load_data(cfg: RunConfig, rt: Runtime) -> RunData:
     # sft: data.tokenizer, else an hf:<dir> model's own tokenizer, else bytes (the GPT presets)
     tokenizer = cfg.data.tokenizer or (spec.name[3:] if spec.family == "hf" else None)
     bundle = build_data(cfg.data, seq_len, cfg.train.seed, tokenizer)
-    if cfg.train.objective == "dpo" and cfg.train.dpo.reference == "precomputed" and cfg.train.dpo.loss != "simpo":
+    if precomputed_reference(cfg):
         attach_reference(cfg, spec, seq_len, bundle)
     sampler = _sampler(cfg, bundle, rt.batch)
     max_steps = cfg.train.epochs * sampler.steps_per_epoch if cfg.train.epochs else cfg.train.max_steps
@@ -224,6 +225,8 @@ def _ds_setup(cfg: RunConfig, ds_config_cli: Optional[str], rt: Runtime, data: R
     strategy = for_setup(ds)
     sp_.refuse_unsupported(cfg, data.spec, data.seq_len, strategy)
     strategy.check_run(cfg)
+    if precomputed_reference(cfg):  # once the strategy is known: was the file computed as it computes?
+        check_reference_compute(data.bundle, strategy, "cuda" if rt.cuda else "cpu")
     return strategy, choice, view
 
 

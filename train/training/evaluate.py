@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from zerotrain.models.preference import REFERENCE_KEYS
+
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
@@ -20,10 +22,12 @@ if TYPE_CHECKING:
 
 def cast_floats(batch: dict, dtype: Optional[torch.dtype]) -> dict:
     """Float inputs in `dtype` where the strategy keeps the parameters themselves in 16 bits
-    (Strategy.input_dtype; None: as they are)."""
+    (Strategy.input_dtype; None: as they are). Not a precomputed DPO reference's log-probs
+    (REFERENCE_KEYS): no input of the model but what the loss subtracts in fp32; in bf16 (8
+    significant bits) a log-prob of -45.0052 would be -45.0, and the step-1 rewards not 0."""
     if dtype is None:
         return batch
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+    return {k: v.to(dtype) if v.is_floating_point() and k not in REFERENCE_KEYS else v for k, v in batch.items()}
 
 
 class Evaluator:

@@ -21,17 +21,26 @@ if TYPE_CHECKING:
     from zerotrain.train.strategy import Strategy
 
 
-def reference_identity(cfg: RunConfig, spec: ModelSpec, seq_len: int, bundle: DataBundle, source: Path) -> dict:
+def precomputed_reference(cfg: RunConfig) -> bool:
+    """Does the run read its reference log-probs from files (train.dpo.reference precomputed; simpo has none)?"""
+    return cfg.train.objective == "dpo" and cfg.train.dpo.reference == "precomputed" and cfg.train.dpo.loss != "simpo"
+
+
+def reference_identity(cfg: RunConfig, spec: ModelSpec, seq_len: int, bundle: DataBundle, source: Path,
+                       compute: str | None = None) -> dict:
     """What the precomputed reference log-probs of `source` depend on (train/data/reference.py):
-    train.seed only where it fixes the starting weights (not an hf: model's)."""
+    train.seed only where it fixes the starting weights (not an hf: model's); `compute`, how the
+    strategy makes the model compute (Strategy.compute_form), once it is known (None: not checked
+    here; a run checks it with check_reference_compute once its strategy exists)."""
     from zerotrain.train.data import reference
     return reference.identity(source, bundle.extra["tokenizer_sha256"], bundle.extra["chat_template"], seq_len,
-                              cfg.model.name, cfg.train.seed if spec.family != "hf" else 0)
+                              cfg.model.name, cfg.train.seed if spec.family != "hf" else 0, compute)
 
 
 def attach_reference(cfg: RunConfig, spec: ModelSpec, seq_len: int, bundle: DataBundle) -> None:
     """train.dpo.reference precomputed: every pair (training and validation) gets its reference
-    log-probs from the file beside its JSONL file, checked against this run (one line if stale)."""
+    log-probs from the file beside its JSONL file, checked against this run (one line if stale;
+    the compute form later, check_reference_compute)."""
     from zerotrain.train.data import reference
     for pairs in (bundle.train, bundle.val):
         if pairs is not None:
@@ -41,6 +50,17 @@ def attach_reference(cfg: RunConfig, spec: ModelSpec, seq_len: int, bundle: Data
                                 f"file, or use train.dpo.reference live")
             want = reference_identity(cfg, spec, seq_len, bundle, pairs.source)
             pairs.attach_reference(*reference.load(pairs.source, want, pairs.lines))
+
+
+def check_reference_compute(bundle: DataBundle, strategy: Strategy, device_type: str) -> None:
+    """The attached reference files were computed as `strategy` makes the model compute on
+    `device_type` (its precision and backend form, Strategy.compute_form): else their log-probs
+    are not the step-1 policy's (in bf16 the rewards would not start at 0). One line naming the
+    file, both forms and the prepare command with this run's strategy file (DataError, exit 2)."""
+    from zerotrain.train.data import reference
+    for pairs in (bundle.train, bundle.val):
+        if pairs is not None and pairs.source is not None:
+            reference.check_compute(pairs.source, strategy.compute_form(device_type), strategy.path)
 
 
 def preference(cfg: RunConfig, workload: Workload, strategy: Strategy, device):
