@@ -14,6 +14,7 @@ CUDA's fp16 kernels and NCCL (bench/gpu_check.sh runs FSDP2 fp16 on a GPU).
   - the scale and its count of clean steps round-trip through state_dict / load_state_dict (a
     resumed run continues with the same scales), in the record DDP's GradScaler loads;
   - on two ranks, an inf in one rank's gradient shard only skips the step on both;
+  - DPO's frozen reference is cast to fp16 as the units are (the same loss at step 1);
   - the file's fp16 keys are DDP's: the same refusals, naming FSDP2's loss scale.
 """
 
@@ -117,6 +118,18 @@ def test_fsdp2_fp16_computes_in_fp16_over_fp32_masters(one_rank):
     hook.remove()
     assert seen == [(torch.float16, torch.float16)]
     assert {p.dtype for p in m.parameters()} == {torch.float32}
+
+
+def test_fsdp2_fp16_frozen_copy_computes_as_the_policy(one_rank):
+    """DPO's frozen reference (copied whole before sharding) is cast as the policy's units are:
+    at step 1 it gives the sharded model's loss bit for bit (an fp32 copy would not)."""
+    s, m = driver.build(one_rank, 1)
+    x, y = driver.batch(1)
+    frozen = s.frozen_like_policy(driver.model())  # the same initial weights, whole
+    assert {p.dtype for p in frozen.parameters()} == {torch.float16}
+    with torch.no_grad():
+        got, want, fp32 = m(x, y), frozen(x, y), driver.model()(x, y)
+    assert torch.equal(got, want) and not torch.equal(got, fp32)
 
 
 def test_fsdp2_fp16_scale_round_trips_through_the_engine_state(one_rank):
