@@ -14,14 +14,15 @@
 #               folder) into $ZT_GPU_SITE (/tmp/site), offline; PYTHONPATH=repo:/tmp/site, so
 #               the machine's own torch/accelerate/transformers are used, never shadowed.
 #      env      versions, GPU, peak FLOP/s.
-#   1. fp16_{ddp,zero0,zero1,zero2,zero3}  fp16 with dynamic loss scaling (DeepSpeed's scaler,
-#               Accelerate's GradScaler for DDP): the scale changes, an overflowing step is
-#               skipped (skipped_steps > 0; the JSON starts at 2^24 so the first steps overflow),
-#               the loss falls.
+#   1. fp16_{ddp,zero0,zero1,zero2,zero3,fsdp2}  fp16 with dynamic loss scaling (DeepSpeed's
+#               scaler, Accelerate's GradScaler for DDP, FSDP2's own on the global gradient norm:
+#               not yet run on a GPU): the scale changes, an overflowing step is skipped
+#               (skipped_steps > 0; the JSON starts at 2^24 so the first steps overflow), the
+#               loss falls.
 #      bf16_{ddp,zero0,...,zero3,fsdp2}, bf16_agree  the same small model, data and seed under each:
 #               every run's loss falls, and the logged losses agree within 2% at every logged
 #               step (bench/gpu_checks.py BF16_RTOL says why 2%).
-#      (all ten small runs at once on the one GPU: correctness, not speed)
+#      (the small runs, up to ten at once on the one GPU (PAR): correctness, not speed)
 #      ckpt_async  checkpoint.async (issue 39; not yet run on a GPU): the same small model, ZeRO-2
 #               bf16, 1 process, 7 steps, a save every 2 written in the background (pinned buffers
 #               reused, copies on a side stream); then a resume from step 4's save to step 7 and a
@@ -155,7 +156,7 @@ else
 fi
 QUIET=(--train.eval_every 0 --train.eval_batches 1 --train.sample_tokens 0 --logging.progress false
        --checkpoint.save_at_end false --checkpoint.export false)
-FP16_CFGS="ddp zero0 zero1 zero2 zero3"
+FP16_CFGS="ddp zero0 zero1 zero2 zero3 fsdp2"
 BF16_CFGS=${ZT_GPU_BF16:-"ddp zero0 zero1 zero2 zero3 fsdp2"}
 [ $DRY = 1 ] && BF16_CFGS=${ZT_GPU_BF16:-"ddp zero0 zero3"}
 
@@ -176,7 +177,7 @@ if [ $DRY = 0 ]; then
       "${EVERY[@]}" "${QUIET[@]}" --train.run_dir "$RUNS/fp16_$cfg"
   done
 else
-  # DeepSpeed refuses fp16 on CPU: the fp16 JSONs go through zerotrain's own validation as on
+  # DeepSpeed (and zerotrain, for every backend) refuses fp16 on CPU: the fp16 JSONs go through zerotrain's own validation as on
   # a GPU (train/strategy/ds_config.load_ds_setup, cuda=True), and the checker reads synthetic metrics shaped like
   # DeepSpeed's (tests/test_gpu_check.py also feeds it a constant scale, which must FAIL).
   dry_fp16() {

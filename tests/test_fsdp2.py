@@ -193,13 +193,9 @@ def test_fsdp2_file_mistakes_are_one_line(tmp_path, changes, words):
         assert w in msg, msg
 
 
-def test_fsdp2_refuses_fp16_and_sequence_parallel_in_one_line(tmp_path):
+def test_fsdp2_refuses_sequence_parallel_in_one_line(tmp_path):
+    """(fp16 trains under FSDP2: tests/test_fsdp2_fp16.py, its refused keys included.)"""
     from zerotrain.train.errors import ConfigError
-    with pytest.raises(ConfigError, match="FSDP2 with fp16"):
-        from zerotrain.train.config import Batch, RunConfig
-        from zerotrain.train.strategy.ds_config import load_ds_setup
-        path = ds_variant(tmp_path, "fsdp2", bf16={"enabled": False}, fp16={"enabled": True})
-        load_ds_setup(path, RunConfig(), Batch(4, 1, 2), 10, cuda=True)
     import zerotrain.train.strategy as strategy
     ds, _ = _setup(tmp_path)
     with pytest.raises(ConfigError, match="distributed.sequence_parallel"):

@@ -17,6 +17,7 @@ import pytest
 from helpers import REPO, subprocess_env
 
 CHECKS = REPO / "bench" / "gpu_checks.py"
+FP16_CFGS = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2")  # gpu_check.sh's fp16 rows
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_checks  # noqa: E402
 
@@ -167,7 +168,7 @@ def test_failed_launch_names_the_timeout_and_the_error(tmp_path):
     assert r.returncode == 1 and "timed out after 150s: RuntimeError: CUDA error: out of memory" in r.stdout
 
 
-@pytest.mark.parametrize("cfg", ["ddp", "zero0", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("cfg", ["ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2"])
 def test_fp16_json_of_every_shipped_config_is_accepted_on_a_gpu(tmp_path, cfg):
     """What gpu_check.sh runs: the shipped file, bf16 switched to fp16, starting at 2^24."""
     out = tmp_path / f"{cfg}_fp16.json"
@@ -176,7 +177,7 @@ def test_fp16_json_of_every_shipped_config_is_accepted_on_a_gpu(tmp_path, cfg):
     assert d["fp16"]["enabled"] and not d["bf16"]["enabled"] and "data_types" not in d
     assert d["fp16"]["initial_scale_power"] == 24 and d["fp16"]["loss_scale_window"] == 20
     got = gpu_checks.validate_ds(out, ["--model.name", "gpt-tiny"], cuda=True)
-    assert got["precision"] == "fp16" and got["backend"] == ("ddp" if cfg == "ddp" else "deepspeed")
+    assert got["precision"] == "fp16" and got["backend"] == {"ddp": "ddp", "fsdp2": "fsdp2"}.get(cfg, "deepspeed")
 
 
 def test_token_file_is_what_training_reads(tmp_path):
@@ -199,7 +200,7 @@ def test_dry_run(tmp_path):
                        text=True, timeout=900)
     lines = [ln for ln in p.stdout.splitlines() if re.match(r"(PASS|FAIL) ", ln)]
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    want = ["env", *[f"fp16_{c}" for c in ("ddp", "zero0", "zero1", "zero2", "zero3")],
+    want = ["env", *[f"fp16_{c}" for c in FP16_CFGS],
             *[f"bf16_{c}" for c in ("ddp", "zero0", "zero3")], "bf16_agree", "ckpt_async", "mfu_trainer",
             "mfu_independent", "stage_zero2"]
     assert sorted(ln.split()[1] for ln in lines) == sorted(want), lines
@@ -213,7 +214,7 @@ def test_dry_run(tmp_path):
 
     # fp16: the written JSONs were validated as on a GPU; the synthetic metrics carry a scale
     # change and skipped steps
-    for c in ("ddp", "zero0", "zero1", "zero2", "zero3"):
+    for c in FP16_CFGS:
         f = checks[f"fp16_{c}"]
         assert f["synthetic"] and f["validated"][f"{c}_fp16"]["precision"] == "fp16"
         assert f["scale_min"] < f["scale_first"] and f["skipped_steps"] > 0

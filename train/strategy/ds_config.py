@@ -99,7 +99,7 @@ class DSSetup:
     offload_optimizer: str | None     # "cpu" | "nvme" | None
     offload_param: str | None
     ddp_kwargs: dict = field(default_factory=dict)
-    grad_scaler: dict | None = None   # DDP fp16: torch GradScaler arguments from the "fp16" block
+    grad_scaler: dict | None = None   # DDP / FSDP2 fp16: torch GradScaler arguments from the "fp16" block
     precision_why: str | None = None  # how an "auto" bf16/fp16.enabled was resolved (banner); None: the JSON says
     resolved: dict = field(default_factory=dict)   # what DeepSpeed receives, no "auto" left
     settings: dict = field(default_factory=dict)   # a backend's own block as its parser read it (FSDP2's)
@@ -152,21 +152,22 @@ GRAD_SCALER_KEYS = {"initial_scale_power": "init_scale = 2**initial_scale_power"
                     "loss_scale_window": "growth_interval"}
 
 
-def grad_scaler_args(path, fp16: dict) -> dict:
-    """GradScaler(init_scale, growth_interval) from a DDP file's "fp16" block. DeepSpeed's other
-    knobs have no GradScaler equivalent (it lowers the scale at every overflow, has no floor and
-    no static mode): refused unless they ask for exactly that behaviour."""
+def grad_scaler_args(path, fp16: dict, who: str = "DDP's GradScaler") -> dict:
+    """GradScaler(init_scale, growth_interval) from a DDP file's "fp16" block (FSDP2's loss scale
+    follows the same rule: `who` names it in the refusals). DeepSpeed's other knobs have no
+    GradScaler equivalent (it lowers the scale at every overflow, has no floor and no static
+    mode): refused unless they ask for exactly that behaviour."""
     out = {"init_scale": 2.0 ** 16, "growth_interval": 2000}  # GradScaler's own defaults but init 2**16
     for k, v in fp16.items():
         if k == "enabled":
             continue
         if k == "loss_scale":
             if v not in (0, 0.0):
-                raise ConfigError(f'{path}: "fp16.loss_scale": {v!r}: DDP\'s GradScaler has no static loss scale; '
+                raise ConfigError(f'{path}: "fp16.loss_scale": {v!r}: {who} has no static loss scale; '
                                   f'use 0 (dynamic) or a ds_configs/zero*.json file (DeepSpeed supports static scales)')
         elif k == "hysteresis":
             if v != 1:
-                raise ConfigError(f'{path}: "fp16.hysteresis": {v!r}: DDP\'s GradScaler lowers the scale at every '
+                raise ConfigError(f'{path}: "fp16.hysteresis": {v!r}: {who} lowers the scale at every '
                                   f"overflow (hysteresis 1); remove the key or use a ds_configs/zero*.json file")
         elif k == "initial_scale_power":
             out["init_scale"] = 2.0 ** int(v)
@@ -174,7 +175,7 @@ def grad_scaler_args(path, fp16: dict) -> dict:
             out["growth_interval"] = int(v)
         else:
             supported = ["enabled", "loss_scale", "hysteresis", *GRAD_SCALER_KEYS]
-            raise ConfigError(f'{path}: "fp16.{k}" has no equivalent in DDP\'s GradScaler{did_you_mean(k, supported)}; '
+            raise ConfigError(f'{path}: "fp16.{k}" has no equivalent in {who}{did_you_mean(k, supported)}; '
                               f"supported: {', '.join(supported)} (min_loss_scale and the rest need a "
                               f"ds_configs/zero*.json file)")
     return out

@@ -11,7 +11,10 @@ fp32 after each micro-batch's backward.
 them again for its backward (ZeRO-3's trade: least memory, one more all-gather per step); false
 keeps them from the forward to the backward (ZeRO-2-like memory for the parameters in flight,
 one all-gather fewer). bf16 computes in bf16 (FSDP2's MixedPrecisionPolicy) over fp32 master
-shards; fp32 computes in fp32.
+shards; fp32 computes in fp32. fp16 computes in fp16 the same way (gradients reduced in fp32),
+with a dynamic loss scale (train/strategy/loss_scale.py DynamicScale: DDP's GradScaler rule and
+"fp16" keys, the overflow decided on the global gradient norm, so every rank skips together;
+the scale is saved with checkpoints). fp16 needs a CUDA GPU, as for every backend.
 
 Every rank but 0 builds the model on the meta device; rank 0 builds it as every backend does,
 and its values fill each rank's shards as the model is sharded (`init_context`, `shard`): one
@@ -31,9 +34,10 @@ import torch
 
 import zerotrain.train.strategy.cost as cost
 import zerotrain.train.strategy.ds_config as ds_config
+import zerotrain.train.strategy.loss_scale as loss_scale
 import zerotrain.train.strategy.registry as registry
 from zerotrain.train.errors import ConfigError, did_you_mean
-from zerotrain.train.strategy.base import Strategy, param_projection
+from zerotrain.train.strategy.base import HALF_DTYPES, Strategy, param_projection
 from zerotrain.train.strategy.holders import Slot, TorchOptimizerHolder, named_unique_params
 from zerotrain.train.strategy.option import Option
 
@@ -81,11 +85,10 @@ def setup(path, ds: dict, precision: str, hidden_size: Optional[int] = None, siz
         if k not in FSDP_KEYS:
             raise ConfigError(f'{path}: "{BLOCK}.{k}" is not an FSDP2 option{did_you_mean(k, FSDP_KEYS)}; '
                               f"valid: {', '.join(FSDP_KEYS)}")
-    if precision == "fp16":
-        raise ConfigError(f'{path}: FSDP2 with fp16 (loss scaling) is not supported by zerotrain; set '
-                          f'"bf16": {{"enabled": true}} (or both disabled for fp32), or use ds_configs/zero2_fp16.json')
+    # fp16: the loss scale's settings from the "fp16" block, DDP's keys and refusals
+    scaler = ds_config.grad_scaler_args(path, ds["fp16"], "FSDP2's loss scale") if precision == "fp16" else None
     return ds_config.DSSetup(path=str(path), backend="fsdp2", stage=None, precision=precision, offload_optimizer=None,
-                             offload_param=None, resolved=ds, settings=settings)
+                             offload_param=None, resolved=ds, settings=settings, grad_scaler=scaler)
 
 
 def describe(ds) -> str:
@@ -136,7 +139,9 @@ class FSDP2Strategy(Strategy):
         # An accelerate YAML with distributed_type FSDP (train/launch/ds_config_choice.py fsdp_file
         # read its settings) would make Accelerate wrap the model itself: zerotrain shards it.
         os.environ.pop("ACCELERATE_USE_FSDP", None)
-        acc = build_accelerator(self.ds.accelerate_mixed_precision, batch, timeout_s, (),
+        # fp16: no Accelerate GradScaler (none on CPU): the policy casts, the strategy scales (DynamicScale).
+        mixed = "no" if self.precision == "fp16" else self.ds.accelerate_mixed_precision
+        acc = build_accelerator(mixed, batch, timeout_s, (),
                                 cpu=not torch.cuda.is_available())
         self.device = acc.device
         return acc
@@ -171,13 +176,22 @@ class FSDP2Strategy(Strategy):
         wrapper around it would all-reduce the shards)."""
         self.acc, self.raw_optimizer, self.engine = acc, raw_optimizer, model
         self.optimizer, *prepared = acc.prepare(raw_optimizer, *loaders)
+        if self.precision == "fp16":
+            self.scaler = loss_scale.DynamicScale(self.device, **self.ds.grad_scaler)
         return prepared
 
     # ------------------------------------------------------------------ one step
+    def backward(self, loss) -> None:
+        """fp16: the loss times the scale (DynamicScale)."""
+        super().backward(self.scaler.scaled(loss) if self.precision == "fp16" else loss)
+
     def step(self, clip: float):
         """The global norm over every shard (each rank's sum of squares, all-reduced: a DTensor
-        reduction), clipping by it, then the step; a non-finite norm skips the step on every rank."""
+        reduction), clipping by it, then the step; a non-finite norm skips the step on every rank.
+        fp16: the gradients are unscaled first, and the same norm decides the scale's update."""
         grads = [p.grad for p in self.engine.parameters() if p.grad is not None]
+        if self.precision == "fp16":
+            self.scaler.unscale_(grads)
         norm = torch.nn.utils.get_total_norm(grads)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         if clip > 0:
@@ -186,7 +200,22 @@ class FSDP2Strategy(Strategy):
         self.raw_optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.precision == "fp16":
+            self.scaler.update(self.raw_optimizer.found_inf)
         return norm
+
+    # ------------------------------------------------------------------ fp16
+    def loss_scale(self):
+        return self.scaler.current() if self.precision == "fp16" else None
+
+    def state_dict(self) -> dict:
+        """fp16: the scale as DDP's GradScaler records it (kind "torch"), so it moves between the two."""
+        return {"loss_scaler": {"kind": "torch", **self.scaler.state_dict()}} if self.precision == "fp16" else {}
+
+    def load_state_dict(self, state: dict, at) -> None:
+        s = state.get("loss_scaler")
+        if s and self.precision == "fp16" and s.get("kind") == "torch":
+            self.scaler.load_state_dict(s)
 
     def param_checksum(self, origin: list | None = None) -> tuple[float, float, float]:
         """Each parameter gathered whole in turn (every rank: a collective); `origin` as the base
@@ -199,18 +228,20 @@ class FSDP2Strategy(Strategy):
         return float(total[0]), float(total[1]), float(total[2])
 
     def frozen_like_policy(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Under bf16 the units compute with their parameters cast to bf16 (MixedPrecisionPolicy;
-        buffers stay as they are): the frozen copy's parameters are cast the same way, so at step 1
-        it gives the policy's log-probs (the precision from the strategy file: no process group needed)."""
-        if self.precision == "bf16":
+        """Under bf16 (fp16) the units compute with their parameters cast to bf16 (fp16)
+        (MixedPrecisionPolicy; buffers stay as they are): the frozen copy's parameters are cast the
+        same way, so at step 1 it gives the policy's log-probs (the precision from the strategy
+        file: no process group needed)."""
+        half = HALF_DTYPES.get(self.precision)
+        if half is not None:
             for p in module.parameters():
-                p.data = p.data.to(torch.bfloat16)
+                p.data = p.data.to(half)
         return module
 
     def compute_form(self, device_type: str) -> str:
-        if self.precision != "bf16":
+        if self.precision == "fp32":
             return "fp32"
-        return f"bf16 parameters, buffers as built (fsdp2) on {device_type}"
+        return f"{self.precision} parameters, buffers as built (fsdp2) on {device_type}"
 
     # ------------------------------------------------------------------ checkpoints and memory
     def after_prepare(self, workload) -> dict:
@@ -314,7 +345,7 @@ def shard(model: torch.nn.Module, device, reshard_after_forward: bool, precision
     # Rank 0's whole values, kept from before fully_shard replaces each parameter by its shard.
     whole = {name: t.detach() for name, t in model.named_parameters()} if rank == 0 and world > 1 else None
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    half = torch.bfloat16 if precision == "bf16" else None
+    half = HALF_DTYPES.get(precision)
     # Only the root casts its float inputs: a block gets the activations the model computed (a
     # model that keeps its residual stream in fp32 keeps it here, as under ZeRO's bf16 weights).
     unit_mp = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32, cast_forward_inputs=False)

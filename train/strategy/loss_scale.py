@@ -34,3 +34,57 @@ def state(optimizer) -> dict:
 
 def restore(optimizer, saved: dict) -> None:
     internals.set_scaler_fields(internals.loss_scaler(optimizer), saved)
+
+
+class DynamicScale:
+    """FSDP2's fp16 loss scale: torch GradScaler's rule (train/strategy/ds_config.py
+    grad_scaler_args reads the same "fp16" keys), decided on the global gradient norm.
+
+    The scale multiplies the loss before backward; at the step the gradients are divided by it,
+    and the step is an overflow when the norm of the unscaled gradients over every shard (a
+    DTensor reduction: the same number on every rank) is not finite. An overflow halves the
+    scale and the optimizer skips the step (found_inf); `growth_interval` clean steps in a row
+    double it. The update is torch's own kernel (torch._amp_update_scale_, GradScaler.update's),
+    on the device, without a host read.
+
+    Why not torch's GradScaler through Accelerate (what DDP uses): Accelerate makes none on a CPU,
+    so the code the CPU tests run would not be the GPU's; and its unscale_ would check the DTensor
+    gradients for inf with a second reduction (DTensor dispatch all-reduces found_inf:
+    torch/distributed/tensor/_dispatch.py found_inf_reduce_handler) where the strategy already
+    reduces the global norm, which decides the same thing. This reuses that norm, on CPU and GPU
+    alike."""
+
+    GROWTH, BACKOFF = 2.0, 0.5
+
+    def __init__(self, device, init_scale: float, growth_interval: int):
+        self.growth_interval = int(growth_interval)
+        self.scale = torch.full((), float(init_scale), dtype=torch.float32, device=device)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the scale, in fp32 (an fp16 loss times 2**16 would overflow itself)."""
+        return loss.float() * self.scale.to(loss.device)
+
+    def unscale_(self, grads: list) -> None:
+        """Every gradient divided by the scale (exact: a power of two), in place."""
+        if grads:
+            torch._foreach_mul_(grads, self.scale.double().reciprocal().float())
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """After the step: halve at an overflow, double after growth_interval clean steps."""
+        torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf.to(self.scale.device, torch.float32),
+                                 self.GROWTH, self.BACKOFF, self.growth_interval)
+
+    def current(self) -> torch.Tensor:
+        return self.scale.detach().clone()
+
+    def state_dict(self) -> dict:
+        """GradScaler.state_dict's fields (DDP's record): a checkpoint's scale moves between the two."""
+        return {"scale": float(self.scale), "growth_factor": self.GROWTH, "backoff_factor": self.BACKOFF,
+                "growth_interval": self.growth_interval, "_growth_tracker": int(self.growth_tracker)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The saved scale and count of clean steps; growth_interval stays the file's
+        ("fp16.loss_scale_window" rules), the count capped below it."""
+        self.scale.fill_(float(state["scale"]))
+        self.growth_tracker.fill_(min(int(state.get("_growth_tracker", 0)), self.growth_interval - 1))
