@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memcap  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from zerotrain.train.strategy import ddp, zero  # noqa: E402
+from zerotrain.train.strategy import ddp, fsdp2, zero  # noqa: E402
 from stages import BIN, REPO, free_port, machine, peaks  # noqa: E402
 
 OPTIONS = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
@@ -128,7 +128,9 @@ def outcome(run: dict) -> str:
 
 
 def _glibc_growth(option: str) -> float:
-    """The glibc growth (Strategy.malloc_figures) of a shipped option: DDP's or its ZeRO stage's."""
+    """The glibc growth (Strategy.malloc_figures) of a shipped option: DDP's, FSDP2's or its ZeRO stage's."""
+    if option.startswith("fsdp2"):
+        return fsdp2.GLIBC_GROWTH
     return ddp.GLIBC_GROWTH if option == "ddp" else zero.GLIBC_GROWTH[int(option[4])]
 
 
@@ -174,7 +176,8 @@ def main(argv=None) -> int:
     tmp = out_dir / f"tmp-frontier-{stamp}"
     fam = family(a.precision, tmp / "configs")
     labels = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
-              "zero2_offload": "ZeRO-2 + opt offload", "zero3_offload": "ZeRO-3 + param/opt offload"}
+              "zero2_offload": "ZeRO-2 + opt offload", "zero3_offload": "ZeRO-3 + param/opt offload",
+              "fsdp2": "FSDP2", "fsdp2_keep": "FSDP2, kept after forward"}
     base = trainer_args(a)
     rows = []
     for name in [n.strip() for n in a.options.split(",") if n.strip()]:

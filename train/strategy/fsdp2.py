@@ -53,10 +53,12 @@ NOT_FSDP = tuple(ds_config.DEEPSPEED_ONLY) + ("data_types", "ddp", "zero_force_d
 SHARED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                "gradient_clipping", "bf16", "fp16")
 
-# Strategy.malloc_figures: (glibc growth, compact cost) as measured for ZeRO-3, the backend with
-# the same life of its memory (units gathered and freed every forward and backward); FSDP2's own
-# are not measured (BENCHMARKS.md "Host allocator on CPU").
-GLIBC_GROWTH, COMPACT_COST = 1.50, 0.62
+# Strategy.malloc_figures: glibc's growth is FSDP2's own (the cgroup peak under glibc over the
+# peak under compact malloc, both reshard settings: 1.18; BENCHMARKS.md "FSDP2 beside ZeRO",
+# bench/results/allocator-20261207-135646). The compact cost is ZeRO-3's, the backend with the
+# same life of its memory (units gathered and freed every forward and backward): FSDP2's step
+# times there were taken on a shared machine and are not a measurement.
+GLIBC_GROWTH, COMPACT_COST = 1.18, 0.62
 STARTUP = 4 * cost.MiB   # what DDP's Accelerator costs at start-up: the same Accelerator here
 
 
