@@ -21,6 +21,7 @@ other backend and world size (train/checkpoint/load.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -52,6 +53,16 @@ GLIBC_GROWTH, COMPACT_COST = 1.50, 0.62
 STARTUP = 4 * cost.MiB   # what DDP's Accelerator costs at start-up: the same Accelerator here
 
 
+@dataclass(frozen=True)
+class FSDP2Settings(registry.Settings):
+    """What FSDP2 alone reads from a strategy file: its "fsdp" block (FSDP_KEYS). Made by `setup`
+    (a run) and `_option` / `_default_option` (the planner)."""
+
+    #: a unit's gathered parameters freed after its forward and gathered again for its backward
+    #: (ZeRO-3's trade); False keeps them until the backward (one all-gather fewer)
+    reshard_after_forward: bool = True
+
+
 # ------------------------------------------------------------------ the file's block
 def setup(path, ds: dict, precision: str, hidden_size: Optional[int] = None, sizes_later: bool = False):
     """An "fsdp" file: its block checked (every key known, of its type), nothing of another backend."""
@@ -80,12 +91,12 @@ def setup(path, ds: dict, precision: str, hidden_size: Optional[int] = None, siz
     if precision == "fp16":
         raise ConfigError(f'{path}: FSDP2 with fp16 (loss scaling) is not supported by zerotrain; set '
                           f'"bf16": {{"enabled": true}} (or both disabled for fp32), or use ds_configs/zero2_fp16.json')
-    return ds_config.DSSetup(path=str(path), backend="fsdp2", stage=None, precision=precision, offload_optimizer=None,
-                             offload_param=None, resolved=ds, settings=settings)
+    return ds_config.DSSetup(path=str(path), backend="fsdp2", precision=precision, settings=FSDP2Settings(**settings),
+                             resolved=ds)
 
 
 def describe(ds) -> str:
-    keep = "" if ds.settings.get("reshard_after_forward", True) else ", kept after forward"
+    keep = "" if ds.settings.reshard_after_forward else ", kept after forward"
     return f"FSDP2{keep} ({ds.precision})"
 
 
@@ -97,7 +108,7 @@ class FSDP2Strategy(Strategy):
 
     @property
     def reshard_after_forward(self) -> bool:
-        return bool(self.ds.settings.get("reshard_after_forward", True))
+        return self.ds.settings.reshard_after_forward
 
     def record(self) -> dict:
         return {"backend": self.backend, "zero_stage": None, "precision": self.precision,
@@ -292,12 +303,12 @@ class ShardHolder(TorchOptimizerHolder):
 # ------------------------------------------------------------------ the planner
 def _option(label: str, path, precision: str, ds: dict, width=None) -> Option:
     block = ds.get(BLOCK) if isinstance(ds.get(BLOCK), dict) else {}
-    return Option(label, path, "fsdp2", None, precision,
-                  reshard_after_forward=bool(block.get("reshard_after_forward", True)))
+    return Option(label, path, "fsdp2", precision,
+                  FSDP2Settings(reshard_after_forward=bool(block.get("reshard_after_forward", True))))
 
 
 def _default_option(label: str, fname: str, precision: str) -> Option:
-    return Option(label, None, "fsdp2", None, precision, reshard_after_forward="keep" not in fname)
+    return Option(label, None, "fsdp2", precision, FSDP2Settings(reshard_after_forward="keep" not in fname))
 
 
 def _cost(r, batch, rank: Optional[int] = None) -> tuple[dict, list]:
@@ -311,7 +322,7 @@ def _cost(r, batch, rank: Optional[int] = None) -> tuple[dict, list]:
     frozen_part = sum(-(-t // n) for t in shape.frozen)
     layers = getattr(shape.gpt, "n_layer", 0) or 1
     unit = max(shape.num_params // layers, r.largest, shape.leaf_block)
-    gathered = b * (shape.num_params if not r.s.reshard_after_forward else 2 * unit)
+    gathered = b * (shape.num_params if not r.s.settings.reshard_after_forward else 2 * unit)
     caveats = [] if shape.gpt is not None else ["FSDP2 unit size estimated as the largest tensor (no layer count)"]
     # The fused AdamW keeps a 4-byte step count per trained tensor.
     return dict(params=4 * (part + frozen_part), grads=4 * part, optimizer=8 * part + 4 * len(shape.tensors), master=part,
