@@ -476,7 +476,7 @@ def validate_ds(path: Path, train_args: list[str], cuda: bool) -> dict:
     batch = cfg.train.batch(1)
     width = resolve_model(cfg.model).hidden_size
     ds = load_ds_setup(str(path), cfg, batch, cfg.train.max_steps, cuda=cuda, hidden_size=width)
-    return {"precision": ds.precision, "backend": ds.backend, "stage": ds.stage}
+    return {"precision": ds.precision, "backend": ds.backend, "stage": ds.settings.zero_stage}
 
 
 def write_tokens(out: Path, vocab: int, n: int, seed: int):

@@ -172,27 +172,29 @@ def test_shipped_configs_resolve(tmp_path):
                  "zero2_fp32", "zero2_fp16"):
         ds = load_ds_setup(str(REPO / "ds_configs" / f"{name}.json"), cfg, cfg.train.batch(2), 100,
                              cuda=name.endswith("fp16"), hidden_size=128)
-        stages[name] = (ds.backend, ds.stage, ds.precision, ds.offload_optimizer, ds.offload_param)
-        if ds.is_deepspeed:
+        z = ds.settings  # the backend's own record: ZeroSettings, DDPSettings
+        stages[name] = (ds.backend, ds.precision) + ((z.stage, z.offload_optimizer, z.offload_param)
+                                                     if ds.backend == "deepspeed" else ())
+        if ds.backend == "deepspeed":
             r = ds.resolved
             assert r["train_micro_batch_size_per_gpu"] == 8 and r["gradient_accumulation_steps"] == 1
             assert r["train_batch_size"] == 16 and r["gradient_clipping"] == 1.0
             assert "optimizer" not in r and "scheduler" not in r   # zerotrain builds both
             assert "auto" not in json.dumps(r)
             # bf16 accumulates gradients in fp32 from stage 1 on (DeepSpeed has no fp32 accumulation at stage 0)
-            want = {"grad_accum_dtype": "fp32"} if ds.precision == "bf16" and ds.stage >= 1 else None
+            want = {"grad_accum_dtype": "fp32"} if ds.precision == "bf16" and ds.settings.stage >= 1 else None
             assert r.get("data_types") == want, name
             z = r["zero_optimization"]
-            if ds.stage >= 1:  # buckets sized from the width (128), not DeepSpeed's 5e8 elements
+            if ds.settings.stage >= 1:  # buckets sized from the width (128), not DeepSpeed's 5e8 elements
                 assert z["reduce_bucket_size"] == 128 * 128, name
-            if ds.stage == 3:
+            if ds.settings.stage == 3:
                 assert z["stage3_param_persistence_threshold"] == 1280 and z["sub_group_size"] == 24 * 128 * 128
     assert stages == {
-        "ddp": ("ddp", None, "bf16", None, None), "ddp_fp32": ("ddp", None, "fp32", None, None), "zero0": ("deepspeed", 0, "bf16", None, None),
-        "zero1": ("deepspeed", 1, "bf16", None, None), "zero2": ("deepspeed", 2, "bf16", None, None),
-        "zero3": ("deepspeed", 3, "bf16", None, None), "zero2_offload": ("deepspeed", 2, "bf16", "cpu", None),
-        "zero3_offload": ("deepspeed", 3, "bf16", "cpu", "cpu"), "zero2_fp32": ("deepspeed", 2, "fp32", None, None),
-        "zero2_fp16": ("deepspeed", 2, "fp16", None, None)}
+        "ddp": ("ddp", "bf16"), "ddp_fp32": ("ddp", "fp32"), "zero0": ("deepspeed", "bf16", 0, None, None),
+        "zero1": ("deepspeed", "bf16", 1, None, None), "zero2": ("deepspeed", "bf16", 2, None, None),
+        "zero3": ("deepspeed", "bf16", 3, None, None), "zero2_offload": ("deepspeed", "bf16", 2, "cpu", None),
+        "zero3_offload": ("deepspeed", "bf16", 3, "cpu", "cpu"), "zero2_fp32": ("deepspeed", "fp32", 2, None, None),
+        "zero2_fp16": ("deepspeed", "fp16", 2, None, None)}
 
 
 @pytest.mark.parametrize("ds,needle", [
@@ -263,7 +265,7 @@ def test_matching_concrete_values_are_accepted(tmp_path):
     ds = _resolve(tmp_path, {"train_micro_batch_size_per_gpu": 8, "train_batch_size": 16, "gradient_clipping": 1,
                              "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95]}},
                              "zero_optimization": {"stage": 1}})
-    assert ds.stage == 1 and ds.resolved["gradient_clipping"] == 1
+    assert ds.settings.stage == 1 and ds.resolved["gradient_clipping"] == 1
 
 
 def test_missing_ds_config_lists_shipped_files(tmp_path):

@@ -143,7 +143,8 @@ def test_sizes_a_json_sets_are_kept_and_absent_ones_without_auto_stay_deepspeeds
 def test_hf_docs_zero2_json_loads_unchanged():
     ds = _setup(HF_DIR / "ds_config_zero2.json", hidden_size=64)
     r = ds.resolved
-    assert (ds.stage, ds.offload_optimizer, ds.offload_param, ds.precision) == (2, "cpu", None, "fp32")
+    zs = ds.settings  # ZeroSettings
+    assert (zs.stage, zs.offload_optimizer, zs.offload_param, ds.precision) == (2, "cpu", None, "fp32")
     assert ds.precision_why == ('bf16.enabled and fp16.enabled "auto": no GPU here, and CPUs emulate bf16 '
                                 '~7x slower')
     assert r["bf16"] == {"enabled": False} and r["fp16"]["enabled"] is False and r["fp16"]["hysteresis"] == 2
@@ -159,8 +160,9 @@ def test_hf_docs_zero2_json_loads_unchanged():
 
 def test_hf_docs_zero3_json_loads_unchanged():
     ds = _setup(HF_DIR / "ds_config_zero3.json", hidden_size=64)
+    zs = ds.settings  # ZeroSettings
+    assert (zs.stage, zs.offload_optimizer, zs.offload_param, ds.precision) == (3, "cpu", "cpu", "fp32")
     z = ds.resolved["zero_optimization"]
-    assert (ds.stage, ds.offload_optimizer, ds.offload_param, ds.precision) == (3, "cpu", "cpu", "fp32")
     assert z["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64) and z["stage3_param_persistence_threshold"] == 640
     assert z["sub_group_size"] == z["stage3_max_live_parameters"] == z["stage3_max_reuse_distance"] == 1e9
     assert z["stage3_gather_16bit_weights_on_model_save"] is True and not _autos(ds.resolved)

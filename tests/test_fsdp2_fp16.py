@@ -197,7 +197,7 @@ def test_the_shipped_fsdp2_fp16_file_resolves():
     from zerotrain.train.strategy.ds_config import load_ds_setup
     ds = load_ds_setup(str(REPO / "ds_configs" / "fsdp2_fp16.json"), RunConfig(), Batch(4, 1, 2), 10, cuda=True)
     assert (ds.backend, ds.precision) == ("fsdp2", "fp16")
-    assert ds.grad_scaler == {"init_scale": 2.0 ** 16, "growth_interval": 1000}
+    assert ds.settings.grad_scaler == {"init_scale": 2.0 ** 16, "growth_interval": 1000}
     assert ds.describe() == "FSDP2 (fp16)"
     from zerotrain.train.strategy.option import Option  # the planner prices its 16-bit elements as bf16's
     o = Option.from_json("FSDP2 fp16", REPO / "ds_configs" / "fsdp2_fp16.json")
@@ -219,6 +219,6 @@ def test_fsdp2_fp16_keys_without_a_meaning_are_refused_in_one_line(tmp_path, fp1
 def test_fsdp2_fp16_settings_reach_the_scale_and_cpu_is_refused(tmp_path):
     from zerotrain.train.errors import ConfigError
     ds = _load(tmp_path, {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 50})
-    assert ds.grad_scaler == {"init_scale": 4096.0, "growth_interval": 50}
+    assert ds.settings.grad_scaler == {"init_scale": 4096.0, "growth_interval": 50}
     with pytest.raises(ConfigError, match="fp16 needs a CUDA GPU"):  # a real launch on this machine
         _load(tmp_path, {"enabled": True}, cuda=False)

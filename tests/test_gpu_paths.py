@@ -67,13 +67,13 @@ def test_ddp_fp16_settings_reach_the_grad_scaler(tmp_path):
     ddp["bf16"], ddp["fp16"]["enabled"] = {"enabled": False}, True
     ddp["fp16"].update(initial_scale_power=12, loss_scale_window=50)
     ds = load_ds_setup(_write(tmp_path, ddp), cfg, cfg.train.batch(2), 100, cuda=True)
-    assert ds.precision == "fp16" and ds.grad_scaler == {"init_scale": 4096.0, "growth_interval": 50}
+    assert ds.precision == "fp16" and ds.settings.grad_scaler == {"init_scale": 4096.0, "growth_interval": 50}
     # ... and Accelerate builds its GradScaler from them (the handler build_accelerator passes).
     from accelerate.utils import GradScalerKwargs
-    assert GradScalerKwargs(**ds.grad_scaler).to_kwargs() == {"init_scale": 4096.0, "growth_interval": 50}
+    assert GradScalerKwargs(**ds.settings.grad_scaler).to_kwargs() == {"init_scale": 4096.0, "growth_interval": 50}
     ddp["bf16"] = {"enabled": True}
     ddp["fp16"]["enabled"] = False
-    assert load_ds_setup(_write(tmp_path, ddp), cfg, cfg.train.batch(2), 100, cuda=True).grad_scaler is None
+    assert load_ds_setup(_write(tmp_path, ddp), cfg, cfg.train.batch(2), 100, cuda=True).settings.grad_scaler is None
 
 
 @pytest.mark.parametrize("fp16,needle", [

@@ -21,7 +21,8 @@ GiB = 2 ** 30
 def _ds(stage):
     """The Strategy host_settings reads (its malloc_figures): plain DDP (None) or a ZeRO stage."""
     from zerotrain.train.strategy import DDPStrategy, ZeroStrategy
-    return DDPStrategy(None) if stage is None else ZeroStrategy(SimpleNamespace(stage=stage))
+    from zerotrain.train.strategy.zero import ZeroSettings
+    return DDPStrategy(None) if stage is None else ZeroStrategy(SimpleNamespace(settings=ZeroSettings(stage)))
 
 
 def _budget(n):

@@ -25,8 +25,8 @@ OPTIONS = dict(plan.OPTIONS)
 def strategy(name: str, precision: str = "bf16", accum_dtype: str | None = None):
     label = {v: k for k, v in plan.OPTIONS}.get(f"{name}.json", name)
     s = Option.from_json(label, paths.DS_CONFIGS / f"{name}.json", precision)
-    if accum_dtype is not None:
-        s = dataclasses.replace(s, grad_accum_fp32=accum_dtype == "fp32")
+    if accum_dtype is not None and s.backend == "deepspeed":  # ZeRO's accumulation dtype (DDP accumulates in fp32)
+        s = dataclasses.replace(s, settings=dataclasses.replace(s.settings, grad_accum_fp32=accum_dtype == "fp32"))
     return s
 
 
@@ -48,10 +48,10 @@ def test_zero_paper_mixed_precision_model_states():
 
 
 def test_fp32_gradient_accumulation_under_bf16():
-    # The shipped bf16 JSONs accumulate in fp32 (train/strategy/ds_config.py): 4 bytes per held gradient element;
+    # The shipped bf16 JSONs accumulate in fp32 (train/strategy/zero.py): 4 bytes per held gradient element;
     # ZeRO-1 becomes DeepSpeed's BF16_Optimizer with fp32 accumulators for every parameter
     # (+ the bf16 gradients backward writes before they are added in).
-    assert strategy("zero2").grad_accum_fp32 and not strategy("zero0").grad_accum_fp32
+    assert strategy("zero2").settings.grad_accum_fp32 and not strategy("zero0").settings.grad_accum_fp32
     z1, z2, z3 = (states(n, accum_dtype=None) for n in ("zero1", "zero2", "zero3"))
     assert (z1.params, z1.grads, z1.optimizer) == (2 * PSI, 6 * PSI, 12 * PSI // N)
     assert (z2.params, z2.grads, z2.optimizer) == (2 * PSI, 4 * PSI // N, 12 * PSI // N)

@@ -58,8 +58,9 @@ def test_a_backend_cannot_claim_a_block_or_the_default_another_one_registered():
     ddp, zero = registry.get("ddp"), registry.get("deepspeed")
     with pytest.raises(ValueError, match="claims what 'ddp' registered"):
         registry.register(registry.Backend(name="other", block="ddp", strategy=ddp.strategy, setup=ddp.setup,
-                                           option=ddp.option, default_option=ddp.default_option))
+                                           option=ddp.option, default_option=ddp.default_option, describe=ddp.describe))
     with pytest.raises(ValueError, match="claims what 'deepspeed' registered"):
         registry.register(registry.Backend(name="other", block="other", strategy=zero.strategy, setup=zero.setup,
-                                           option=zero.option, default_option=zero.default_option, default=True))
+                                           option=zero.option, default_option=zero.default_option, describe=zero.describe,
+                                           default=True))
     assert registry.backends() == before

@@ -315,3 +315,38 @@ def test_the_import_rule_fails_on_a_planted_import(tmp_path):
         planted = tmp_path / "assembly.py"
         planted.write_text(source[:body] + "\n" + line + source[body:])
         assert len(_backend_imports(planted)) == 1, line
+
+
+# What every backend shares is one record each (ds_config.py DSSetup: a run's resolved file;
+# option.py Option: the planner's reading), with what one backend alone knows in its own settings
+# record (`settings`, defined in the backend's module: registry.Settings). So the shared records'
+# modules name no backend: no field of one backend, no comparison with a backend's name or block.
+SHARED_RECORDS = {"train/strategy/ds_config.py": ("DSSetup", {"path", "backend", "precision", "settings",
+                                                              "precision_why", "resolved"}),
+                  "train/strategy/option.py": ("Option", {"label", "path", "backend", "precision", "settings", "notes"})}
+BACKEND_NAMES = {"ddp", "deepspeed", "fsdp2", "zero_optimization", "fsdp"}   # the registry's names and blocks
+
+
+def _record_fields(tree: ast.Module, cls: str) -> set[str]:
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+
+
+def _backend_comparisons(tree: ast.Module) -> list[str]:
+    """`line: name` for each comparison with a backend's name or block (`backend == "ddp"`,
+    `"zero_optimization" in ds`)."""
+    return [f"{node.lineno}: {c.value}" for node in ast.walk(tree) if isinstance(node, ast.Compare)
+            for c in [node.left, *node.comparators]
+            if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value in BACKEND_NAMES]
+
+
+def test_the_shared_strategy_records_name_no_backend():
+    for rel, (cls, fields) in SHARED_RECORDS.items():
+        tree = ast.parse((REPO / rel).read_text(), rel)
+        assert _record_fields(tree, cls) == fields, (rel, cls)
+        assert _backend_comparisons(tree) == [], rel
+
+
+def test_the_backend_comparison_rule_sees_names_and_blocks():
+    tree = ast.parse('if ds.backend == "deepspeed":\n    pass\nx = "ddp" in ds\ny = ds.backend == other\n')
+    assert _backend_comparisons(tree) == ["1: deepspeed", "3: ddp"]

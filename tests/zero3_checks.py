@@ -7,7 +7,7 @@
               ordinarily give the same logits at T=1024
   buffers     buffers of models built under bf16 zero.Init (ResNet-18 BatchNorm statistics, a
               local Llama's) equal an ordinary construction, dtype included
-  accumulate  DeepSpeed engines with the shipped bf16 JSONs (ZeRO-1/2/3, as train/strategy/ds_config.py
+  accumulate  DeepSpeed engines with the shipped bf16 JSONs (ZeRO-1/2/3, as train/strategy/zero.py
               resolves them) keep every one of 64 micro-batch gradients; with bf16 accumulation
               they lose the small ones
 """

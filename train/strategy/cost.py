@@ -55,9 +55,10 @@ def ddp(r, batch, rank: Optional[int] = None) -> tuple[dict, list]:
 
 def zero(r, batch, rank: Optional[int] = None) -> tuple[dict, list]:
     """DeepSpeed ZeRO's terms and caveats, by stage (its registry entry's cost)."""
-    if r.s.stage == 0:
+    stage = r.s.settings.stage
+    if stage == 0:
         return _zero0(r), []
-    if r.s.stage in (1, 2):
+    if stage in (1, 2):
         return _zero12(r, batch, rank), []
     return _zero3(r, batch), ([] if r.shape.shapes_known else ["ZeRO-3 persistence not modelled (parameter count only)"])
 
@@ -77,11 +78,6 @@ class _Rank:
         return self.s.elem_bytes
 
     @property
-    def acc(self) -> int:
-        """Bytes of an accumulated gradient element."""
-        return 4 if self.s.grad_accum_fp32 else self.b
-
-    @property
     def trained(self) -> int:
         return sum(self.shape.tensors)
 
@@ -98,6 +94,11 @@ class _Rank:
     @property
     def comm_workspace(self) -> int:
         return DS_CPU_COMM_WORKSPACE if self.cpu and self.n > 1 else 0
+
+
+def _accumulated(r: _Rank) -> int:
+    """Bytes of a ZeRO accumulated gradient element: fp32 where the option accumulates in fp32."""
+    return 4 if r.s.settings.grad_accum_fp32 else r.b
 
 
 def _zero12_partition(groups, world: int, rank: int) -> tuple[int, int]:
@@ -131,7 +132,7 @@ def _ddp(r: _Rank) -> dict:
     """Accelerate autocast keeps fp32 params and grads whatever the precision (16Ψ); 16-bit weight
     copies live until backward. gloo all-reduces a bucket through its own send/receive copies
     (two buckets on CPU); zerotrain's DDP AdamW is fused on CUDA."""
-    s, psi, n, trained = r.s, r.shape.num_params, r.n, r.trained
+    s, psi, n, trained = r.s.settings, r.shape.num_params, r.n, r.trained
     return dict(params=4 * psi, grads=4 * trained * (1 if s.bucket_view else 2), optimizer=8 * trained, master=trained,
                 buffers=2 * s.bucket_cap_mb * MiB if r.cpu and n > 1 else 0, host=0,
                 comm=1.0 if n > 1 else None, backward_work=2 * psi if r.b == 2 else 0,
@@ -159,23 +160,23 @@ def _zero12(r: _Rank, batch, rank: Optional[int]) -> dict:
     boundary). DeepSpeed keeps an fp32 master partition even in fp32 training: optimizer states
     are 12 bytes per owned element. Reduce buckets are doubled by overlap_comm, allocated whole
     on CUDA and resident up to what fills them on CPU."""
-    s, b, n, trained, shape = r.s, r.b, r.n, r.trained, r.shape
+    s, b, n, trained, shape = r.s.settings, r.b, r.n, r.trained, r.shape
     ranks = range(n) if rank is None else [rank]
     owned, held = max((_zero12_partition(shape.groups, n, k) for k in ranks), key=lambda oh: oh[1])
     group_part = max(math.ceil(sum(g) / (2 * n)) * 2 for g in shape.groups)  # largest flat partition stepped
     if not shape.shapes_known:
         held = owned
     comm = (1.0 if s.stage == 1 else (batch.accum + 1) / 2) if n > 1 else None
-    rbs = s.z("reduce_bucket_size")
+    rbs = s.size("reduce_bucket_size")
     bucket = int(min(rbs, trained) if r.cpu else rbs) * b * (2 if s.overlap_comm else 1)
-    if s.stage == 1 and s.precision == "bf16" and s.grad_accum_fp32 and not s.offload_optimizer:
+    if s.stage == 1 and r.s.precision == "bf16" and s.grad_accum_fp32 and s.offload_optimizer is None:
         # DeepSpeed's BF16_Optimizer: bf16 params and their bf16 grads, fp32 gradient accumulators
         # for every parameter (the partition AdamW steps is a view of them).
         return dict(params=2 * shape.num_params, grads=(2 + 4) * trained, optimizer=12 * owned, master=owned,
                     buffers=r.comm_workspace, host=0, comm=comm, step_work=_adam_work(r.device, group_part, owned))
-    if s.offload_optimizer:
+    if s.offload_optimizer is not None:
         return _zero12_offload(r, batch, owned, held, bucket, comm)
-    grads = r.acc * (trained if s.stage == 1 and batch.accum > 1 else held)
+    grads = _accumulated(r) * (trained if s.stage == 1 and batch.accum > 1 else held)
     # The step hands AdamW an fp32 copy of the gradient partition.
     return dict(params=b * shape.num_params, grads=grads, optimizer=12 * owned, master=owned, buffers=bucket + r.comm_workspace,
                 host=0, comm=comm, backward_work=b * r.largest,
@@ -202,30 +203,31 @@ def _zero3(r: _Rank, batch) -> dict:
     gradient; the optimizer keeps an fp32 gradient buffer of its largest sub-group. Offload moves
     the optimizer states (with the fp32 gradient partition Adam reads) or the parameters to
     the host."""
-    s, b, n, shape = r.s, r.b, r.n, r.shape
-    threshold = s.z("stage3_param_persistence_threshold")
+    s, b, n, shape = r.s.settings, r.b, r.n, r.shape
+    threshold = s.size("stage3_param_persistence_threshold")
     part = sum(math.ceil(t / n) for t in shape.tensors)
     frozen_part = sum(math.ceil(t / n) for t in shape.frozen)
     tensors = list(shape.tensors) + list(shape.frozen)
     persistent = sum(t for t in tensors if t <= threshold)
     partitioned = sum(t for t in tensors if t > threshold)
     group_part = max(sum(math.ceil(t / n) for t in g) for g in shape.groups)
-    sub_group = int(min(s.z("sub_group_size"), group_part))          # one optimizer sub-group
-    gathered = b * int(max(min(partitioned, s.z("stage3_max_live_parameters")), shape.leaf_block))
-    ipg = int(min(s.z("reduce_bucket_size"), r.largest or r.trained) if r.cpu else s.z("reduce_bucket_size")) * b
-    params_dev, grads_dev, opt_dev = b * (part + frozen_part) + b * persistent, r.acc * part, 12 * part
+    sub_group = int(min(s.size("sub_group_size"), group_part))          # one optimizer sub-group
+    gathered = b * int(max(min(partitioned, s.size("stage3_max_live_parameters")), shape.leaf_block))
+    ipg = int(min(s.size("reduce_bucket_size"), r.largest or r.trained) if r.cpu else s.size("reduce_bucket_size")) * b
+    params_dev, grads_dev, opt_dev = b * (part + frozen_part) + b * persistent, _accumulated(r) * part, 12 * part
     host = pcie = 0
     step_buffer = 4 * sub_group   # stage3.py initialize_optimizer_states: kept between steps
     step_work = 4 * sub_group + _adam_work(r.device, sub_group, sub_group)
-    if s.offload_optimizer:
+    if s.offload_optimizer is not None:
         host += grads_dev + opt_dev + 4 * part
         grads_dev = opt_dev = step_buffer = step_work = 0
         pcie += b * part * (batch.accum + 1)
-    if s.offload_param:
+    if s.offload_param is not None:
         host += b * (part + frozen_part)
         params_dev -= b * (part + frozen_part)
         pcie += 2 * b * part * batch.accum
-    return dict(params=params_dev, grads=grads_dev, optimizer=opt_dev, master=part, master_on_host=s.offload_optimizer,
+    return dict(params=params_dev, grads=grads_dev, optimizer=opt_dev, master=part,
+                master_on_host=s.offload_optimizer is not None,
                 buffers=step_buffer + ipg + r.comm_workspace,
                 host=host, comm=1.5 * batch.accum if n > 1 else None, pcie=pcie,
                 backward_work=gathered + b * r.largest, step_work=step_work)

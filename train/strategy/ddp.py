@@ -3,6 +3,8 @@ fused AdamW, and torch's GradScaler under fp16."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -11,12 +13,62 @@ import zerotrain.train.strategy.ds_config as ds_config
 import zerotrain.train.strategy.loss_scale as loss_scale
 import zerotrain.train.strategy.registry as registry
 from zerotrain.train import testhooks
-from zerotrain.train.errors import ConfigError
+from zerotrain.train.errors import ConfigError, did_you_mean
 from zerotrain.train.strategy.base import Strategy
-from zerotrain.train.strategy.option import DDP_BUCKET_CAP_MB, Option
+from zerotrain.train.strategy.option import Option
 
 # Strategy.malloc_figures, from the cgroup peaks of BENCHMARKS.md "Host allocator on CPU".
 GLIBC_GROWTH, COMPACT_COST = 1.02, 1.01
+#: the "ddp" block's keys: torch DistributedDataParallel's options
+DDP_KEYS = ("find_unused_parameters", "bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "broadcast_buffers")
+DDP_BUCKET_CAP_MB = 25        # torch DDP's default bucket_cap_mb
+
+
+@dataclass(frozen=True)
+class DDPSettings(registry.Settings):
+    """What plain DDP alone reads from a strategy file: its "ddp" block and, under fp16, the loss
+    scaler's arguments ("fp16" block). Made by `setup` (a run) and `_option` (the planner)."""
+
+    #: the "ddp" block: torch DistributedDataParallel's options (DDP_KEYS), as Accelerate's
+    #: DistributedDataParallelKwargs receives them
+    ddp_kwargs: dict = field(default_factory=dict)
+    #: fp16: torch GradScaler's arguments from the file's "fp16" block (loss_scale.grad_scaler_args); None:
+    #: no loss scaling (bf16, fp32; and a planner's option, which prices no scaler)
+    grad_scaler: Optional[dict] = None
+
+    @property
+    def bucket_view(self) -> bool:
+        """gradient_as_bucket_view: gradients are views into DDP's buckets (no second copy)."""
+        return bool(self.ddp_kwargs.get("gradient_as_bucket_view", False))
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        """The size of one gradient bucket, MiB (torch's default when the block does not say)."""
+        return float(self.ddp_kwargs.get("bucket_cap_mb", DDP_BUCKET_CAP_MB))
+
+
+# ------------------------------------------------------------------ the file's block
+def setup(path, ds: dict, precision: str, hidden_size: Optional[int] = None, sizes_later: bool = False):
+    """A "ddp" file: plain DDP with the block's options (and no DeepSpeed key). `hidden_size` and
+    `sizes_later` are the registry's setup arguments (DDP has no "auto" sizes)."""
+    stray = [k for k in ds_config.DEEPSPEED_ONLY if k in ds]
+    if stray:
+        raise ConfigError(f'{path}: a "ddp" file (plain DDP) cannot also set {", ".join(stray)}; '
+                          f"use a ds_configs/zero*.json file for DeepSpeed")
+    ddp = ds["ddp"]
+    if not isinstance(ddp, dict):
+        raise ConfigError(f'{path}: "ddp" must be an object of DDP options')
+    for k in ddp:
+        if k not in DDP_KEYS:
+            raise ConfigError(f'{path}: "ddp.{k}" is not a DDP option{did_you_mean(k, DDP_KEYS)}; '
+                              f"valid: {', '.join(DDP_KEYS)}")
+    settings = DDPSettings(ddp_kwargs=dict(ddp),
+                           grad_scaler=loss_scale.grad_scaler_args(path, ds["fp16"]) if precision == "fp16" else None)
+    return ds_config.DSSetup(path=str(path), backend="ddp", precision=precision, settings=settings, resolved=ds)
+
+
+def describe(ds) -> str:
+    return f"DDP ({ds.precision})"
 
 
 class DDPStrategy(Strategy):
@@ -31,10 +83,11 @@ class DDPStrategy(Strategy):
         from accelerate.utils import DistributedDataParallelKwargs, GradScalerKwargs
 
         from zerotrain.train.launch.distributed import build_accelerator
-        self.ddp_handler = DistributedDataParallelKwargs(**self.ds.ddp_kwargs)
+        settings = self.ds.settings
+        self.ddp_handler = DistributedDataParallelKwargs(**settings.ddp_kwargs)
         handlers = [self.ddp_handler]
-        if self.ds.grad_scaler:  # fp16: the JSON's loss-scale settings (train/strategy/ds_config.grad_scaler_args)
-            handlers.append(GradScalerKwargs(**self.ds.grad_scaler))
+        if settings.grad_scaler:  # fp16: the JSON's loss-scale settings (grad_scaler_args)
+            handlers.append(GradScalerKwargs(**settings.grad_scaler))
         return build_accelerator(self.ds.accelerate_mixed_precision, batch, timeout_s, tuple(handlers),
                                  cpu=not torch.cuda.is_available())
 
@@ -106,17 +159,16 @@ class DDPStrategy(Strategy):
 
 # ------------------------------------------------------------------ the registry entry
 def _option(label: str, path, precision: str, ds: dict, width=None) -> Option:
-    """A "ddp" file as the planner prices it: the bucket settings."""
-    return Option(label, path, "ddp", None, precision,
-                  bucket_view=bool(ds["ddp"].get("gradient_as_bucket_view", False)),
-                  bucket_cap_mb=float(ds["ddp"].get("bucket_cap_mb", DDP_BUCKET_CAP_MB)))
+    """A "ddp" file as the planner prices it: the bucket settings of its block."""
+    return Option(label, path, "ddp", precision, DDPSettings(ddp_kwargs=dict(ds["ddp"])))
 
 
 def _default_option(label: str, fname: str, precision: str) -> Option:
-    return Option(label, None, "ddp", None, precision)
+    """torch's defaults, with the gradient view ds_configs/ddp.json turns on."""
+    return Option(label, None, "ddp", precision, DDPSettings(ddp_kwargs={"gradient_as_bucket_view": True}))
 
 
 registry.register(registry.Backend(
-    name="ddp", block="ddp", strategy=DDPStrategy, setup=ds_config.ddp_setup, option=_option,
-    default_option=_default_option, options=(registry.PlannerOption(0, "DDP", "ddp.json"),),
+    name="ddp", block="ddp", strategy=DDPStrategy, setup=setup, option=_option,
+    default_option=_default_option, describe=describe, options=(registry.PlannerOption(0, "DDP", "ddp.json"),),
     cost=cost.ddp, startup=cost.DDP_STARTUP, splits_sequences=False))

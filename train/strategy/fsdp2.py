@@ -28,6 +28,7 @@ other backend and world size (train/checkpoint/load.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -62,6 +63,19 @@ GLIBC_GROWTH, COMPACT_COST = 1.18, 0.62
 STARTUP = 4 * cost.MiB   # what DDP's Accelerator costs at start-up: the same Accelerator here
 
 
+@dataclass(frozen=True)
+class FSDP2Settings(registry.Settings):
+    """What FSDP2 alone reads from a strategy file: its "fsdp" block (FSDP_KEYS). Made by `setup`
+    (a run) and `_option` / `_default_option` (the planner)."""
+
+    #: a unit's gathered parameters freed after its forward and gathered again for its backward
+    #: (ZeRO-3's trade); False keeps them until the backward (one all-gather fewer)
+    reshard_after_forward: bool = True
+    #: fp16: the loss scale's arguments from the file's "fp16" block (loss_scale.grad_scaler_args:
+    #: DDP's GradScaler keys); None: no loss scaling (bf16, fp32; and a planner's option)
+    grad_scaler: Optional[dict] = None
+
+
 # ------------------------------------------------------------------ the file's block
 def setup(path, ds: dict, precision: str, hidden_size: Optional[int] = None, sizes_later: bool = False):
     """An "fsdp" file: its block checked (every key known, of its type), nothing of another backend."""
@@ -88,13 +102,13 @@ def setup(path, ds: dict, precision: str, hidden_size: Optional[int] = None, siz
             raise ConfigError(f'{path}: "{BLOCK}.{k}" is not an FSDP2 option{did_you_mean(k, FSDP_KEYS)}; '
                               f"valid: {', '.join(FSDP_KEYS)}")
     # fp16: the loss scale's settings from the "fp16" block, DDP's keys and refusals
-    scaler = ds_config.grad_scaler_args(path, ds["fp16"], "FSDP2's loss scale") if precision == "fp16" else None
-    return ds_config.DSSetup(path=str(path), backend="fsdp2", stage=None, precision=precision, offload_optimizer=None,
-                             offload_param=None, resolved=ds, settings=settings, grad_scaler=scaler)
+    scaler = loss_scale.grad_scaler_args(path, ds["fp16"], "FSDP2's loss scale") if precision == "fp16" else None
+    return ds_config.DSSetup(path=str(path), backend="fsdp2", precision=precision,
+                             settings=FSDP2Settings(**settings, grad_scaler=scaler), resolved=ds)
 
 
 def describe(ds) -> str:
-    keep = "" if ds.settings.get("reshard_after_forward", True) else ", kept after forward"
+    keep = "" if ds.settings.reshard_after_forward else ", kept after forward"
     return f"FSDP2{keep} ({ds.precision})"
 
 
@@ -108,7 +122,7 @@ class FSDP2Strategy(Strategy):
 
     @property
     def reshard_after_forward(self) -> bool:
-        return bool(self.ds.settings.get("reshard_after_forward", True))
+        return self.ds.settings.reshard_after_forward
 
     def record(self) -> dict:
         return {"backend": self.backend, "zero_stage": None, "precision": self.precision,
@@ -179,7 +193,7 @@ class FSDP2Strategy(Strategy):
         self.acc, self.raw_optimizer, self.engine = acc, raw_optimizer, model
         self.optimizer, *prepared = acc.prepare(raw_optimizer, *loaders)
         if self.precision == "fp16":
-            self.scaler = loss_scale.DynamicScale(self.device, **self.ds.grad_scaler)
+            self.scaler = loss_scale.DynamicScale(self.device, **self.ds.settings.grad_scaler)
         return prepared
 
     # ------------------------------------------------------------------ one step
@@ -436,12 +450,12 @@ class ShardHolder(TorchOptimizerHolder):
 # ------------------------------------------------------------------ the planner
 def _option(label: str, path, precision: str, ds: dict, width=None) -> Option:
     block = ds.get(BLOCK) if isinstance(ds.get(BLOCK), dict) else {}
-    return Option(label, path, "fsdp2", None, precision,
-                  reshard_after_forward=bool(block.get("reshard_after_forward", True)))
+    return Option(label, path, "fsdp2", precision,
+                  FSDP2Settings(reshard_after_forward=bool(block.get("reshard_after_forward", True))))
 
 
 def _default_option(label: str, fname: str, precision: str) -> Option:
-    return Option(label, None, "fsdp2", None, precision, reshard_after_forward="keep" not in fname)
+    return Option(label, None, "fsdp2", precision, FSDP2Settings(reshard_after_forward="keep" not in fname))
 
 
 def _cost(r, batch, rank: Optional[int] = None) -> tuple[dict, list]:
@@ -455,7 +469,7 @@ def _cost(r, batch, rank: Optional[int] = None) -> tuple[dict, list]:
     frozen_part = sum(-(-t // n) for t in shape.frozen)
     layers = getattr(shape.gpt, "n_layer", 0) or 1
     unit = max(shape.num_params // layers, r.largest, shape.leaf_block)
-    gathered = b * (shape.num_params if not r.s.reshard_after_forward else 2 * unit)
+    gathered = b * (shape.num_params if not r.s.settings.reshard_after_forward else 2 * unit)
     caveats = [] if shape.gpt is not None else ["FSDP2 unit size estimated as the largest tensor (no layer count)"]
     # The fused AdamW keeps a 4-byte step count per trained tensor.
     return dict(params=4 * (part + frozen_part), grads=4 * part, optimizer=8 * part + 4 * len(shape.tensors), master=part,

@@ -3,7 +3,9 @@
 DeepSpeed gives fp16 runs different optimizer classes by stage, and they keep the scaler's
 state in different places (train/strategy/internals.py `loss_scaler` reads them). Every one of
 them has the `loss_scale` property; only the ZeRO ones have `cur_scale` and `loss_scaler`
-(reading those crashed ZeRO-0 fp16 at its first log). DDP uses torch's GradScaler.
+(reading those crashed ZeRO-0 fp16 at its first log). DDP uses torch's GradScaler, FSDP2
+DynamicScale (GradScaler's rule): both read a strategy file's "fp16" block through
+`grad_scaler_args`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,40 @@ from typing import Union
 import torch
 
 import zerotrain.train.strategy.internals as internals
+from zerotrain.train.errors import ConfigError, did_you_mean
+
+# DeepSpeed's fp16 block as torch's GradScaler: the keys that have a meaning there.
+GRAD_SCALER_KEYS = {"initial_scale_power": "init_scale = 2**initial_scale_power",
+                    "loss_scale_window": "growth_interval"}
+
+
+def grad_scaler_args(path, fp16: dict, who: str = "DDP's GradScaler") -> dict:
+    """GradScaler(init_scale, growth_interval) from a DDP or FSDP2 file's "fp16" block (`who`
+    names the scaler in the refusals). DeepSpeed's other knobs have no GradScaler equivalent (it
+    lowers the scale at every overflow, has no floor and no static mode): refused unless they ask
+    for exactly that behaviour."""
+    out = {"init_scale": 2.0 ** 16, "growth_interval": 2000}  # GradScaler's own defaults but init 2**16
+    for k, v in fp16.items():
+        if k == "enabled":
+            continue
+        if k == "loss_scale":
+            if v not in (0, 0.0):
+                raise ConfigError(f'{path}: "fp16.loss_scale": {v!r}: {who} has no static loss scale; '
+                                  f'use 0 (dynamic) or a ds_configs/zero*.json file (DeepSpeed supports static scales)')
+        elif k == "hysteresis":
+            if v != 1:
+                raise ConfigError(f'{path}: "fp16.hysteresis": {v!r}: {who} lowers the scale at every '
+                                  f"overflow (hysteresis 1); remove the key or use a ds_configs/zero*.json file")
+        elif k == "initial_scale_power":
+            out["init_scale"] = 2.0 ** int(v)
+        elif k == "loss_scale_window":
+            out["growth_interval"] = int(v)
+        else:
+            supported = ["enabled", "loss_scale", "hysteresis", *GRAD_SCALER_KEYS]
+            raise ConfigError(f'{path}: "fp16.{k}" has no equivalent in {who}{did_you_mean(k, supported)}; '
+                              f"supported: {', '.join(supported)} (min_loss_scale and the rest need a "
+                              f"ds_configs/zero*.json file)")
+    return out
 
 
 def current(optimizer=None, scaler=None) -> Union[float, torch.Tensor, None]:

@@ -1,46 +1,37 @@
-"""One training option as the planner prices it (Option): a DeepSpeed JSON (or the plain-DDP one)
-reduced to what costs memory, read from a file, from the trainer's resolved DSSetup, or
-DeepSpeed's defaults when no file is at hand. Its cost is train/strategy/cost.py; what the
-planner may ask of it besides (`splits_sequences`, `elem_bytes`) is a property here, so that no
-planner module asks which backend or stage an option is."""
+"""One training option as the planner prices it (Option): a strategy file reduced to what costs
+memory, read from a file, from the trainer's resolved DSSetup, or a backend's defaults when no
+file is at hand; its backend reads what is its own (the registry entry's `option` and
+`default_option`, its settings record). Its cost is train/strategy/cost.py; what the planner may
+ask of it besides (`splits_sequences`, `elem_bytes`, `stage` for a plan's JSON) is a property
+here, so that no planner module asks which backend or stage an option is."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-# DeepSpeed 0.19's zero_optimization defaults (deepspeed/runtime/zero/config.py).
-ZERO_DEFAULTS = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "contiguous_gradients": True,
-                 "stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
-                 "stage3_max_live_parameters": 1e9, "sub_group_size": 1e9}
-DDP_BUCKET_CAP_MB = 25        # torch DDP's default bucket_cap_mb
+from zerotrain.train.strategy.registry import Settings
 
 
 @dataclass(frozen=True)
 class Option:
-    """One DeepSpeed JSON reduced to what costs memory."""
+    """One strategy file reduced to what costs memory: what every backend shares here, what its
+    backend alone knows in `settings` (the backend's record: the one a run's DSSetup carries)."""
 
+    #: the planner's name of the option, e.g. "ZeRO-2" (a run's own: its DSSetup.describe())
     label: str
+    #: the strategy file; None: a shipped file's defaults without the file (Option.default)
     path: Optional[str]
-    backend: str                # the registry's name: "ddp" | "deepspeed" | "fsdp2"
-    stage: Optional[int]
-    precision: str              # "bf16" | "fp16" | "fp32"
-    offload_optimizer: bool = False
-    offload_param: bool = False
-    zero: dict = field(default_factory=dict)
-    bucket_view: bool = True    # DDP gradient_as_bucket_view
-    bucket_cap_mb: float = DDP_BUCKET_CAP_MB
-    grad_accum_fp32: bool = False  # 16-bit training accumulating gradients in fp32 (data_types)
-    reshard_after_forward: bool = True  # FSDP2: a unit's gathered parameters freed after its forward
+    #: the registry's name: "ddp" | "deepspeed" | "fsdp2"
+    backend: str
+    #: the training precision: "bf16" | "fp16" | "fp32"
+    precision: str
+    #: the backend's own settings (registry.Settings: DDPSettings, ZeroSettings, FSDP2Settings),
+    #: read by its cost (cost.py, the registry entry's `cost`)
+    settings: Settings
+    #: what the plan's table says of this reading (e.g. "auto" sizes priced at their defaults)
     notes: tuple = ()
-
-    def z(self, key):
-        return float(self.zero.get(key, ZERO_DEFAULTS.get(key, 0)))
-
-    @property
-    def overlap_comm(self) -> bool:
-        return bool(self.zero.get("overlap_comm", self.stage == 3))
 
     # ------------------------------------------------------------------ what the planner asks
     @property
@@ -49,6 +40,11 @@ class Option:
         (train/strategy/registry.py; plain DDP refuses it: DDPStrategy.check_sequence_parallel)."""
         import zerotrain.train.strategy.registry as registry
         return registry.get(self.backend).splits_sequences
+
+    @property
+    def stage(self) -> Optional[int]:
+        """The ZeRO stage a plan's JSON reports ("stage"); None: a backend without stages."""
+        return self.settings.zero_stage
 
     @property
     def elem_bytes(self) -> int:
@@ -71,9 +67,9 @@ class Option:
 
     @classmethod
     def from_setup(cls, ds) -> Option:
-        """From train.strategy.ds_config.DSSetup (the trainer's resolved JSON: no "auto" left)."""
-        import zerotrain.train.strategy.registry as registry
-        return registry.get(ds.backend).option(ds.describe(), ds.path, ds.precision, ds.resolved, None)
+        """From train.strategy.ds_config.DSSetup (the trainer's resolved JSON: no "auto" left): its
+        settings as its backend's parser read them."""
+        return cls(ds.describe(), ds.path, ds.backend, ds.precision, ds.settings)
 
     @classmethod
     def default(cls, label: str, fname: str, precision: str) -> Option:

@@ -39,6 +39,22 @@ class PlannerOption:
         return self.file.removesuffix(".json")
 
 
+class Settings:
+    """The base of each backend's settings record: a frozen dataclass in the backend's module
+    (DDPSettings in ddp.py, ZeroSettings in zero.py, FSDP2Settings in fsdp2.py) holding what that
+    backend alone reads from a strategy file. Its parsers make it (the entry's `setup` for a run,
+    `option` and `default_option` for the planner); the records every backend shares carry it
+    (ds_config.py DSSetup.settings, option.py Option.settings), so only the backend's own module
+    (its Strategy, its cost, its `describe`) reads its fields. What is asked of every backend's
+    settings is here, with the answer of a backend that has nothing to say."""
+
+    @property
+    def zero_stage(self) -> Optional[int]:
+        """The ZeRO stage, what a plan's JSON reports as "stage" (option.py Option.stage); None: a
+        backend without stages."""
+        return None
+
+
 @dataclass(frozen=True)
 class Backend:
     """What zerotrain knows of one backend.
@@ -48,16 +64,17 @@ class Backend:
                without any registered block belongs to the entry with `default` True
     strategy   the Strategy subclass (base.py) a run uses
     setup      (path, json, precision, hidden_size, sizes_later) -> DSSetup: parses its block
-               (ds_config.py load_ds_setup, after the keys every file shares)
+               (ds_config.py load_ds_setup, after the keys every file shares) into its
+               `Settings` record, which the DSSetup carries
     option     (label, path, precision, json, width) -> Option: the file reduced to what the
-               planner prices (option.py Option.from_json)
+               planner prices (option.py Option.from_json), its Settings record read the same way
     default_option (label, file, precision) -> Option: a shipped file's option without the file
+    describe   (DSSetup) -> the phrase banners and errors name the resolved file by, e.g. "DDP (fp32)"
     options    the shipped files the planner offers (PlannerOption)
     cost       (cost._Rank, batch, rank) -> (terms, caveats): the bytes a rank holds (cost.py)
     startup    bytes a CPU rank grows by while its Accelerator starts (cost.py startup)
     splits_sequences  can a run use sequence parallelism (the refusal a plan and the verify
                matrix apply before a run would: Strategy.check_sequence_parallel)
-    describe   (DSSetup) -> the phrase banners and errors name the resolved file by, e.g. "DDP (fp32)"
     """
 
     name: str
@@ -66,12 +83,12 @@ class Backend:
     setup: Callable
     option: Callable
     default_option: Callable
+    describe: Callable
     options: tuple = ()
     cost: Optional[Callable] = None
     startup: int = 0
     splits_sequences: bool = True
     default: bool = False
-    describe: Optional[Callable] = None
 
 
 _BACKENDS: dict[str, Backend] = {}
