@@ -653,6 +653,15 @@ def test_the_planner_counts_a_reference_copy_only_for_a_live_reference_of_full_f
 
 # ----------------------------------------------------------------------------- precision of the reference
 
+def _assert_bf16_step_one_is_log_2(run_dir: Path):
+    """A bf16 run's step 1 where policy and reference give the same log-probs: every reward 0,
+    the accuracy 0 (no margin > 0), the loss -log sigmoid(0) = log 2."""
+    step1 = next(r for r in metrics(run_dir) if "loss" in r)
+    assert json.loads((run_dir / "config.json").read_text())["resolved"]["precision"] == "bf16"
+    assert (step1["rewards/chosen"], step1["rewards/rejected"], step1["rewards/margins"]) == (0.0, 0.0, 0.0), step1
+    assert step1["rewards/accuracies"] == 0.0 and abs(step1["loss"] - math.log(2)) <= 1e-7, step1
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("ds", ["ddp", "zero2", "fsdp2"])
 def test_bf16_step_one_rewards_are_exactly_zero_with_the_frozen_copy(tmp_path, ds):
@@ -671,10 +680,7 @@ def test_bf16_step_one_rewards_are_exactly_zero_with_the_frozen_copy(tmp_path, d
                                 "--train.eval_every", "0", "--logging.every_steps", "1", "--model.dropout", "0",
                                 "--checkpoint.export", "false", "--train.run_dir", str(run_dir),
                                 "--ds-config", f"ds_configs/{ds}.json"])
-    step1 = next(r for r in metrics(run_dir) if "loss" in r)
-    assert json.loads((run_dir / "config.json").read_text())["resolved"]["precision"] == "bf16"
-    assert (step1["rewards/chosen"], step1["rewards/rejected"], step1["rewards/margins"]) == (0.0, 0.0, 0.0), step1
-    assert step1["rewards/accuracies"] == 0.0 and abs(step1["loss"] - math.log(2)) <= 1e-7, step1
+    _assert_bf16_step_one_is_log_2(run_dir)
 
 
 def test_a_reference_made_in_another_precision_is_refused_in_one_line(tmp_path, capsys):
@@ -738,7 +744,4 @@ def test_bf16_step_one_rewards_are_exactly_zero_with_a_precomputed_reference(tmp
     run_train("python", 1, [*common, "--train.max_steps", "1", "--train.eval_every", "0", "--logging.every_steps", "1",
                             "--checkpoint.export", "false", "--train.run_dir", str(run_dir),
                             "--ds-config", f"ds_configs/{ds}.json"])
-    step1 = next(r for r in metrics(run_dir) if "loss" in r)
-    assert json.loads((run_dir / "config.json").read_text())["resolved"]["precision"] == "bf16"
-    assert (step1["rewards/chosen"], step1["rewards/rejected"], step1["rewards/margins"]) == (0.0, 0.0, 0.0), step1
-    assert step1["rewards/accuracies"] == 0.0 and abs(step1["loss"] - math.log(2)) <= 1e-7, step1
+    _assert_bf16_step_one_is_log_2(run_dir)
