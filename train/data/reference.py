@@ -62,7 +62,8 @@ def identity(source: Path, tokenizer_sha256: str, chat_template: bool, seq_len: 
 
 WHAT = {"source_size": "the data file's size", "source_sha256": "the data file's content (sha256)",
         "tokenizer_sha256": "the tokenizer", "chat_template": "data.chat_template", "seq_len": "data.seq_len",
-        "model": "model.name", "seed": "train.seed", "format": "the format", "version": "the format version"}
+        "model": "model.name", "seed": "train.seed", "format": "the format", "version": "the format version",
+        "compute": "how the model computes (Strategy.compute_form)"}
 
 #: what a file written before a key was recorded holds for it: "compute" came later, and every
 #: file before it was computed in fp32
@@ -152,8 +153,6 @@ def load(source: Path, expected: dict[str, str], lines: np.ndarray) -> tuple[np.
                         f"{str(e)[:120]}); {remake}") from None
     for k, want in expected.items():
         have = meta.get(k, BEFORE.get(k))
-        if k == "compute" and have != want:  # the strategy file or the device: both forms whole
-            raise _compute_differs(path, have, want, None)
         if have != want:
             raise DataError(f"train.dpo.reference precomputed: {path} is stale: {WHAT.get(k, k)} differs (file "
                             f"{str(have)[:16]}, run {want[:16]}); {remake}")

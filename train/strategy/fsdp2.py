@@ -28,6 +28,7 @@ other backend and world size (train/checkpoint/load.py)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -119,6 +120,8 @@ class FSDP2Strategy(Strategy):
     device = torch.device("cpu")
     #: this rank's model was built on the meta device (build_optimizer: shard)
     built_empty = False
+    #: fp16's loss scale (prepare makes it); None in bf16 and fp32
+    scaler: Optional[loss_scale.DynamicScale] = None
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -199,14 +202,14 @@ class FSDP2Strategy(Strategy):
     # ------------------------------------------------------------------ one step
     def backward(self, loss) -> None:
         """fp16: the loss times the scale (DynamicScale)."""
-        super().backward(self.scaler.scaled(loss) if self.precision == "fp16" else loss)
+        super().backward(self.scaler.scaled(loss) if self.scaler is not None else loss)
 
     def step(self, clip: float):
         """The global norm over every shard (each rank's sum of squares, all-reduced: a DTensor
         reduction), clipping by it, then the step; a non-finite norm skips the step on every rank.
         fp16: the gradients are unscaled first, and the same norm decides the scale's update."""
         grads = [p.grad for p in self.engine.parameters() if p.grad is not None]
-        if self.precision == "fp16":
+        if self.scaler is not None:
             self.scaler.unscale_(grads)
         norm = torch.nn.utils.get_total_norm(grads)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -216,21 +219,21 @@ class FSDP2Strategy(Strategy):
         self.raw_optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.precision == "fp16":
+        if self.scaler is not None:
             self.scaler.update(self.raw_optimizer.found_inf)
         return norm
 
     # ------------------------------------------------------------------ fp16
     def loss_scale(self):
-        return self.scaler.current() if self.precision == "fp16" else None
+        return self.scaler.current() if self.scaler is not None else None
 
     def state_dict(self) -> dict:
         """fp16: the scale as DDP's GradScaler records it (kind "torch"), so it moves between the two."""
-        return {"loss_scaler": {"kind": "torch", **self.scaler.state_dict()}} if self.precision == "fp16" else {}
+        return {"loss_scaler": {"kind": "torch", **self.scaler.state_dict()}} if self.scaler is not None else {}
 
     def load_state_dict(self, state: dict, at) -> None:
         s = state.get("loss_scaler")
-        if s and self.precision == "fp16" and s.get("kind") == "torch":
+        if s and self.scaler is not None and s.get("kind") == "torch":
             self.scaler.load_state_dict(s)
 
     def param_checksum(self, origin: list | None = None) -> tuple[float, float, float]:
@@ -306,9 +309,7 @@ def units(model: torch.nn.Module) -> list[torch.nn.Module]:
 def shard_range(shape: tuple, rank: int, world: int) -> tuple[int, int]:
     """The element range [a, b) of a flattened parameter of `shape` that `rank` holds: FSDP2 splits
     its R rows like torch.chunk, rank r owning rows [min(R, r*ceil(R/W)), min(R, (r+1)*ceil(R/W)))."""
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     rows = shape[0] if shape else 1
     per_row, chunk = (n // rows if rows else 0), -(-rows // world)
     return min(rows, rank * chunk) * per_row, min(rows, (rank + 1) * chunk) * per_row
